@@ -1,0 +1,1 @@
+"""Backends serving routed_experts: `reference` (pure torch + torch.distributed) and `cuda`."""

@@ -1,0 +1,38 @@
+"""The interface every backend implements; ops.py and Context only talk to this."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+
+class Backend(Protocol):
+    name: str
+    supported_dtypes: tuple[torch.dtype, ...]
+
+    def check_collective(self, x_TD: torch.Tensor) -> None:
+        """Cross-rank checks that can be done without a device sync (e.g. equal T on the
+        reference backend). Raise ValueError naming the argument on every rank alike."""
+
+    def forward(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: torch.Tensor,
+                w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor, training: bool
+                ) -> tuple[torch.Tensor, Any]:
+        """y_TD and an opaque `saved` object for backward (None when not training).
+
+        w13 arrives as [E_local, 2F, D]. When `training`, the backend runs planner.plan_forward
+        for this layer (using the context's selected slot) and keeps the LayerRecord in `saved`.
+        When not training it uses scratch only and leaves the planner state untouched.
+        """
+
+    def backward(self, grad_y_TD: torch.Tensor, saved: Any
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(grad_x [T,D], grad_scores [T,K] fp32, grad_w13 [E_local,2F,D], grad_w2 [E_local,D,F]).
+
+        Runs planner.plan_backward first (rewinds the slot), replays the forward when the
+        record says need_recompute. Weight gradients are in Config.wgrad_dtype.
+        """
+
+    def reset(self) -> None: ...
+
+    def close(self) -> None: ...

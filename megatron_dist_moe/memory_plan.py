@@ -1,0 +1,325 @@
+"""plan_memory(): the pure byte arithmetic behind every Dist-MoE allocation.
+
+No CUDA call, no process group: the same numbers size the reference backend's buffers, the GPU
+backend's symmetric and activation buffers, and what `python -m megatron_dist_moe plan` prints.
+
+Notation (per rank): T input token rows, D width, F intermediate width, K routes per token,
+E_local local experts, EP ranks, R routed rows received. All byte counts are align128-rounded per
+tensor. The BF16 formulas follow the design guide §03-§04:
+
+    forward scratch          x_gathered[R,D] + h1[R,2F] + h2[R,F]       = 2R(D + 3F)
+    backward recompute peak  x_g + h1 + max(h2 + g3, grad_h1) + grad_h2  = 2R(D + 5F) when D <= F
+                             (g3 = gathered grad_h3 [R,D]; when D > F it needs an extra 2R(D-F))
+    full saved state         align(R·D·2) + align(R·2F·2) + align(T·K·D·2)    (x_g, h1, h3 routes)
+    mandatory saved input    align(T·D·2)                                      (x, for replay)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .config import Config, gemm_row_multiple
+
+__all__ = ["MemoryPlan", "plan_memory", "align128", "LayerBytes"]
+
+ROUTING_HEADER_BYTES = 128
+
+
+def align128(n):
+    """Round a byte count up to a multiple of 128 (a host int, or an int64 tensor elementwise)."""
+    return -(-n // 128) * 128
+
+
+def _fmt(n: int) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= div:
+            return f"{n / div:,.2f} {unit}"
+    return f"{n} B"
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    """Byte sizes of one layer's tensors, functions of the received rows R (host ints).
+
+    The planner has a tensor twin of `full_state` (planner.full_state_bytes) that must agree with
+    this one; tests check both on the same rows.
+    """
+
+    precision: str
+    T: int
+    D: int
+    F: int
+    K: int
+    num_local_experts: int
+    training: bool
+
+    # -- block-scaled bundles ---------------------------------------------------------------
+    @property
+    def row_multiple(self) -> int:
+        return gemm_row_multiple(self.precision)
+
+    def padded_rows(self, R: int) -> int:
+        """Worst-case rows after padding each expert's segment to the GEMM row multiple."""
+        m = self.row_multiple
+        if m == 1:
+            return R
+        if isinstance(R, int):
+            return R + self.num_local_experts * (m - 1) if R else 0
+        return R + (R > 0).to(R.dtype) * (self.num_local_experts * (m - 1))
+
+    def row_bundle(self, R: int, width: int) -> int:
+        """Row-quantized operand (FPROP/DGRAD: scales along the feature axis)."""
+        Rp = self.padded_rows(R)
+        if self.precision == "bf16":
+            return align128(Rp * width * 2)
+        if self.precision == "mxfp8":   # E4M3 qdata + one E8M0 byte per 32 values
+            return align128(Rp * width) + align128(Rp * (width // 32))
+        if self.precision == "fp8_block":  # E4M3 qdata + one fp32 per 1x128 block
+            return align128(Rp * width) + align128(Rp * (width // 128) * 4)
+        # nvfp4: packed E2M1 pairs + E4M3 per 16 values + fp32 row inverse global scale
+        return align128(Rp * width // 2) + align128(Rp * (width // 16)) + align128(Rp * 4)
+
+    def col_bundle(self, R: int, width: int) -> int:
+        """Column-quantized operand (WGRAD contracts over rows: scales along the row axis)."""
+        Rp = self.padded_rows(R)
+        if self.precision == "bf16":
+            return align128(Rp * width * 2)
+        if self.precision == "mxfp8":
+            return align128(Rp * width) + align128(-(-Rp // 32) * width)
+        if self.precision == "fp8_block":
+            return align128(Rp * width) + align128(-(-Rp // 128) * width * 4)
+        raise ValueError("nvfp4 has no backward (column) bundles")
+
+    # -- per-layer totals -------------------------------------------------------------------
+    def input_bytes(self) -> int:
+        """The mandatory saved layer input x [T, D] bf16 kept for replay."""
+        return align128(self.T * self.D * 2)
+
+    def routes_bytes(self) -> int:
+        """Route outputs h3 [T, K, D] bf16 of this rank's tokens (needed for score gradients)."""
+        return align128(self.T * self.K * self.D * 2)
+
+    def full_state(self, R: int) -> int:
+        """Saved bytes when a layer keeps its full state instead of replaying."""
+        D, F = self.D, self.F
+        if self.precision == "bf16":
+            return align128(R * D * 2) + align128(R * 2 * F * 2) + self.routes_bytes()
+        if self.precision == "nvfp4":
+            raise ValueError("nvfp4 is inference-only: it saves no state")
+        # block-scaled training keeps the x / h2 column bundles for WGRAD and dense h1
+        return (self.col_bundle(R, D) + align128(R * 2 * F * 2) + self.col_bundle(R, F)
+                + self.routes_bytes())
+
+    def forward_scratch(self, R: int) -> int:
+        D, F = self.D, self.F
+        base = align128(R * D * 2) + align128(R * 2 * F * 2) + align128(R * F * 2)
+        if self.precision == "bf16":
+            return base
+        if self.precision == "nvfp4":
+            # packed rows arrive quantized: x row bundle, h1 bf16, h2 bf16 + its row bundle
+            return (self.row_bundle(R, D) + align128(R * 2 * F * 2) + align128(R * F * 2)
+                    + self.row_bundle(R, F))
+        # block-scaled training: gathered bf16 rows are quantized after the peer gather
+        return base + self.row_bundle(R, D) + self.row_bundle(R, F)
+
+    def backward_peak(self, R: int) -> int:
+        D, F = self.D, self.F
+        x_g = align128(R * D * 2)
+        h1 = align128(R * 2 * F * 2)
+        h2 = align128(R * F * 2)
+        g3 = align128(R * D * 2)
+        grad_h1 = align128(R * 2 * F * 2)
+        grad_h2 = align128(R * F * 2)
+        peak = x_g + h1 + max(h2 + g3, grad_h1) + grad_h2
+        if self.precision in ("mxfp8", "fp8_block"):
+            peak += (self.row_bundle(R, D) + self.col_bundle(R, D)          # grad_h3 (DGRAD, WGRAD)
+                     + self.row_bundle(R, 2 * F) + self.col_bundle(R, 2 * F)  # grad_h1
+                     + self.col_bundle(R, D) + self.col_bundle(R, F))      # replayed x / h2 columns
+        return peak
+
+    def scratch(self, R: int) -> int:
+        fwd = self.forward_scratch(R)
+        return max(fwd, self.backward_peak(R)) if self.training else fwd
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Every byte count a context allocates, derived from a Config and the EP size."""
+
+    config: Config
+    ep_size: int
+    num_local_experts: int
+    layer: LayerBytes
+    balanced_rows: int           # T·K
+    topology_max_rows: int       # T·EP·min(K, E_local)
+    device_scratch_rows: int
+    total_scratch_rows: int
+    input_bytes: int
+    balanced_full_state_bytes: int
+    slot_min_bytes: int
+    slot_balanced_bytes: int
+    slot_max_useful_bytes: int
+    slot_bytes: int
+    slot_policy: str
+    device_scratch_bytes: int
+    total_scratch_bytes: int
+    host_scratch_bytes: int
+    activation_buffer_bytes: int     # device part: slots + device scratch
+    routing_bytes: int
+    dispatch_bytes: int
+    combine_bytes: int
+    symmetric_bytes: int
+    total_device_bytes: int
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    # -- layout -----------------------------------------------------------------------------
+    @property
+    def num_slots(self) -> int:
+        return self.config.num_activation_slots
+
+    def slot_base(self, slot: int) -> int:
+        """Byte offset of `slot` from the activation buffer base."""
+        return slot * self.slot_bytes
+
+    @property
+    def scratch_offset(self) -> int:
+        """Byte offset of the shared device scratch (after every slot)."""
+        return self.num_slots * self.slot_bytes
+
+    def slot_ends(self) -> list[int]:
+        """buffer_offsets' initial values: each slot's base, then the scratch end."""
+        return [self.slot_base(s) for s in range(self.num_slots)] + [
+            self.scratch_offset + self.device_scratch_bytes]
+
+    def explain(self) -> str:
+        c = self.config
+        L = c.max_moe_layers_per_activation_slot
+        rows = [
+            ("shape", f"T={c.num_local_input_tokens} D={c.hidden_dim} F={c.intermediate_dim} "
+                      f"K={c.top_k} E={c.num_experts} (E_local={self.num_local_experts}, EP={self.ep_size})"),
+            ("precision / pipeline", f"{c.precision} / {c.pipeline} / "
+                                     f"{'inference' if c.inference else 'training'}"),
+            ("received rows", f"balanced R=T·K={self.balanced_rows:,}; device scratch bound "
+                              f"{self.device_scratch_rows:,}; total bound {self.total_scratch_rows:,}; "
+                              f"topology max {self.topology_max_rows:,}"),
+        ]
+        if c.precision != "bf16":
+            rows.append(("GEMM row padding", f"{self.layer.row_multiple} rows per expert "
+                         f"(worst case +{self.layer.padded_rows(self.balanced_rows) - self.balanced_rows} rows)"))
+        out = ["Dist-MoE memory plan", "=" * 20]
+        w = max(len(k) for k, _ in rows)
+        out += [f"{k:<{w}}  {v}" for k, v in rows]
+        out.append("")
+        out.append("per layer")
+        out.append(f"  saved input x[T,D]            {self.input_bytes:>16,} B  ({_fmt(self.input_bytes)})")
+        out.append(f"  full state at balanced R      {self.balanced_full_state_bytes:>16,} B  "
+                   f"({_fmt(self.balanced_full_state_bytes)})")
+        out.append(f"  forward scratch at device R   {self.layer.forward_scratch(self.device_scratch_rows):>16,} B")
+        if not c.inference:
+            out.append(f"  backward peak at device R     {self.layer.backward_peak(self.device_scratch_rows):>16,} B")
+        out.append("")
+        if not c.inference:
+            out.append(f"activation slot ({L} layer(s) per slot, {self.num_slots} slot(s), policy: {self.slot_policy})")
+            out.append(f"  minimum (inputs only)         {self.slot_min_bytes:>16,} B  ({_fmt(self.slot_min_bytes)})")
+            out.append(f"  balanced full save            {self.slot_balanced_bytes:>16,} B  ({_fmt(self.slot_balanced_bytes)})")
+            out.append(f"  maximum useful                {self.slot_max_useful_bytes:>16,} B  ({_fmt(self.slot_max_useful_bytes)})")
+            out.append(f"  chosen                        {self.slot_bytes:>16,} B  ({_fmt(self.slot_bytes)})")
+            out.append("")
+        out.append("allocations (per rank)")
+        items = [
+            ("activation slots", self.num_slots * self.slot_bytes),
+            ("device scratch", self.device_scratch_bytes),
+            ("host overflow scratch (VMM)", self.host_scratch_bytes),
+            ("routing (symmetric)", self.routing_bytes),
+            ("dispatch (symmetric)", self.dispatch_bytes),
+            ("combine (symmetric)", self.combine_bytes),
+            ("total device", self.total_device_bytes),
+        ]
+        for k, v in items:
+            out.append(f"  {k:<28}  {v:>16,} B  ({_fmt(v)})")
+        for n in self.notes:
+            out.append(f"note: {n}")
+        return "\n".join(out)
+
+
+def plan_memory(config: Config, ep_size: int) -> MemoryPlan:
+    """Derive every buffer size for `config` on an EP group of `ep_size` ranks (pure)."""
+    if not isinstance(config, Config):
+        raise TypeError(f"config must be a megatron_dist_moe.Config, got {type(config).__name__}")
+    E_local = config.num_local_experts(ep_size)
+    T, D, F, K = (config.num_local_input_tokens, config.hidden_dim, config.intermediate_dim,
+                  config.top_k)
+    training = not config.inference
+    layer = LayerBytes(config.precision, T, D, F, K, E_local, training)
+    notes: list[str] = []
+
+    balanced = T * K
+    topo = T * ep_size * min(K, E_local)
+    dev_rows = min(math.ceil(config.device_scratch_capacity_factor * balanced), topo)
+    if config.host_scratch_capacity_factor is not None:
+        total_rows = min(math.ceil(config.host_scratch_capacity_factor * balanced), topo)
+    else:
+        total_rows = dev_rows
+    total_rows = max(total_rows, dev_rows)
+
+    input_bytes = layer.input_bytes()
+    L = config.max_moe_layers_per_activation_slot
+    if training:
+        full_bal = layer.full_state(balanced)
+        slot_min = L * input_bytes
+        slot_bal = L * full_bal
+        slot_max = L * layer.full_state(total_rows)
+        if config.activation_slot_bytes is not None:
+            slot = align128(config.activation_slot_bytes)
+            policy = f"explicit {config.activation_slot_bytes:,} B"
+            if slot < slot_min:
+                from .config import ConfigError
+                raise ConfigError("activation_slot_bytes",
+                                  f"{config.activation_slot_bytes:,} B is below the minimum slot "
+                                  f"{slot_min:,} B ({L} layer input(s) of {input_bytes:,} B each, "
+                                  f"kept for replay)")
+        elif config.activation_slot_capacity_factor is not None:
+            f = config.activation_slot_capacity_factor
+            slot = align128(math.ceil(slot_min + f * (slot_bal - slot_min)))
+            policy = f"factor {f}"
+        else:
+            slot = slot_min
+            policy = "minimum (every layer replays)"
+        if slot > slot_max:
+            notes.append(f"slot {slot:,} B exceeds the maximum useful {slot_max:,} B: the excess "
+                         "can never hold saved state")
+    else:
+        full_bal = 0
+        slot_min = slot_bal = slot_max = slot = 0
+        policy = "inference (no saved state)"
+
+    dev_scratch = align128(layer.scratch(dev_rows))
+    total_scratch = align128(layer.scratch(total_rows))
+    host_scratch = total_scratch - dev_scratch
+    act = config.num_activation_slots * slot + dev_scratch
+
+    routing = ROUTING_HEADER_BYTES + align128(T * K * 2)
+    if config.precision == "nvfp4":
+        dispatch = align128(T * D // 2) + align128(T * D // 16) + align128(T * 4)
+        if training:
+            dispatch = max(dispatch, align128(T * K * D * 2))
+    else:
+        dispatch = align128((T * K if training else T) * D * 2)
+    combine = align128(T * K * D * 2)
+    symmetric = routing + dispatch + combine
+    if dev_rows < balanced:
+        notes.append(f"device scratch holds {dev_rows:,} rows, below balanced T·K={balanced:,}: "
+                     "even balanced routing will overflow")
+
+    return MemoryPlan(
+        config=config, ep_size=ep_size, num_local_experts=E_local, layer=layer,
+        balanced_rows=balanced, topology_max_rows=topo, device_scratch_rows=dev_rows,
+        total_scratch_rows=total_rows, input_bytes=input_bytes,
+        balanced_full_state_bytes=full_bal, slot_min_bytes=slot_min, slot_balanced_bytes=slot_bal,
+        slot_max_useful_bytes=slot_max, slot_bytes=slot, slot_policy=policy,
+        device_scratch_bytes=dev_scratch, total_scratch_bytes=total_scratch,
+        host_scratch_bytes=host_scratch, activation_buffer_bytes=act, routing_bytes=routing,
+        dispatch_bytes=dispatch, combine_bytes=combine, symmetric_bytes=symmetric,
+        total_device_bytes=act + symmetric, notes=tuple(notes),
+    )

@@ -1,0 +1,165 @@
+"""routed_experts(): the one public op. Validation, backend dispatch and autograd live here.
+
+Both backends implement `backends.base.Backend`; this module never touches a backend's buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .context import Context
+
+__all__ = ["routed_experts", "RoutedExpertsInputError", "validate_inputs"]
+
+
+class RoutedExpertsInputError(ValueError):
+    """An argument of routed_experts (named in the message) is invalid. Nothing was written."""
+
+    def __init__(self, arg: str, message: str):
+        self.arg = arg
+        super().__init__(f"routed_experts({arg}): {message}")
+
+
+_INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
+
+
+def _want_value_checks(x: torch.Tensor) -> bool:
+    """Host-side value checks need a device sync: skip them while capturing a CUDA graph or when
+    the caller asked torch to flag syncs; the CUDA backend then traps on the device instead."""
+    if x.device.type != "cuda":
+        return True
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    return torch.cuda.get_sync_debug_mode() == 0
+
+
+def validate_inputs(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: torch.Tensor,
+                    w13: torch.Tensor, w2_EDF: torch.Tensor, ctx: Context,
+                    check_values: bool | None = None) -> torch.Tensor:
+    """Check every argument against ctx's Config; return w13 as [E_local, 2F, D] (a view).
+
+    Raises RoutedExpertsInputError (a ValueError) naming the argument. Runs before any buffer is
+    written, so the context stays usable after a rejected call.
+    """
+    cfg = ctx.config
+    T_max, D, F, K = cfg.num_local_input_tokens, cfg.hidden_dim, cfg.intermediate_dim, cfg.top_k
+    E_local = ctx.num_local_experts
+    allowed = ctx.backend.supported_dtypes
+
+    def tensor(name, t):
+        if not isinstance(t, torch.Tensor):
+            raise RoutedExpertsInputError(name, f"expected a torch.Tensor, got {type(t).__name__}")
+        if t.device != ctx.device:
+            raise RoutedExpertsInputError(name, f"is on {t.device}, the context is on {ctx.device}")
+
+    for name, t in (("x", x_TD), ("expert_ids", expert_ids_TK), ("scores", scores_TK),
+                    ("w13", w13), ("w2", w2_EDF)):
+        tensor(name, t)
+    if x_TD.dim() != 2 or x_TD.shape[1] != D:
+        raise RoutedExpertsInputError("x", f"expected shape [T, D={D}], got {list(x_TD.shape)}")
+    T = x_TD.shape[0]
+    if T > T_max:
+        raise RoutedExpertsInputError("x", f"T={T} rows exceed Config.num_local_input_tokens={T_max}")
+    if x_TD.dtype not in allowed:
+        raise RoutedExpertsInputError("x", f"dtype {x_TD.dtype} not supported by the "
+                                      f"{ctx.backend.name} backend (supported: {allowed})")
+    if expert_ids_TK.shape != (T, K):
+        raise RoutedExpertsInputError("expert_ids", f"expected shape [T={T}, K={K}], got "
+                                      f"{list(expert_ids_TK.shape)}")
+    if expert_ids_TK.dtype not in _INDEX_DTYPES:
+        raise RoutedExpertsInputError("expert_ids", f"expected an integer dtype (int16/int32/int64), "
+                                      f"got {expert_ids_TK.dtype}")
+    if scores_TK.shape != (T, K):
+        raise RoutedExpertsInputError("scores", f"expected shape [T={T}, K={K}], got {list(scores_TK.shape)}")
+    if scores_TK.dtype not in (torch.float32, torch.bfloat16) and not (
+            scores_TK.dtype == torch.float64 and x_TD.dtype == torch.float64):
+        raise RoutedExpertsInputError("scores", f"expected float32 or bfloat16, got {scores_TK.dtype}")
+    if w13.dim() == 4:
+        if tuple(w13.shape) != (E_local, 2, F, D):
+            raise RoutedExpertsInputError("w13", f"expected [E_local={E_local}, 2, F={F}, D={D}] or "
+                                          f"[E_local, 2F={2 * F}, D], got {list(w13.shape)}")
+        w13 = w13.reshape(E_local, 2 * F, D)
+    elif tuple(w13.shape) != (E_local, 2 * F, D):
+        raise RoutedExpertsInputError("w13", f"expected [E_local={E_local}, 2F={2 * F}, D={D}] or "
+                                      f"[E_local, 2, F, D], got {list(w13.shape)}")
+    if tuple(w2_EDF.shape) != (E_local, D, F):
+        raise RoutedExpertsInputError("w2", f"expected [E_local={E_local}, D={D}, F={F}], got "
+                                      f"{list(w2_EDF.shape)}")
+    for name, w in (("w13", w13), ("w2", w2_EDF)):
+        if w.dtype != x_TD.dtype:
+            raise RoutedExpertsInputError(name, f"dtype {w.dtype} differs from x's {x_TD.dtype}")
+        if not w.is_contiguous():
+            raise RoutedExpertsInputError(name, "must be contiguous")
+    if check_values is None:
+        check_values = _want_value_checks(x_TD)
+    if check_values and T > 0:
+        ids = expert_ids_TK.to(torch.int64)
+        bad = (ids < -1) | (ids >= cfg.num_experts)
+        if bool(bad.any()):
+            t, k = (int(v) for v in bad.nonzero()[0])
+            raise RoutedExpertsInputError(
+                "expert_ids", f"expert_ids[{t}, {k}]={int(ids[t, k])} is outside [-1, "
+                f"num_experts={cfg.num_experts}) ({int(bad.sum())} bad entries)")
+        live_score = (ids == -1) & (scores_TK != 0)
+        if bool(live_score.any()):
+            t, k = (int(v) for v in live_score.nonzero()[0])
+            raise RoutedExpertsInputError(
+                "scores", f"scores[{t}, {k}]={float(scores_TK[t, k])} on an inactive route "
+                "(expert_ids == -1): inactive routes must have score 0")
+        if not bool(torch.isfinite(scores_TK).all()):
+            raise RoutedExpertsInputError("scores", "contains NaN or Inf")
+    return w13
+
+
+class _RoutedExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, x_TD, expert_ids_TK, scores_TK, w13_END, w2_EDF, ctx):
+        needs_grad = any(fctx.needs_input_grad[i] for i in (0, 2, 3, 4))
+        y_TD, saved = ctx.backend.forward(x_TD, expert_ids_TK, scores_TK, w13_END, w2_EDF,
+                                          training=needs_grad)
+        fctx.ctx = ctx
+        fctx.saved = saved
+        fctx.score_dtype = scores_TK.dtype
+        return y_TD
+
+    @staticmethod
+    def backward(fctx, grad_y_TD):
+        ctx = fctx.ctx
+        saved, fctx.saved = fctx.saved, None
+        if saved is None:
+            raise RuntimeError("routed_experts: backward ran twice through the same graph; "
+                               "saved state is released after the first backward")
+        grad_x, grad_scores, grad_w13, grad_w2 = ctx.backend.backward(grad_y_TD.contiguous(), saved)
+        if grad_scores is not None:
+            grad_scores = grad_scores.to(fctx.score_dtype)
+        return grad_x, None, grad_scores, grad_w13, grad_w2, None
+
+
+def routed_experts(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: torch.Tensor,
+                   w13: torch.Tensor, w2_EDF: torch.Tensor, ctx: Context) -> torch.Tensor:
+    """Run the routed expert MLPs of every rank's tokens on the experts' owners.
+
+    Args:
+        x_TD:          [T, D] token rows owned by this rank (bf16; the reference backend also takes
+                       fp32/fp64). Every rank of the EP group passes the same T (pad with rows
+                       whose routes are all inactive).
+        expert_ids_TK: [T, K] int16/int32/int64 global expert IDs in [0, E); -1 disables a route.
+        scores_TK:     [T, K] fp32 or bf16 route scores; must be 0 on inactive routes.
+        w13:           [E_local, 2, F, D] or [E_local, 2F, D] gate rows then up rows of this
+                       rank's experts (global expert id = rank * E_local + local index).
+        w2_EDF:        [E_local, D, F] down projections.
+        ctx:           a Context from create_context() on the EP group.
+
+    Returns:
+        y_TD [T, D] in x's dtype: for each token the FP32 score-weighted sum over its active routes
+        of W2 · act(W13 · x); exactly zero for a row with no active route.
+
+    Differentiable w.r.t. x, scores, w13 and w2; weight gradients land on the owning rank.
+    Raises RoutedExpertsInputError (a ValueError) naming a bad argument before anything is written.
+    """
+    if not isinstance(ctx, Context):
+        raise RoutedExpertsInputError("ctx", f"expected a megatron_dist_moe Context, got {type(ctx).__name__}")
+    ctx._check_open()
+    w13_END = validate_inputs(x_TD, expert_ids_TK, scores_TK, w13, w2_EDF, ctx)
+    ctx.backend.check_collective(x_TD)
+    return _RoutedExperts.apply(x_TD, expert_ids_TK, scores_TK, w13_END, w2_EDF, ctx)
