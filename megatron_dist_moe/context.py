@@ -93,6 +93,10 @@ class Context:
         self.backend.close()
         self._closed = True
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this Dist-MoE context is closed")

@@ -113,10 +113,12 @@ def validate_inputs(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: 
 
 class _RoutedExperts(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, x_TD, expert_ids_TK, scores_TK, w13_END, w2_EDF, ctx):
-        needs_grad = any(fctx.needs_input_grad[i] for i in (0, 2, 3, 4))
+    def forward(fctx, x_TD, expert_ids_TK, scores_TK, w13_END, w2_EDF, ctx, training):
+        # NOTE: `training` is decided by routed_experts() from the grad mode of the caller:
+        # inside forward grad mode is always off, and needs_input_grad stays True under
+        # torch.no_grad(), so it cannot tell a no_grad forward from a training one.
         y_TD, saved = ctx.backend.forward(x_TD, expert_ids_TK, scores_TK, w13_END, w2_EDF,
-                                          training=needs_grad)
+                                          training=training)
         fctx.ctx = ctx
         fctx.saved = saved
         fctx.score_dtype = scores_TK.dtype
@@ -132,7 +134,7 @@ class _RoutedExperts(torch.autograd.Function):
         grad_x, grad_scores, grad_w13, grad_w2 = ctx.backend.backward(grad_y_TD.contiguous(), saved)
         if grad_scores is not None:
             grad_scores = grad_scores.to(fctx.score_dtype)
-        return grad_x, None, grad_scores, grad_w13, grad_w2, None
+        return grad_x, None, grad_scores, grad_w13, grad_w2, None, None
 
 
 def routed_experts(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: torch.Tensor,
@@ -159,7 +161,14 @@ def routed_experts(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: t
     """
     if not isinstance(ctx, Context):
         raise RoutedExpertsInputError("ctx", f"expected a megatron_dist_moe Context, got {type(ctx).__name__}")
-    ctx._check_open()
+    if ctx.closed:
+        raise RoutedExpertsInputError("ctx", "this Dist-MoE context is closed; create a new one")
     w13_END = validate_inputs(x_TD, expert_ids_TK, scores_TK, w13, w2_EDF, ctx)
     ctx.backend.check_collective(x_TD)
-    return _RoutedExperts.apply(x_TD, expert_ids_TK, scores_TK, w13_END, w2_EDF, ctx)
+    training = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (x_TD, scores_TK, w13_END, w2_EDF))
+    if training and ctx.config.inference:
+        raise RoutedExpertsInputError(
+            "ctx", "this context was created with Config.inference=True and keeps no state for "
+            "backward; call under torch.no_grad() or create a training context")
+    return _RoutedExperts.apply(x_TD, expert_ids_TK, scores_TK, w13_END, w2_EDF, ctx, training)

@@ -1,0 +1,195 @@
+"""Routed-expert layer benchmark on EP GPUs: our CUDA backend vs the all-to-all baseline.
+
+    torchrun --nproc-per-node=2 benchmarks/bench_layer.py --out OUTDIR [--cases guide,dsv3,...]
+             [--paths dist_moe,dist_moe_torchgemm,a2a] [--modes fwd,fwdbwd] [--profile]
+
+For every case it first checks correctness (our output and input gradient against the baseline,
+both bf16 paths of the same function: norm-wise relative difference < 2e-2, else exit 1), then
+times each path with the guide's method (benchmarks/common.py), and writes CSV rows
+(commit, GPU, shape, ms, useful TFLOP/s, ratio to the a2a baseline) plus a plot to OUTDIR.
+Useful FLOPs per GPU: 6·T·K·D·F forward, 3x that for forward+backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+import megatron_dist_moe as dm  # noqa: E402
+from baselines import a2a_grouped_mm_experts  # noqa: E402
+from common import append_csv, git_commit, plot_rows, time_windows  # noqa: E402
+
+CASES = {
+    "guide": dict(T=2048, D=7168, F=3072, K=6, E_local=6, imbalance=1.0),
+    "dsv3": dict(T=2048, D=7168, F=2048, K=8, E_local=8, imbalance=1.0),
+    "imb1.5": dict(T=2048, D=7168, F=3072, K=6, E_local=6, imbalance=1.5),
+    "imb_all": dict(T=2048, D=7168, F=3072, K=6, E_local=6, imbalance=-1),  # all routes to rank 0
+    "F1024": dict(T=2048, D=7168, F=1024, K=6, E_local=6, imbalance=1.0),
+    "F2048": dict(T=2048, D=7168, F=2048, K=6, E_local=6, imbalance=1.0),
+    "F4096": dict(T=2048, D=7168, F=4096, K=6, E_local=6, imbalance=1.0),
+    "small": dict(T=512, D=2048, F=1024, K=4, E_local=4, imbalance=1.0),
+}
+
+
+def make_routing(T, K, E_local, EP, imbalance, gen, device):
+    """IDs/scores where rank 0's experts get `imbalance` x their balanced share of routes
+    (imbalance = -1: every route goes to rank 0's experts)."""
+    E = E_local * EP
+    if imbalance == -1:
+        p0 = 1.0
+    else:
+        p0 = min(1.0, imbalance / EP)
+    n0 = torch.distributions.Binomial(K, torch.full((T,), p0)).sample().to(torch.int64)
+    n0 = n0.clamp(max=E_local)
+    if EP > 1:
+        n0 = n0.clamp(min=max(0, K - (E - E_local)))
+    r0 = torch.argsort(torch.rand(T, E_local, generator=gen), 1)
+    r1 = torch.argsort(torch.rand(T, max(E - E_local, 1), generator=gen), 1) + E_local
+    j = torch.arange(K)[None, :]
+    from0 = j < n0[:, None]
+    ids = torch.where(from0, r0.gather(1, j.clamp(max=E_local - 1).expand(T, K)),
+                      r1.gather(1, (j - n0[:, None]).clamp(min=0, max=r1.shape[1] - 1)))
+    if EP == 1:
+        ids = r0[:, :K]
+    scores = torch.softmax(torch.randn(T, K, generator=gen), -1)
+    return ids.to(torch.int32).to(device), scores.to(device)
+
+
+def useful_flops(T, K, D, F, mode):
+    f = 6 * T * K * D * F
+    return f if mode == "fwd" else 3 * f
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--cases", default="guide,dsv3,imb1.5,imb_all,F1024,F2048,F4096")
+    ap.add_argument("--paths", default="dist_moe,dist_moe_torchgemm,a2a")
+    ap.add_argument("--modes", default="fwd,fwdbwd")
+    ap.add_argument("--profile", action="store_true", help="write per-kernel times of our path")
+    args = ap.parse_args()
+    rank = int(os.environ.get("RANK", 0))
+    EP = int(os.environ.get("WORLD_SIZE", 1))
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dev = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl", device_id=dev)
+    os.makedirs(args.out, exist_ok=True)
+    csv_path = os.path.join(args.out, "bench_layer.csv")
+    gpu = torch.cuda.get_device_name()
+    commit = git_commit()
+    rows = []
+    failed = False
+    for case in args.cases.split(","):
+        c = CASES[case]
+        T, D, F, K, E_local = c["T"], c["D"], c["F"], c["K"], c["E_local"]
+        gen = torch.Generator().manual_seed(1234 + rank)
+        ids, scores = make_routing(T, K, E_local, EP, c["imbalance"], gen, dev)
+        x = (torch.randn(T, D, generator=gen)).to(torch.bfloat16).to(dev).requires_grad_()
+        s = scores.float().requires_grad_()
+        w13 = (torch.randn(E_local, 2 * F, D, generator=gen) / D ** 0.5).to(torch.bfloat16).to(dev).requires_grad_()
+        w2 = (torch.randn(E_local, D, F, generator=gen) / F ** 0.5).to(torch.bfloat16).to(dev).requires_grad_()
+        gy = torch.randn(T, D, generator=gen).to(torch.bfloat16).to(dev)
+        rows_all = torch.zeros(EP, dtype=torch.int64, device=dev)
+        owner = ids.to(torch.int64)[ids >= 0] // E_local
+        rows_all.scatter_add_(0, owner, torch.ones_like(owner))
+        dist.all_reduce(rows_all)
+        scratch_factor = max(2.0, float(rows_all.max()) / (T * K) * 1.05)
+        note = f"rows per rank {rows_all.tolist()}"
+        if rank == 0:
+            print(f"[{case}] T={T} D={D} F={F} K={K} E_local={E_local} EP={EP} {note}", flush=True)
+
+        results = {}
+        ref_y = ref_gx = None
+        if "a2a" in args.paths:
+            y = a2a_grouped_mm_experts(x, ids, s, w13, w2)
+            ref_y = y.detach()
+            ref_gx, = torch.autograd.grad(y, (x,), gy)
+        for path in args.paths.split(","):
+            if path == "a2a":
+                fwd = lambda: a2a_grouped_mm_experts(x, ids, s, w13, w2)  # noqa: E731
+
+                def fwdbwd():
+                    y = a2a_grouped_mm_experts(x, ids, s, w13, w2)
+                    torch.autograd.grad(y, (x, s, w13, w2), gy)
+                graph = False
+                ctx = None
+            else:
+                os.environ["DIST_MOE_GEMM"] = "torch" if path == "dist_moe_torchgemm" else "triton"
+                cfg = dm.Config(num_local_input_tokens=T, hidden_dim=D, intermediate_dim=F,
+                                top_k=K, num_experts=E_local * EP, backend="cuda",
+                                device_scratch_capacity_factor=scratch_factor,
+                                activation_slot_capacity_factor=scratch_factor,
+                                wgrad_dtype="bf16")
+                ctx = dm.create_context(config=cfg, device=dev)
+                y = dm.routed_experts(x, ids, s, w13, w2, ctx)
+                gx, = torch.autograd.grad(y, (x,), gy)
+                if ref_y is not None:
+                    e_y = float((y.float() - ref_y.float()).norm() / ref_y.float().norm())
+                    e_g = float((gx.float() - ref_gx.float()).norm() / ref_gx.float().norm())
+                    ok = e_y < 2e-2 and e_g < 2e-2
+                    if rank == 0:
+                        print(f"  check {path}: rel diff vs a2a y={e_y:.2e} grad_x={e_g:.2e} "
+                              f"{'OK' if ok else 'MISMATCH'}", flush=True)
+                    if not ok:
+                        failed = True
+                        ctx.close()
+                        continue
+
+                def fwd(ctx=ctx):
+                    with torch.no_grad():
+                        dm.routed_experts(x, ids, s, w13, w2, ctx)
+
+                def fwdbwd(ctx=ctx):
+                    y = dm.routed_experts(x, ids, s, w13, w2, ctx)
+                    torch.autograd.grad(y, (x, s, w13, w2), gy)
+                graph = True
+            for mode in args.modes.split(","):
+                fn = fwd if mode == "fwd" else fwdbwd
+                try:
+                    t = time_windows(fn, graph=graph)
+                except Exception as e:  # a path that cannot be graphed is timed eagerly
+                    if rank == 0:
+                        print(f"  {path} {mode}: graph timing failed ({e!r}); timing eagerly")
+                    t = time_windows(fn, graph=False)
+                tf = useful_flops(T, K, D, F, mode) / (t.median_ms * 1e-3) / 1e12
+                results[(path, mode)] = t
+                rows.append(dict(commit=commit, gpu=gpu, ep=EP, case=case, T=T, D=D, F=F, K=K,
+                                 E_local=E_local, imbalance=c["imbalance"], path=path, mode=mode,
+                                 ms=round(t.median_ms, 4), ms_min=round(t.min_ms, 4),
+                                 ms_max=round(t.max_ms, 4), useful_tflops=round(tf, 1),
+                                 ratio_to_baseline="", note=note))
+                if rank == 0:
+                    print(f"  {path:<20} {mode:<7} {t.median_ms:8.3f} ms "
+                          f"[{t.min_ms:.3f}-{t.max_ms:.3f}]  {tf:7.1f} TFLOP/s", flush=True)
+            if args.profile and ctx is not None and path == "dist_moe" and case == "guide":
+                from torch.profiler import ProfilerActivity, profile
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(3):
+                        fwdbwd()
+                    torch.cuda.synchronize()
+                if rank == 0:
+                    with open(os.path.join(args.out, f"profile_{case}.txt"), "w") as f:
+                        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+            if ctx is not None:
+                ctx.close()
+        for r in rows:
+            if r["case"] == case and ("a2a", r["mode"]) in results:
+                r["ratio_to_baseline"] = round(results[("a2a", r["mode"])].median_ms / r["ms"], 3)
+    if rank == 0:
+        append_csv(csv_path, rows)
+        plot_rows(rows, os.path.join(args.out, "bench_layer.png"), f"{EP}x {gpu}")
+        print(f"\n{'case':<8} {'path':<20} {'mode':<7} {'ms':>8} {'TFLOP/s':>8} {'vs a2a':>7}")
+        for r in rows:
+            print(f"{r['case']:<8} {r['path']:<20} {r['mode']:<7} {r['ms']:8.3f} "
+                  f"{r['useful_tflops']:8.1f} {r['ratio_to_baseline']!s:>7}")
+    dist.destroy_process_group()
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

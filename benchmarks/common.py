@@ -1,0 +1,134 @@
+"""Shared benchmark plumbing: the guide's timing method, CSV rows and plots.
+
+Timing (design guide §07): 10 warm-ups, then 5 windows x 30 iterations; each window is timed
+with CUDA events (inside one CUDA-graph replay loop where the path allows it), divided by 30,
+reduced with MAX over ranks; the reported time is the median window, with the window range.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import statistics
+import subprocess
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+WARMUP = 10
+WINDOWS = 5
+ITERS = 30
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip() or "unknown"
+    except Exception:
+        return os.environ.get("DIST_MOE_COMMIT", "unknown")
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    windows_ms: list[float] = field(default_factory=list)
+
+
+def time_windows(fn: Callable[[], None], graph: bool, group=None, warmup: int = WARMUP,
+                 windows: int = WINDOWS, iters: int = ITERS) -> Timing:
+    """Time `fn` per the guide's method; `graph=True` captures `iters` calls into one graph."""
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        if dist.is_initialized():
+            dist.barrier(group=group)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(iters):
+                fn()
+        run = g.replay
+        for _ in range(max(1, warmup // iters + 1)):
+            run()
+    else:
+        for _ in range(warmup):
+            fn()
+
+        def run():
+            for _ in range(iters):
+                fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(windows):
+        if dist.is_initialized():
+            dist.barrier(group=group)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        t = torch.tensor([a.elapsed_time(b) / iters], device="cuda")
+        if dist.is_initialized():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        out.append(float(t))
+    if graph:
+        del g
+    return Timing(statistics.median(out), min(out), max(out), out)
+
+
+CSV_FIELDS = ["commit", "gpu", "ep", "case", "T", "D", "F", "K", "E_local", "imbalance", "path",
+              "mode", "ms", "ms_min", "ms_max", "useful_tflops", "ratio_to_baseline", "note"]
+
+
+def append_csv(path: str, rows: list[dict]) -> None:
+    new = not os.path.exists(path)
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        if new:
+            w.writeheader()
+        for r in rows:
+            w.writerow(r)
+
+
+def plot_rows(rows: list[dict], path: str, title: str) -> None:
+    """Grouped bars: useful TFLOP/s per case, one bar per path, for each mode."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    modes = sorted({r["mode"] for r in rows})
+    fig, axes = plt.subplots(1, len(modes), figsize=(7 * len(modes), 4.5), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        rs = [r for r in rows if r["mode"] == mode]
+        cases = list(dict.fromkeys(r["case"] for r in rs))
+        paths = list(dict.fromkeys(r["path"] for r in rs))
+        w = 0.8 / max(1, len(paths))
+        for i, p in enumerate(paths):
+            xs, ys = [], []
+            for j, c in enumerate(cases):
+                m = [r for r in rs if r["case"] == c and r["path"] == p]
+                if m:
+                    xs.append(j + i * w)
+                    ys.append(m[0]["useful_tflops"])
+            bars = ax.bar(xs, ys, w, label=p)
+            for x, y in zip(xs, ys):
+                ax.text(x, y, f"{y:.0f}", ha="center", va="bottom", fontsize=7)
+        ax.set_xticks([j + w * (len(paths) - 1) / 2 for j in range(len(cases))])
+        ax.set_xticklabels(cases, rotation=20, ha="right", fontsize=8)
+        ax.set_ylabel("useful TFLOP/s per GPU")
+        ax.set_title(f"{title} — {mode}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}")

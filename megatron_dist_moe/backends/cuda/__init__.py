@@ -1,0 +1,182 @@
+"""CUDA backend: peer-memory dispatch, grouped expert GEMMs, owner-side combine (Hopper sm_90).
+
+Forward, per call (one CUDA stream, no host synchronisation):
+    1. publish T, int16 IDs and x into this rank's symmetric routing/dispatch regions
+    2. device barrier; read every rank's IDs; build expert-major peer address tables
+    3. planner decision for this layer (training only)
+    4. expert MLP on the received rows (gather -> W13 -> SwiGLU -> W2 -> scatter to owners)
+    5. device barrier; owner applies scores and sums the K routes in fp32
+    6. training: copy saved state into the selected activation slot at the planner's offsets,
+       predicated on the device (row counts become 0 for what is not kept)
+Backward mirrors it (guide §05), replaying the forward under a device predicate when the planner
+chose recompute. The expert-MLP step is delegated to `experts.ExpertPipeline`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...kernels import rows as K_rows
+from ...planner import LayerRecord, plan_backward, plan_forward, saved_layout
+from .experts import ExpertPipeline
+from .routing import RoutingTables, build_routing_tables
+from .symmetric import SymmetricBuffers
+
+__all__ = ["CudaBackend"]
+
+
+@dataclass
+class _Saved:
+    record: LayerRecord
+    tables: RoutingTables
+    ids_TK: torch.Tensor
+    scores_TK: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+    T: int
+
+
+class CudaBackend:
+    name = "cuda"
+    supported_dtypes = (torch.bfloat16,)
+
+    def __init__(self, ctx):
+        cfg = ctx.config
+        if cfg.precision != "bf16":
+            raise NotImplementedError(
+                f"Config.precision={cfg.precision!r}: the CUDA backend runs bf16 so far; "
+                "use precision='bf16' (or backend='reference' to check numerics)")
+        if cfg.pipeline == "mega":
+            raise NotImplementedError(
+                "Config.pipeline='mega' (one persistent kernel for W13+W2) is not implemented "
+                "yet; use pipeline='standard' or 'staged'")
+        if ctx.plan.host_scratch_bytes:
+            raise NotImplementedError(
+                "Config.host_scratch_capacity_factor (VMM host-backed scratch) is not implemented "
+                "in the CUDA backend yet; leave it unset")
+        self.ctx = ctx
+        self.plan = ctx.plan
+        self.cfg = cfg
+        dev = ctx.device
+        with torch.cuda.device(dev):
+            self.sym = SymmetricBuffers(ctx.plan, ctx.group, dev)
+            self.act = torch.empty(max(ctx.plan.activation_buffer_bytes, 128), dtype=torch.uint8,
+                                   device=dev)
+            self.act_base = torch.tensor([self.act.data_ptr()], dtype=torch.int64, device=dev)
+            self.experts = ExpertPipeline(cfg, ctx.num_local_experts, ctx.plan.device_scratch_rows,
+                                          self.act, ctx.plan.scratch_offset,
+                                          pipeline=cfg.pipeline)
+            self.p_dispatch = K_rows.device_ptr(self.sym.dispatch)
+            self.p_combine = K_rows.device_ptr(self.sym.combine)
+            # Make sure every rank's buffers exist before any peer access.
+            torch.distributed.barrier(group=ctx.group)
+
+    # -- helpers ----------------------------------------------------------------------------
+    def check_collective(self, x_TD: torch.Tensor) -> None:
+        # Equal T across ranks is checked on the device (routing header), without a host sync.
+        return None
+
+    def _publish(self, x_TD: torch.Tensor, ids_TK: torch.Tensor) -> None:
+        T, D = x_TD.shape
+        self.sym.header.fill_(T)
+        self.sym.ids_TK[:T].copy_(ids_TK)
+        self.sym.dispatch[: T * D].view(T, D).copy_(x_TD)
+
+    def _routing(self, T: int, scores_TK: torch.Tensor | None) -> RoutingTables:
+        ids_all, T_all = self.sym.gather_routing(T)
+        return build_routing_tables(
+            ids_all, T_all, T, self.ctx.rank, self.ctx.num_local_experts, self.cfg.num_experts,
+            self.plan.device_scratch_rows, self.sym.dispatch_base_EP, self.sym.combine_base_EP,
+            row_bytes=self.cfg.hidden_dim * 2, own_scores_TK=scores_TK)
+
+    def _routes_view(self, buf: torch.Tensor, T: int) -> torch.Tensor:
+        K, D = self.cfg.top_k, self.cfg.hidden_dim
+        return buf[: T * K * D].view(T, K, D)
+
+    # -- forward ----------------------------------------------------------------------------
+    def _addresses(self, record: LayerRecord, R: torch.Tensor):
+        """(layout, x_g address, h1 address): the slot when full state is kept, else scratch."""
+        lay = saved_layout(record, R[0], self.plan)
+        need = record.need_recompute
+        xg = torch.where(need, self.experts.p_xg, self.act_base + lay.x_gathered)
+        h1 = torch.where(need, self.experts.p_h1, self.act_base + lay.h1)
+        return lay, xg, h1
+
+    def forward(self, x_TD, ids_TK, scores_TK, w13_E2FD, w2_EDF, training: bool):
+        T = x_TD.shape[0]
+        K, D = self.cfg.top_k, self.cfg.hidden_dim
+        self._publish(x_TD, ids_TK)
+        self.sym.barrier(0)
+        tabs = self._routing(T, scores_TK)
+        if training:
+            record = plan_forward(self.ctx.planner, tabs.rows_EP, self.ctx.rank, self.plan)
+            lay, xg_addr, h1_addr = self._addresses(record, tabs.num_rows)
+        else:
+            xg_addr, h1_addr = self.experts.p_xg, self.experts.p_h1
+        self.experts.forward(tabs, w13_E2FD, w2_EDF, tabs.combine_ptrs, xg_addr, h1_addr)
+        self.sym.barrier(1)
+        y_TD = torch.empty_like(x_TD)
+        K_rows.combine_routes(self._routes_view(self.sym.combine, T), ids_TK, scores_TK, y_TD)
+        if not training:
+            return y_TD, None
+        # Keep the input (replay) or the route outputs (score gradients); device-predicated.
+        R = tabs.num_rows
+        zero = torch.zeros_like(R)
+        need = record.need_recompute
+        K_rows.copy_rows(K_rows.device_ptr(x_TD), self.act_base + lay.x,
+                         torch.where(need, torch.full_like(R, T), zero), D, T)
+        K_rows.copy_rows(self.p_combine, self.act_base + lay.routes,
+                         torch.where(need, zero, torch.full_like(R, T * K)), D, T * K)
+        return y_TD, _Saved(record, tabs, ids_TK, scores_TK, w13_E2FD, w2_EDF, T)
+
+    # -- backward ---------------------------------------------------------------------------
+    def backward(self, grad_y_TD, saved: _Saved):
+        cfg = self.cfg
+        D, K = cfg.hidden_dim, cfg.top_k
+        T = saved.T
+        rec, tabs = saved.record, saved.tables
+        plan_backward(self.ctx.planner, rec)     # rewind before any kernel runs
+        need = rec.need_recompute
+        R = tabs.num_rows
+        zero = torch.zeros_like(R)
+        lay, xg_addr, h1_addr = self._addresses(rec, R)
+
+        # Replay (device-predicated): republish x from the slot and rerun the forward experts,
+        # rebuilding x_g / h1 in scratch and the route outputs in the owners' combine buffers.
+        K_rows.copy_rows(self.act_base + lay.x, self.p_dispatch,
+                         torch.where(need, torch.full_like(R, T), zero), D, T)
+        self.sym.barrier(0)
+        self.experts.forward(tabs, saved.w13, saved.w2, tabs.combine_ptrs, xg_addr, h1_addr,
+                             predicate=need)
+        # Kept state: the route outputs go back into combine for the score gradients.
+        K_rows.copy_rows(self.act_base + lay.routes, self.p_combine,
+                         torch.where(need, zero, torch.full_like(R, T * K)), D, T * K)
+        self.sym.barrier(1)
+
+        # Owner: score gradients and route output gradients (in place in combine).
+        routes = self._routes_view(self.sym.combine, T)
+        grad_scores = torch.empty(T, K, dtype=torch.float32, device=grad_y_TD.device)
+        K_rows.publish_grad_routes(grad_y_TD, routes, saved.ids_TK, saved.scores_TK, routes,
+                                   grad_scores)
+        self.sym.barrier(2)
+        grad_w13, grad_w2 = self.experts.backward(tabs, saved.w13, saved.w2,
+                                                  gather_ptrs=tabs.combine_ptrs,
+                                                  scatter_ptrs=tabs.dispatch_route_ptrs,
+                                                  xg_addr=xg_addr, h1_addr=h1_addr,
+                                                  wgrad_dtype=cfg.wgrad_dtype)
+        self.sym.barrier(3)
+        grad_x = torch.empty(T, D, dtype=grad_y_TD.dtype, device=grad_y_TD.device)
+        K_rows.reduce_routes(self._routes_view(self.sym.dispatch, T), saved.ids_TK, grad_x)
+        return grad_x, grad_scores, grad_w13, grad_w2
+
+    def reset(self) -> None:
+        return None
+
+    def close(self) -> None:
+        torch.cuda.synchronize(self.ctx.device)
+        self.experts = None
+        self.act = None
+        self.sym.close()

@@ -1,0 +1,76 @@
+"""Symmetric (peer-addressable) buffers of one context: routing header, dispatch, combine.
+
+One torch symmetric-memory allocation per context holds three regions at fixed byte offsets:
+
+    routing   [128-byte header: int32 T] [int16 expert ids [T_max, K]]
+    dispatch  [T_max * K, D] bf16   forward: x rows [T, D]; backward: route input gradients
+    combine   [T_max * K, D] bf16   forward: route outputs h3; backward: route output gradients
+
+Peer base addresses are kept as int64 device tensors (one entry per EP rank), so kernels build
+peer row addresses on the device. Multicast is never used (GPU_FACTS: it must stay off).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ...memory_plan import MemoryPlan, ROUTING_HEADER_BYTES, align128
+
+__all__ = ["SymmetricBuffers"]
+
+
+def _align(n: int, a: int = 4096) -> int:
+    return -(-n // a) * a
+
+
+class SymmetricBuffers:
+    def __init__(self, plan: MemoryPlan, group: dist.ProcessGroup, device: torch.device):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        cfg = plan.config
+        T, D, K = cfg.num_local_input_tokens, cfg.hidden_dim, cfg.top_k
+        self.routing_off = 0
+        self.dispatch_off = _align(plan.routing_bytes)
+        self.combine_off = self.dispatch_off + _align(plan.dispatch_bytes)
+        total = self.combine_off + _align(plan.combine_bytes)
+        self.buf = symm_mem.empty(total, dtype=torch.uint8, device=device)
+        self.handle = symm_mem.rendezvous(self.buf, group.group_name)
+        self.rank = dist.get_rank(group)
+        self.ep_size = dist.get_world_size(group)
+        bases = [int(p) for p in self.handle.buffer_ptrs]
+        self.base_EP = torch.tensor(bases, dtype=torch.int64, device=device)
+        self.dispatch_base_EP = self.base_EP + self.dispatch_off
+        self.combine_base_EP = self.base_EP + self.combine_off
+        # Local typed views.
+        b = self.buf
+        self.header = b[0:4].view(torch.int32)
+        self.ids_TK = b[ROUTING_HEADER_BYTES:ROUTING_HEADER_BYTES + align128(T * K * 2)][: T * K * 2] \
+            .view(torch.int16).view(T, K)
+        self.dispatch = b[self.dispatch_off:self.dispatch_off + plan.dispatch_bytes].view(torch.bfloat16)
+        self.combine = b[self.combine_off:self.combine_off + plan.combine_bytes].view(torch.bfloat16)
+        # Peer views of the routing regions (read after the publication barrier).
+        self.peer_header = []
+        self.peer_ids = []
+        for r in range(self.ep_size):
+            whole = self.handle.get_buffer(r, (total,), torch.uint8, 0)
+            self.peer_header.append(whole[0:4].view(torch.int32))
+            self.peer_ids.append(whole[ROUTING_HEADER_BYTES:ROUTING_HEADER_BYTES + T * K * 2]
+                                 .view(torch.int16).view(T, K))
+        self.T_max, self.D, self.K = T, D, K
+
+    def barrier(self, channel: int = 0) -> None:
+        """Device-side barrier over the EP group, ordered on the current stream (no host sync)."""
+        self.handle.barrier(channel=channel)
+
+    def gather_routing(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids_all [EP, T, K] int16, T_all [EP] int32) read from every rank's header."""
+        ids = torch.stack([p[:T] for p in self.peer_ids])
+        Ts = torch.cat(self.peer_header)
+        return ids, Ts
+
+    def close(self) -> None:
+        self.peer_header.clear()
+        self.peer_ids.clear()
+        self.handle = None
+        self.buf = None

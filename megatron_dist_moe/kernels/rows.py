@@ -1,0 +1,334 @@
+"""Row-movement and owner-side Triton kernels of the CUDA backend.
+
+Every kernel here is memory-bound and takes device-valued sizes (row counts, byte offsets) so it
+runs inside CUDA graphs without host reads. Operands whose address is chosen on the device
+(activation-slot offsets, peer buffers) arrive as int64 addresses; see `device_ptr`.
+Plain-torch twins live in rows_ref.py.
+
+Kernels:
+    gather_rows     dst[i, :] = *row_ptrs[i]      (peer reads; 0 = zero row), i < num_rows
+    scatter_rows    *row_ptrs[i] = src[i, :]      (peer writes; 0 = skip),    i < num_rows
+    copy_rows       dst_addr[i, :] = src_addr[i, :] for i < num_rows (slot <-> scratch)
+    combine_routes  y[t] = sum_k [id>=0] s[t,k] * routes[t,k]  (fp32 sum, owner side)
+    publish_grad_routes  grad_routes[t,k] = s[t,k] * gy[t]; grad_s[t,k] = <gy[t], routes[t,k]>
+    reduce_routes   gx[t] = sum_k [id>=0] grad_routes_in[t,k]     (fp32 sum, owner side)
+    swiglu_fwd / swiglu_bwd   elementwise activation on h1 = [g | u] rows
+    device_check    trap with a message naming the cause and the numbers
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["device_ptr", "gather_rows", "scatter_rows", "copy_rows", "combine_routes",
+           "publish_grad_routes", "reduce_routes", "swiglu_fwd", "swiglu_bwd", "device_check",
+           "CHECK_UNEQUAL_T", "CHECK_SCRATCH_OVERFLOW", "CHECK_BAD_EXPERT_ID",
+           "CHECK_INACTIVE_SCORE"]
+
+
+def device_ptr(t: torch.Tensor) -> torch.Tensor:
+    """int64 [1] tensor on t's device holding t's address (a kernel 'device pointer').
+
+    Written by a fill kernel (the address is a kernel argument), not copied from the host, so it
+    neither synchronises nor leaves a host-memory source behind inside a CUDA graph.
+    """
+    return torch.full((1,), t.data_ptr(), dtype=torch.int64, device=t.device)
+
+
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
+             torch.float64: tl.float64}
+
+
+# -- gather / scatter / copy ----------------------------------------------------------------
+@triton.jit
+def _gather_rows_kernel(row_ptrs, dst_addr, num_rows_ptr, W: tl.constexpr, DT: tl.constexpr,
+                        BLOCK_W: tl.constexpr, ROWS: tl.constexpr):
+    pid = tl.program_id(0)
+    n = tl.load(num_rows_ptr).to(tl.int64)
+    rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    live = rows < n
+    src = tl.load(row_ptrs + rows, mask=live, other=0)
+    dst = tl.load(dst_addr).to(tl.pointer_type(DT))
+    cols = tl.arange(0, BLOCK_W)
+    for c0 in range(0, W, BLOCK_W):
+        c = c0 + cols
+        cm = c < W
+        sp = src[:, None].to(tl.pointer_type(DT)) + c[None, :]
+        v = tl.load(sp, mask=(src[:, None] != 0) & cm[None, :] & live[:, None], other=0.0)
+        tl.store(dst + rows[:, None] * W + c[None, :], v, mask=live[:, None] & cm[None, :])
+
+
+def gather_rows(row_ptrs: torch.Tensor, dst_addr: torch.Tensor, num_rows: torch.Tensor,
+                width: int, dtype: torch.dtype, max_rows: int) -> None:
+    """dst[i, :width] = row at address row_ptrs[i] (zeros when 0) for i < num_rows (device)."""
+    ROWS = 4
+    grid = (triton.cdiv(max_rows, ROWS),)
+    if grid[0]:
+        _gather_rows_kernel[grid](row_ptrs, dst_addr, num_rows, W=width, DT=_TL_DTYPE[dtype],
+                                  BLOCK_W=min(1024, triton.next_power_of_2(width)), ROWS=ROWS,
+                                  num_warps=4)
+
+
+@triton.jit
+def _scatter_rows_kernel(src_addr, row_ptrs, num_rows_ptr, W: tl.constexpr, DT: tl.constexpr,
+                         BLOCK_W: tl.constexpr, ROWS: tl.constexpr):
+    pid = tl.program_id(0)
+    n = tl.load(num_rows_ptr).to(tl.int64)
+    rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    live = rows < n
+    dst = tl.load(row_ptrs + rows, mask=live, other=0)
+    src = tl.load(src_addr).to(tl.pointer_type(DT))
+    cols = tl.arange(0, BLOCK_W)
+    ok = live & (dst != 0)
+    for c0 in range(0, W, BLOCK_W):
+        c = c0 + cols
+        cm = c < W
+        v = tl.load(src + rows[:, None] * W + c[None, :], mask=ok[:, None] & cm[None, :])
+        dp = dst[:, None].to(tl.pointer_type(DT)) + c[None, :]
+        tl.store(dp, v, mask=ok[:, None] & cm[None, :])
+
+
+def scatter_rows(src_addr: torch.Tensor, row_ptrs: torch.Tensor, num_rows: torch.Tensor,
+                 width: int, dtype: torch.dtype, max_rows: int) -> None:
+    """Row i of src (i < num_rows) stored to address row_ptrs[i]; rows with address 0 skipped."""
+    ROWS = 4
+    grid = (triton.cdiv(max_rows, ROWS),)
+    if grid[0]:
+        _scatter_rows_kernel[grid](src_addr, row_ptrs, num_rows, W=width, DT=_TL_DTYPE[dtype],
+                                   BLOCK_W=min(1024, triton.next_power_of_2(width)), ROWS=ROWS,
+                                   num_warps=4)
+
+
+@triton.jit
+def _copy_rows_kernel(src_addr, dst_addr, num_rows_ptr, W: tl.constexpr, BLOCK: tl.constexpr):
+    # Copies num_rows * W int16 words (bf16 bit patterns) as a flat range.
+    pid = tl.program_id(0)
+    total = tl.load(num_rows_ptr).to(tl.int64) * W
+    src = tl.load(src_addr).to(tl.pointer_type(tl.int16))
+    dst = tl.load(dst_addr).to(tl.pointer_type(tl.int16))
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < total
+    tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
+
+
+def copy_rows(src_addr: torch.Tensor, dst_addr: torch.Tensor, num_rows: torch.Tensor,
+              width: int, max_rows: int) -> None:
+    """Copy num_rows (device) rows of `width` 2-byte elements between device addresses."""
+    BLOCK = 4096
+    grid = (triton.cdiv(max_rows * width, BLOCK),)
+    if grid[0]:
+        _copy_rows_kernel[grid](src_addr, dst_addr, num_rows, W=width, BLOCK=BLOCK, num_warps=4)
+
+
+# -- owner side: combine, backward publication, reduction ------------------------------------
+@triton.jit
+def _combine_routes_kernel(routes_ptr, ids_ptr, scores_ptr, y_ptr, T, D: tl.constexpr,
+                           K: tl.constexpr, BLOCK_D: tl.constexpr, ODT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    dblk = tl.program_id(1)
+    d = dblk * BLOCK_D + tl.arange(0, BLOCK_D)
+    dm = d < D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for k in tl.static_range(K):
+        eid = tl.load(ids_ptr + t * K + k).to(tl.int32)
+        s = tl.load(scores_ptr + t * K + k).to(tl.float32)
+        r = tl.load(routes_ptr + (t * K + k) * D + d, mask=dm & (eid >= 0), other=0.0)
+        acc += tl.where(eid >= 0, s * r.to(tl.float32), 0.0)
+    tl.store(y_ptr + t * D + d, acc.to(ODT), mask=dm)
+
+
+def combine_routes(routes_TKD: torch.Tensor, ids_TK: torch.Tensor, scores_TK: torch.Tensor,
+                   y_TD: torch.Tensor) -> None:
+    """y[t] = sum over active k of scores[t,k] * routes[t,k] in fp32 (inactive routes ignored)."""
+    T, D = y_TD.shape
+    K = ids_TK.shape[1]
+    if T == 0:
+        return
+    BLOCK_D = 1024
+    grid = (T, triton.cdiv(D, BLOCK_D))
+    _combine_routes_kernel[grid](routes_TKD, ids_TK, scores_TK, y_TD, T, D=D, K=K,
+                                 BLOCK_D=BLOCK_D, ODT=_TL_DTYPE[y_TD.dtype], num_warps=4)
+
+
+@triton.jit
+def _publish_grad_routes_kernel(gy_ptr, routes_ptr, ids_ptr, scores_ptr, grad_routes_ptr,
+                                grad_scores_ptr, D: tl.constexpr, K: tl.constexpr,
+                                BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    d0 = tl.arange(0, BLOCK_D)
+    for k in tl.static_range(K):
+        eid = tl.load(ids_ptr + t * K + k).to(tl.int32)
+        s = tl.load(scores_ptr + t * K + k).to(tl.float32)
+        dot = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for c0 in range(0, D, BLOCK_D):
+            d = c0 + d0
+            dm = (d < D) & (eid >= 0)
+            gy = tl.load(gy_ptr + t * D + d, mask=dm, other=0.0).to(tl.float32)
+            r = tl.load(routes_ptr + (t * K + k) * D + d, mask=dm, other=0.0).to(tl.float32)
+            dot += gy * r
+            tl.store(grad_routes_ptr + (t * K + k) * D + d, (s * gy).to(tl.bfloat16), mask=dm)
+        tl.store(grad_scores_ptr + t * K + k, tl.sum(dot, axis=0))
+
+
+def publish_grad_routes(gy_TD: torch.Tensor, routes_TKD: torch.Tensor, ids_TK: torch.Tensor,
+                        scores_TK: torch.Tensor, grad_routes_TKD: torch.Tensor,
+                        grad_scores_TK: torch.Tensor) -> None:
+    """grad_routes[t,k] = bf16(s * gy[t]) and grad_scores[t,k] = <gy[t], routes[t,k]> (fp32) for
+    active routes; inactive routes get grad_score 0 and no grad_routes row."""
+    T, D = gy_TD.shape
+    K = ids_TK.shape[1]
+    if T == 0:
+        return
+    _publish_grad_routes_kernel[(T,)](gy_TD, routes_TKD, ids_TK, scores_TK, grad_routes_TKD,
+                                      grad_scores_TK, D=D, K=K, BLOCK_D=1024, num_warps=4)
+
+
+@triton.jit
+def _reduce_routes_kernel(routes_ptr, ids_ptr, out_ptr, D: tl.constexpr, K: tl.constexpr,
+                          BLOCK_D: tl.constexpr, ODT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dm = d < D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for k in tl.static_range(K):
+        eid = tl.load(ids_ptr + t * K + k).to(tl.int32)
+        r = tl.load(routes_ptr + (t * K + k) * D + d, mask=dm & (eid >= 0), other=0.0)
+        acc += r.to(tl.float32)
+    tl.store(out_ptr + t * D + d, acc.to(ODT), mask=dm)
+
+
+def reduce_routes(routes_TKD: torch.Tensor, ids_TK: torch.Tensor, out_TD: torch.Tensor) -> None:
+    """out[t] = sum over active k of routes[t,k] in fp32 (input gradients returned per route)."""
+    T, D = out_TD.shape
+    K = ids_TK.shape[1]
+    if T == 0:
+        return
+    BLOCK_D = 1024
+    _reduce_routes_kernel[(T, triton.cdiv(D, BLOCK_D))](routes_TKD, ids_TK, out_TD, D=D, K=K,
+                                                        BLOCK_D=BLOCK_D,
+                                                        ODT=_TL_DTYPE[out_TD.dtype], num_warps=4)
+
+
+# -- activation ------------------------------------------------------------------------------
+@triton.jit
+def _act_fwd(g, u, CLAMPED: tl.constexpr, alpha, limit):
+    if CLAMPED:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        return g * tl.sigmoid(alpha * g) * (u + 1.0)
+    else:
+        return g * tl.sigmoid(g) * u
+
+
+@triton.jit
+def _swiglu_fwd_kernel(h1_addr, h2_addr, num_rows_ptr, F: tl.constexpr, CLAMPED: tl.constexpr,
+                       alpha, limit, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    if row >= tl.load(num_rows_ptr):
+        return
+    h1 = tl.load(h1_addr).to(tl.pointer_type(tl.bfloat16))
+    h2 = tl.load(h2_addr).to(tl.pointer_type(tl.bfloat16))
+    for c0 in range(0, F, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        m = c < F
+        g = tl.load(h1 + row * 2 * F + c, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(h1 + row * 2 * F + F + c, mask=m, other=0.0).to(tl.float32)
+        tl.store(h2 + row * F + c, _act_fwd(g, u, CLAMPED, alpha, limit).to(tl.bfloat16), mask=m)
+
+
+def swiglu_fwd(h1_addr: torch.Tensor, h2_addr: torch.Tensor, num_rows: torch.Tensor, F: int,
+               max_rows: int, clamped: bool, alpha: float, limit: float) -> None:
+    """h2[i] = act(h1[i, :F], h1[i, F:]) (bf16 in and out, fp32 math) for i < num_rows."""
+    if max_rows:
+        _swiglu_fwd_kernel[(max_rows,)](h1_addr, h2_addr, num_rows, F=F, CLAMPED=clamped,
+                                        alpha=alpha, limit=limit,
+                                        BLOCK=min(2048, triton.next_power_of_2(F)), num_warps=4)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(h1_addr, gh2_addr, gh1_addr, h2_addr, num_rows_ptr, F: tl.constexpr,
+                       CLAMPED: tl.constexpr, alpha, limit, STORE_H2: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    if row >= tl.load(num_rows_ptr):
+        return
+    h1 = tl.load(h1_addr).to(tl.pointer_type(tl.bfloat16))
+    gh2 = tl.load(gh2_addr).to(tl.pointer_type(tl.bfloat16))
+    gh1 = tl.load(gh1_addr).to(tl.pointer_type(tl.bfloat16))
+    for c0 in range(0, F, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        m = c < F
+        g = tl.load(h1 + row * 2 * F + c, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(h1 + row * 2 * F + F + c, mask=m, other=0.0).to(tl.float32)
+        dh = tl.load(gh2 + row * F + c, mask=m, other=0.0).to(tl.float32)
+        if CLAMPED:
+            gc = tl.minimum(g, limit)
+            uc = tl.minimum(tl.maximum(u, -limit), limit)
+            sg = tl.sigmoid(alpha * gc)
+            glu = gc * sg
+            dg = dh * (uc + 1.0) * (sg + alpha * gc * sg * (1.0 - sg))
+            dg = tl.where(g < limit, dg, 0.0)  # torch.clamp convention: 0 at the bound
+            du = dh * glu
+            du = tl.where((u > -limit) & (u < limit), du, 0.0)
+            h2v = glu * (uc + 1.0)
+        else:
+            sg = tl.sigmoid(g)
+            silu = g * sg
+            dg = dh * u * (sg + g * sg * (1.0 - sg))
+            du = dh * silu
+            h2v = silu * u
+        tl.store(gh1 + row * 2 * F + c, dg.to(tl.bfloat16), mask=m)
+        tl.store(gh1 + row * 2 * F + F + c, du.to(tl.bfloat16), mask=m)
+        if STORE_H2:
+            h2 = tl.load(h2_addr).to(tl.pointer_type(tl.bfloat16))
+            tl.store(h2 + row * F + c, h2v.to(tl.bfloat16), mask=m)
+
+
+def swiglu_bwd(h1_addr: torch.Tensor, grad_h2_addr: torch.Tensor, grad_h1_addr: torch.Tensor,
+               num_rows: torch.Tensor, F: int, max_rows: int, clamped: bool, alpha: float,
+               limit: float, h2_addr: torch.Tensor | None = None) -> None:
+    """grad_h1 = d act / d h1 * grad_h2 (bf16 out). Optionally also rebuilds h2 from h1."""
+    if max_rows:
+        _swiglu_bwd_kernel[(max_rows,)](h1_addr, grad_h2_addr, grad_h1_addr,
+                                        h2_addr if h2_addr is not None else h1_addr, num_rows,
+                                        F=F, CLAMPED=clamped, alpha=alpha, limit=limit,
+                                        STORE_H2=h2_addr is not None,
+                                        BLOCK=min(1024, triton.next_power_of_2(F)), num_warps=4)
+
+
+# -- device-side checks ----------------------------------------------------------------------
+CHECK_UNEQUAL_T = 1
+CHECK_SCRATCH_OVERFLOW = 2
+CHECK_BAD_EXPERT_ID = 3
+CHECK_INACTIVE_SCORE = 4
+
+
+@triton.jit
+def _trap():
+    tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _device_check_kernel(codes_ptr, a_ptr, b_ptr, n):
+    # codes[i] != 0 names a failed condition; a[i], b[i] are the numbers it reports.
+    for i in range(n):
+        code = tl.load(codes_ptr + i)
+        if code != 0:
+            a = tl.load(a_ptr + i)
+            b = tl.load(b_ptr + i)
+            if code == 1:
+                tl.device_print("dist_moe TRAP: unequal token counts across EP ranks: peer rank, T:", a, b)
+            elif code == 2:
+                tl.device_print("dist_moe TRAP: scratch overflow: rows required, rows available:", a, b)
+            elif code == 3:
+                tl.device_print("dist_moe TRAP: expert id out of range: flat route index, id:", a, b)
+            else:
+                tl.device_print("dist_moe TRAP: nonzero score on inactive route: flat route index, score bits:", a, b)
+            _trap()
+
+
+def device_check(codes: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """Trap (after printing the cause and the two numbers) if any codes[i] != 0. No host sync."""
+    _device_check_kernel[(1,)](codes, a, b, codes.numel(), num_warps=1)

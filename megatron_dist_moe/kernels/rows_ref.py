@@ -1,0 +1,44 @@
+"""Plain-torch twins of kernels/rows.py (same rounding points), used by tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as Fn
+
+__all__ = ["act_ref", "act_bwd_ref", "combine_routes_ref", "publish_grad_routes_ref",
+           "reduce_routes_ref"]
+
+
+def act_ref(h1_R2F: torch.Tensor, F: int, clamped: bool, alpha: float, limit: float) -> torch.Tensor:
+    """SwiGLU (or the clamped GPT-OSS form) on [g | u] rows, computed in h1's dtype."""
+    g, u = h1_R2F[..., :F], h1_R2F[..., F:]
+    if clamped:
+        g = g.clamp(max=limit)
+        u = u.clamp(-limit, limit)
+        return g * torch.sigmoid(alpha * g) * (u + 1)
+    return Fn.silu(g) * u
+
+
+def act_bwd_ref(h1_R2F, grad_h2_RF, F, clamped, alpha, limit):
+    """grad_h1 by autograd of act_ref (fp32)."""
+    h1 = h1_R2F.float().detach().requires_grad_()
+    (act_ref(h1, F, clamped, alpha, limit) * grad_h2_RF.float()).sum().backward()
+    return h1.grad
+
+
+def combine_routes_ref(routes_TKD, ids_TK, scores_TK):
+    live = (ids_TK >= 0)[..., None]
+    r = torch.where(live, routes_TKD.float(), 0.0)
+    return (r * scores_TK.float()[..., None]).sum(1)
+
+
+def publish_grad_routes_ref(gy_TD, routes_TKD, ids_TK, scores_TK):
+    live = ids_TK >= 0
+    grad_routes = (scores_TK.float()[..., None] * gy_TD.float()[:, None, :]).to(torch.bfloat16)
+    r = torch.where(live[..., None], routes_TKD.float(), 0.0)
+    grad_scores = (r * gy_TD.float()[:, None, :]).sum(-1)
+    return grad_routes, grad_scores
+
+
+def reduce_routes_ref(routes_TKD, ids_TK):
+    return torch.where((ids_TK >= 0)[..., None], routes_TKD.float(), 0.0).sum(1)

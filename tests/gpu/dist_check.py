@@ -1,0 +1,303 @@
+"""Multi-rank correctness checks of the CUDA backend against an fp64 oracle (run under torchrun).
+
+    torchrun --nproc-per-node=2 tests/gpu/dist_check.py [--quick] [--json out.json]
+
+Every rank draws the *global* problem from one seed (all ranks' x, IDs, scores and all experts'
+weights), runs its share through routed_experts, and compares its outputs and gradients with an
+fp64 autograd oracle of the whole problem. Tolerances: bf16 operands and bf16 storage of h1, h2,
+h3 give norm-wise relative errors of a few 1e-3; 2e-2 flags real bugs (a missing route, a wrong
+row or expert is O(1e-1..1)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as Fn
+
+import megatron_dist_moe as dm
+
+TOL_FLOOR = 6e-3
+
+
+class _RoundBF16(torch.autograd.Function):
+    """Round to bf16 in forward, identity in backward: where the kernels store bf16."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.to(torch.bfloat16).to(t.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def act_ref(h1, F, cfg):
+    g, u = h1[..., :F], h1[..., F:]
+    if cfg.activation == "swiglu_clamped":
+        g = g.clamp(max=cfg.swiglu_limit)
+        u = u.clamp(-cfg.swiglu_limit, cfg.swiglu_limit)
+        return g * torch.sigmoid(cfg.swiglu_alpha * g) * (u + 1)
+    return Fn.silu(g) * u
+
+
+def oracle(x_all, ids_all, s_all, w13_all, w2_all, gy_all, cfg, bf16_points=False):
+    """fp64 forward and gradients of the whole EP problem (bf16_points: round h1, h2, h3 to bf16
+    where the kernels store them — its error vs the exact oracle sets the tolerance). Shapes: x_all [EP,T,D], ids/s [EP,T,K],
+    w13_all [E,2F,D], w2_all [E,D,F], gy_all [EP,T,D]."""
+    F = cfg.intermediate_dim
+    x = x_all.double().requires_grad_()
+    s = s_all.double().requires_grad_()
+    w13 = w13_all.double().requires_grad_()
+    w2 = w2_all.double().requires_grad_()
+    EP, T, D = x.shape
+    K = ids_all.shape[-1]
+    y = torch.zeros(EP, T, D, dtype=torch.float64, device=x.device)
+    xf = x.reshape(-1, D)
+    yf = y.reshape(-1, D)
+    ids = ids_all.reshape(-1, K)
+    sf = s.reshape(-1, K)
+    outs = []
+    for e in range(w13.shape[0]):
+        tok, kk = (ids == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        rnd = _RoundBF16.apply if bf16_points else (lambda t: t)
+        h1 = rnd(xf[tok] @ w13[e].t())
+        h3 = rnd(rnd(act_ref(h1, F, cfg)) @ w2[e].t())
+        outs.append((tok, h3 * sf[tok, kk][:, None]))
+    y = torch.zeros_like(yf)
+    for tok, v in outs:
+        y = y.index_add(0, tok, v)
+    y = y.view(EP, T, D)
+    (y * gy_all.double()).sum().backward()
+    return y.detach(), x.grad, s.grad, w13.grad, w2.grad
+
+
+def relerr(a, b):
+    a = a.double()
+    b = b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+NAMES = ("y", "grad_x", "grad_scores", "grad_w13", "grad_w2")
+
+
+def compare(got, prob, cfg, rank, sl):
+    """Norm-wise relative errors vs the exact fp64 oracle, and tolerances: 2x the error of the
+    same computation with bf16 stores (the precision's own error), floored at TOL_FLOOR."""
+    args = (prob["x"], prob["ids"], prob["s"], prob["w13"], prob["w2"], prob["gy"], cfg)
+    exact = oracle(*args)
+    emul = oracle(*args, bf16_points=True)
+    pick = (lambda t: t[rank], lambda t: t[rank], lambda t: t[rank], lambda t: t[sl],
+            lambda t: t[sl])
+    errs, tols = {}, {}
+    for name, g, ex, em, p in zip(NAMES, got, exact, emul, pick):
+        errs[name] = relerr(g.reshape(p(ex).shape), p(ex))
+        tols[name] = max(TOL_FLOOR, 2 * relerr(p(em), p(ex)))
+    return errs, tols
+
+
+def make_problem(cfg, EP, T, seed, routing="random", device="cuda"):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    E, K, D, F = cfg.num_experts, cfg.top_k, cfg.hidden_dim, cfg.intermediate_dim
+    x = torch.randn(EP, T, D, generator=g)
+    w13 = torch.randn(E, 2 * F, D, generator=g) / D ** 0.5
+    w2 = torch.randn(E, D, F, generator=g) / F ** 0.5
+    if routing == "hot_rank":        # every route goes to rank 0's experts
+        E_loc = E // EP
+        ids = torch.stack([torch.randperm(E_loc, generator=g)[:K] for _ in range(EP * T)])
+    elif routing == "hot_expert":     # expert 1 on every token, the rest random
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(EP * T)])
+        has = (ids == 1).any(1)
+        ids[~has, 0] = 1
+    else:
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(EP * T)])
+    ids = ids.view(EP, T, K)
+    s = torch.softmax(torch.randn(EP, T, K, generator=g), -1)
+    if routing in ("inactive", "random"):
+        drop = torch.rand(EP, T, K, generator=g) < (0.25 if routing == "inactive" else 0.0)
+        if routing == "inactive":
+            drop[:, : max(1, T // 8)] = True       # all-inactive rows
+        ids = torch.where(drop, -1, ids)
+        s = torch.where(drop, 0.0, s)
+    gy = torch.randn(EP, T, D, generator=g)
+    bf = lambda t: t.to(torch.bfloat16).to(device)
+    return dict(x=bf(x), ids=ids.to(torch.int32).to(device), s=s.float().to(device), w13=bf(w13),
+                w2=bf(w2), gy=bf(gy))
+
+
+def run_case(name, cfg, ctx, prob, rank, EP, results, w13_4d=False, repeat=1):
+    E_loc = cfg.num_experts // EP
+    sl = slice(rank * E_loc, (rank + 1) * E_loc)
+    x = prob["x"][rank].clone().requires_grad_()
+    s = prob["s"][rank].clone().requires_grad_()
+    w13 = prob["w13"][sl].clone()
+    if w13_4d:
+        w13 = w13.view(E_loc, 2, cfg.intermediate_dim, cfg.hidden_dim)
+    w13 = w13.requires_grad_()
+    w2 = prob["w2"][sl].clone().requires_grad_()
+    ids = prob["ids"][rank]
+    for _ in range(repeat):
+        x.grad = s.grad = w13.grad = w2.grad = None
+        y = dm.routed_experts(x, ids, s, w13, w2, ctx)
+        y.backward(prob["gy"][rank])
+    got = (y, x.grad, s.grad, w13.grad.reshape(E_loc, -1, cfg.hidden_dim), w2.grad)
+    errs, tols = compare(got, prob, cfg, rank, sl)
+    inactive_rows = (ids < 0).all(1)
+    exact_zero = bool((y[inactive_rows] == 0).all()) and bool((x.grad[inactive_rows] == 0).all())
+    ok = all(errs[k] <= tols[k] for k in errs) and exact_zero and bool(torch.isfinite(y).all())
+    results.append(dict(case=name, rank=rank, ok=ok, exact_zero_rows=exact_zero, **errs,
+                        tol_max=max(tols.values())))
+    return ok
+
+
+def run_graph_case(cfg, ctx, EP, rank, results, T):
+    """Capture forward+backward once, replay with new routing/inputs at the same addresses."""
+    E_loc = cfg.num_experts // EP
+    sl = slice(rank * E_loc, (rank + 1) * E_loc)
+    p0 = make_problem(cfg, EP, T, seed=100)
+    x = p0["x"][rank].clone().requires_grad_()
+    s = p0["s"][rank].clone().requires_grad_()
+    ids = p0["ids"][rank].clone()
+    gy = p0["gy"][rank].clone()
+    w13 = p0["w13"][sl].clone().requires_grad_()
+    w2 = p0["w2"][sl].clone().requires_grad_()
+
+    def step():
+        y = dm.routed_experts(x, ids, s, w13, w2, ctx)
+        return (y,) + torch.autograd.grad(y, (x, s, w13, w2), gy)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    ok_all = True
+    for seed, routing in ((101, "random"), (102, "hot_expert"), (103, "inactive")):
+        p = make_problem(cfg, EP, T, seed=seed, routing=routing)
+        with torch.no_grad():
+            x.copy_(p["x"][rank]); s.copy_(p["s"][rank]); ids.copy_(p["ids"][rank])
+            gy.copy_(p["gy"][rank]); w13.copy_(p["w13"][sl]); w2.copy_(p["w2"][sl])
+            for o in outs:
+                o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        errs, tols = compare(outs, p, cfg, rank, sl)
+        ok = all(errs[k] <= tols[k] for k in errs)
+        ok_all &= ok
+        results.append(dict(case=f"graph_replay_{routing}", rank=rank, ok=ok, **errs))
+    del graph
+    return ok_all
+
+
+def run_sync_free_case(cfg, ctx, EP, rank, results, T):
+    p = make_problem(cfg, EP, T, seed=7)
+    E_loc = cfg.num_experts // EP
+    sl = slice(rank * E_loc, (rank + 1) * E_loc)
+    x = p["x"][rank].clone().requires_grad_()
+    s = p["s"][rank].clone().requires_grad_()
+    w13 = p["w13"][sl].clone().requires_grad_()
+    w2 = p["w2"][sl].clone().requires_grad_()
+    y = dm.routed_experts(x, p["ids"][rank], s, w13, w2, ctx)   # warm-up (compiles kernels)
+    y.backward(p["gy"][rank])
+    torch.cuda.synchronize()
+    ok, msg = True, ""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = dm.routed_experts(x, p["ids"][rank], s, w13, w2, ctx)
+        y.backward(p["gy"][rank])
+    except RuntimeError as e:
+        ok, msg = False, str(e).splitlines()[0]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    results.append(dict(case="no_host_sync", rank=rank, ok=ok, msg=msg))
+    return ok
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--engines", default="triton,torch")
+    ap.add_argument("--pipelines", default="standard,staged")
+    args = ap.parse_args()
+    rank = int(os.environ["RANK"])
+    EP = int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    results = []
+    shapes = [dict(T=37, D=128, F=192, K=3, E_local=3)]
+    if not args.quick:
+        shapes.append(dict(T=256, D=1024, F=512, K=6, E_local=6))
+    combos = [(e, p) for e in args.engines.split(",") for p in args.pipelines.split(",")
+              if not (e == "torch" and p == "staged")]
+    for (engine, pipeline), sh in ((c, sh) for c in combos for sh in shapes):
+        os.environ["DIST_MOE_GEMM"] = engine
+        T = sh["T"]
+        for activation in ("swiglu", "swiglu_clamped"):
+            cfg = dm.Config(num_local_input_tokens=T, hidden_dim=sh["D"], intermediate_dim=sh["F"],
+                            top_k=sh["K"], num_experts=sh["E_local"] * EP, backend="cuda",
+                            activation=activation, device_scratch_capacity_factor=float(EP),
+                            activation_slot_capacity_factor=1.5, wgrad_dtype="fp32",
+                            swiglu_limit=3.0, pipeline=pipeline)
+            tag = f"{engine}_{pipeline}_T{T}_D{sh['D']}_F{sh['F']}_{activation}"
+            try:
+                with dm.create_context(config=cfg) as ctx:
+                    for routing in ("random", "inactive", "hot_rank", "hot_expert"):
+                        prob = make_problem(cfg, EP, T, seed=sum(map(ord, routing)) + T, routing=routing)
+                        run_case(f"{tag}_{routing}", cfg, ctx, prob, rank, EP, results)
+                    prob = make_problem(cfg, EP, T, seed=5)
+                    run_case(f"{tag}_w13_4d_repeat3", cfg, ctx, prob, rank, EP, results,
+                             w13_4d=True, repeat=3)
+                    if activation == "swiglu":
+                        run_graph_case(cfg, ctx, EP, rank, results, T)
+                        run_sync_free_case(cfg, ctx, EP, rank, results, T)
+            except Exception as e:  # keep going: report every case
+                results.append(dict(case=tag, rank=rank, ok=False, error=repr(e),
+                                    tb=traceback.format_exc()[-2000:]))
+    # replay: a minimum slot forces recompute
+    os.environ["DIST_MOE_GEMM"] = args.engines.split(",")[0]
+    cfg = dm.Config(num_local_input_tokens=64, hidden_dim=128, intermediate_dim=128, top_k=2,
+                    num_experts=4 * EP, backend="cuda", device_scratch_capacity_factor=float(EP),
+                    max_moe_layers_per_activation_slot=1)
+    try:
+        with dm.create_context(config=cfg) as ctx:
+            prob = make_problem(cfg, EP, 64, seed=11)
+            run_case("replay_min_slot", cfg, ctx, prob, rank, EP, results)
+    except Exception as e:
+        results.append(dict(case="replay_min_slot", rank=rank, ok=False, error=repr(e),
+                            tb=traceback.format_exc()[-2000:]))
+    gathered = [None] * EP
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        flat = [r for rs in gathered for r in rs]
+        for r in flat:
+            errs = " ".join(f"{k}={r[k]:.2e}" for k in ("y", "grad_x", "grad_scores", "grad_w13", "grad_w2") if k in r)
+            print(f"{'PASS' if r['ok'] else 'FAIL'} rank{r['rank']} {r['case']:<40} {errs} {r.get('msg', '')}{r.get('error', '')}")
+            if "tb" in r:
+                print(r["tb"])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(flat, f, indent=1)
+        n_fail = sum(not r["ok"] for r in flat)
+        print(f"{len(flat) - n_fail} passed, {n_fail} failed")
+    ok = all(r["ok"] for rs in gathered for r in rs)
+    dist.destroy_process_group()
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

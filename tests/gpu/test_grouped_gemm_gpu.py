@@ -1,0 +1,258 @@
+"""Grouped GEMM kernels on a Hopper GPU in bf16, against an fp64 oracle.
+
+Error bound. Outputs are bf16 (unit roundoff u = 2^-8), accumulation fp32 over K <= 7168
+(worst case K * 2^-24 ~ 4e-4, typically ~sqrt(K) * 2^-24). So the norm-wise relative error
+||out - ref|| / ||ref|| of a correct kernel is ~u / sqrt(3) ~ 2.3e-3 (round-to-nearest errors
+are roughly uniform in +-u/2 ulp terms), including h2, which both sides compute from the
+bf16-rounded h1 (a rare 1-ulp flip of h1 stays inside the same bound). We require
+  err <= 1e-2                         (4x margin; any wrong tile, row or expert gives O(1)), and
+  err <= 2 * err_torch + 1e-3         where err_torch is the error of the same computation done
+                                      by torch in fp32 and rounded to bf16 at the same points,
+so the kernel is held to what same-precision torch gets (STYLE.md: tolerances from precision).
+Outputs are poisoned with NaN before each call: rows that must be written must hold no NaN,
+and rows that must not be written (past R, skipped scatter rows) must still be NaN.
+
+    pytest -m gpu tests/gpu/test_grouped_gemm_gpu.py -v
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+    pytest.skip("needs a CUDA GPU with sm_90 or newer", allow_module_level=True)
+
+from megatron_dist_moe.kernels.grouped_gemm import (  # noqa: E402
+    CONFIG_TABLE, device_ptr, grouped_mm_dgrad, grouped_mm_fwd, grouped_mm_wgrad)
+from megatron_dist_moe.kernels.grouped_gemm_ref import (  # noqa: E402
+    gather_rows_ref, grouped_mm_dgrad_ref, grouped_mm_fwd_ref, grouped_mm_fwd_swiglu_ref,
+    grouped_mm_wgrad_ref, swiglu_ref)
+
+DEV = torch.device("cuda")
+BF16, F64, F32 = torch.bfloat16, torch.float64, torch.float32
+NAN = float("nan")
+
+# (lens per expert, D, F): realistic small shapes with empty and ragged segments, and one at the
+# production width with a few hundred rows per expert.
+SHAPES = [
+    pytest.param([0, 133, 517, 64, 1, 250], 512, 256, id="E6-D512-F256"),
+    pytest.param([300, 0, 257, 411], 7168, 3072, id="E4-D7168-F3072"),
+]
+TMA = [pytest.param(False, id="ptr"), pytest.param(True, id="tma")]
+
+
+def _cfg(kind, tma):
+    return replace(CONFIG_TABLE[(kind, "large")], tma=tma)
+
+
+def _offsets(lens):
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+
+
+def _rel(got, ref):
+    got, ref = got.double(), ref.double()
+    return ((got - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+
+
+def _check(name, got, ref64, ref32):
+    """got: kernel output; ref64: fp64 oracle; ref32: torch fp32 math rounded like the kernel."""
+    assert not torch.isnan(got).any(), f"{name}: {int(torch.isnan(got).sum())} elements not written"
+    err, err_torch = _rel(got, ref64), _rel(ref32, ref64)
+    assert err <= 1e-2, f"{name}: relative error {err:.2e} > 1e-2"
+    assert err <= 2 * err_torch + 1e-3, f"{name}: error {err:.2e} vs same-precision torch {err_torch:.2e}"
+
+
+def _swiglu_refs(x, w13, offs, **kw):
+    """(h1 oracle, h1 torch-fp32, h2 oracle, h2 torch-fp32). The h2 oracle is fp64 math on the
+    bf16-rounded h1, i.e. at the kernel's rounding point, and is itself not rounded."""
+    r1_64 = grouped_mm_fwd_ref(x, w13, offs, compute_dtype=F64, out_dtype=F64)
+    r2_64 = swiglu_ref(r1_64.to(BF16).to(F64), **kw)
+    r1_32, r2_32 = grouped_mm_fwd_swiglu_ref(x, w13, offs, compute_dtype=F32, out_dtype=BF16, **kw)
+    return r1_64, r1_32, r2_64, r2_32
+
+
+def _poisoned(*shape, dtype=BF16):
+    return torch.full(shape, NAN, dtype=dtype, device=DEV)
+
+
+def _row_ptrs(base, idx):
+    row_bytes = base.stride(0) * base.element_size()
+    addr = base.data_ptr() + idx.to(torch.int64) * row_bytes
+    return torch.where(idx >= 0, addr, torch.zeros_like(addr))
+
+
+def _weights(e, rows, cols, scale):
+    return (torch.randn(e, rows, cols, device=DEV) * scale).to(BF16)
+
+
+@pytest.mark.parametrize("tma", TMA)
+@pytest.mark.parametrize("activation", ["swiglu", "swiglu_clamped"])
+@pytest.mark.parametrize("lens,d,f", SHAPES)
+def test_fwd_swiglu_dense(lens, d, f, activation, tma):
+    torch.manual_seed(1)
+    e, r, max_rows, offs = len(lens), sum(lens), sum(lens) + 100, _offsets(lens)
+    x = torch.randn(max_rows, d, device=DEV).to(BF16)
+    w13 = _weights(e, 2 * f, d, d ** -0.5 * 2)
+    h1, h2 = _poisoned(max_rows, 2 * f), _poisoned(max_rows, f)
+    kw = dict(activation=activation, swiglu_alpha=1.702, swiglu_limit=3.0)
+    grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=max_rows, a=device_ptr(x), epilogue="swiglu",
+                   h1=device_ptr(h1), h2=device_ptr(h2), config=_cfg("fwd", tma), **kw)
+    r1_64, r1_32, r2_64, r2_32 = _swiglu_refs(x[:r], w13, offs, **kw)
+    _check("h1", h1[:r], r1_64, r1_32)
+    _check("h2", h2[:r], r2_64, r2_32)
+    assert torch.isnan(h1[r:]).all() and torch.isnan(h2[r:]).all(), "rows past R were written"
+
+
+@pytest.mark.parametrize("tma", TMA)
+@pytest.mark.parametrize("lens,d,f", SHAPES)
+def test_fwd_gather_copy_and_scatter(lens, d, f, tma):
+    """Forward as the layer runs it: gather rows by address (+ save them), SwiGLU, W2 scatter."""
+    torch.manual_seed(2)
+    e, r, max_rows, offs = len(lens), sum(lens), sum(lens) + 64, _offsets(lens)
+    tokens = max_rows + 37
+    src = torch.randn(tokens, d, device=DEV).to(BF16)  # the token owner's rows (a peer, in prod)
+    src_idx = torch.randperm(tokens, device=DEV)[:max_rows]
+    src_idx[torch.randperm(r, device=DEV)[:5]] = -1  # rows with address 0 -> zero rows
+    w13 = _weights(e, 2 * f, d, d ** -0.5 * 2)
+    w2 = _weights(e, d, f, f ** -0.5)
+    x_saved = _poisoned(max_rows, d)
+    h1, h2 = _poisoned(max_rows, 2 * f), _poisoned(max_rows, f)
+    grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=max_rows, a_row_ptrs=_row_ptrs(src, src_idx),
+                   a_copy_out=device_ptr(x_saved), epilogue="swiglu", h1=h1, h2=h2,
+                   config=_cfg("fwd", tma))
+    x = gather_rows_ref(src, src_idx[:r])
+    assert torch.equal(x_saved[:r], x), "a_copy_out must hold exactly the gathered rows"
+    assert torch.isnan(x_saved[r:]).all(), "a_copy_out rows past R were written"
+    r1_64, r1_32, r2_64, r2_32 = _swiglu_refs(x, w13, offs)
+    _check("h1 (gathered)", h1[:r], r1_64, r1_32)
+    _check("h2 (gathered)", h2[:r], r2_64, r2_32)
+
+    out = _poisoned(tokens, d)  # the token owner's output buffer
+    dst_idx = torch.randperm(tokens, device=DEV)[:max_rows]
+    dst_idx[torch.randperm(r, device=DEV)[:7]] = -1  # skipped rows
+    grouped_mm_fwd(w=w2, expert_offsets=offs, max_rows=max_rows, a=h2, epilogue="scatter",
+                   out_row_ptrs=_row_ptrs(out, dst_idx), config=_cfg("fwd", tma))
+    ok = dst_idx[:r] >= 0
+    ref64 = grouped_mm_fwd_ref(h2[:r], w2, offs, compute_dtype=F64, out_dtype=F64)[ok]
+    ref32 = grouped_mm_fwd_ref(h2[:r], w2, offs, compute_dtype=F32, out_dtype=BF16)[ok]
+    _check("scatter", out[dst_idx[:r][ok]], ref64, ref32)
+    untouched = torch.ones(tokens, dtype=torch.bool, device=DEV)
+    untouched[dst_idx[:r][ok]] = False
+    assert torch.isnan(out[untouched]).all(), "scatter wrote rows it must skip"
+
+
+@pytest.mark.parametrize("tma", TMA)
+@pytest.mark.parametrize("lens,d,f", SHAPES)
+def test_dgrad(lens, d, f, tma):
+    torch.manual_seed(3)
+    e, r, offs = len(lens), sum(lens), _offsets(lens)
+    w2 = _weights(e, d, f, f ** -0.5)
+    w13 = _weights(e, 2 * f, d, d ** -0.5)
+    g3 = torch.randn(r, d, device=DEV).to(BF16)
+    g1 = torch.randn(r, 2 * f, device=DEV).to(BF16)
+    g2 = _poisoned(r + 16, f)
+    grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=r, a=g3, out=device_ptr(g2), config=_cfg("dgrad", tma))
+    _check("W2 dgrad", g2[:r], grouped_mm_dgrad_ref(g3, w2, offs, compute_dtype=F64, out_dtype=F64),
+           grouped_mm_dgrad_ref(g3, w2, offs, compute_dtype=F32, out_dtype=BF16))
+    assert torch.isnan(g2[r:]).all()
+    gx = _poisoned(r, d)
+    grouped_mm_dgrad(w=w13, expert_offsets=offs, max_rows=r, a=g1, out=gx, config=_cfg("dgrad", tma))
+    _check("W13 dgrad", gx, grouped_mm_dgrad_ref(g1, w13, offs, compute_dtype=F64, out_dtype=F64),
+           grouped_mm_dgrad_ref(g1, w13, offs, compute_dtype=F32, out_dtype=BF16))
+
+
+@pytest.mark.parametrize("tma", TMA)
+@pytest.mark.parametrize("lens,d,f", SHAPES)
+def test_wgrad(lens, d, f, tma):
+    torch.manual_seed(4)
+    e, r, offs = len(lens), sum(lens), _offsets(lens)
+    x = torch.randn(r, d, device=DEV).to(BF16)
+    g1 = torch.randn(r, 2 * f, device=DEV).to(BF16)
+    full = torch.tensor([n > 0 for n in lens], device=DEV)
+    # W13 wgrad, bf16 out: out[e] = g1_e^T @ x_e; empty experts must be zeros
+    out = _poisoned(e, 2 * f, d)
+    grouped_mm_wgrad(device_ptr(g1), device_ptr(x), offs, out, dtype=BF16, config=_cfg("wgrad", tma))
+    _check("W13 wgrad bf16", out[full], grouped_mm_wgrad_ref(g1, x, offs, compute_dtype=F64, out_dtype=F64)[full],
+           grouped_mm_wgrad_ref(g1, x, offs, compute_dtype=F32, out_dtype=BF16)[full])
+    assert (out[~full] == 0).all(), "empty experts must get zero wgrad"
+    # fp32 accumulate: empty experts untouched
+    prev = torch.randn(e, 2 * f, d, device=DEV)
+    prev[~full] = NAN
+    acc = prev.clone()
+    grouped_mm_wgrad(g1, x, offs, acc, accumulate=True, config=_cfg("wgrad", tma))
+    ref64 = grouped_mm_wgrad_ref(g1, x, offs, out=prev, accumulate=True, compute_dtype=F64)
+    ref32 = grouped_mm_wgrad_ref(g1, x, offs, out=prev, accumulate=True, compute_dtype=F32)
+    _check("W13 wgrad fp32 accumulate", acc[full], ref64[full], ref32[full])
+    assert torch.isnan(acc[~full]).all(), "accumulate must leave empty experts untouched"
+
+
+@pytest.mark.parametrize("tma", TMA)
+def test_cuda_graph_capture_and_replay(tma):
+    """All launchers in one graph; new inputs and new segment lengths copied in place replay right."""
+    torch.manual_seed(5)
+    d, f, e, max_rows = 512, 256, 4, 1024
+    w13, w2 = _weights(e, 2 * f, d, d ** -0.5 * 2), _weights(e, d, f, f ** -0.5)
+    tokens = max_rows + 10
+    src = torch.randn(tokens, d, device=DEV).to(BF16)
+    src_idx = torch.randperm(tokens, device=DEV)[:max_rows]
+    offs = _offsets([100, 0, 300, 200])
+    x_saved, h1, h2 = _poisoned(max_rows, d), _poisoned(max_rows, 2 * f), _poisoned(max_rows, f)
+    out = _poisoned(tokens, d)
+    dst_idx = torch.randperm(tokens, device=DEV)[:max_rows]
+    a_ptrs, o_ptrs = _row_ptrs(src, src_idx), _row_ptrs(out, dst_idx)
+    g3 = torch.randn(max_rows, d, device=DEV).to(BF16)
+    g2 = _poisoned(max_rows, f)
+    wg = _poisoned(e, d, f)
+    ptr = {name: device_ptr(t) for name, t in dict(x_saved=x_saved, h1=h1, h2=h2, g3=g3, g2=g2).items()}
+
+    def step():
+        grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=max_rows, a_row_ptrs=a_ptrs,
+                       a_copy_out=ptr["x_saved"], epilogue="swiglu", h1=ptr["h1"], h2=ptr["h2"],
+                       config=_cfg("fwd", tma))
+        grouped_mm_fwd(w=w2, expert_offsets=offs, max_rows=max_rows, a=ptr["h2"], epilogue="scatter",
+                       out_row_ptrs=o_ptrs, config=_cfg("fwd", tma))
+        grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=max_rows, a=ptr["g3"], out=ptr["g2"],
+                         config=_cfg("dgrad", tma))
+        grouped_mm_wgrad(ptr["g3"], ptr["h2"], offs, wg, dtype=BF16, config=_cfg("wgrad", tma))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    # new inputs in place, including different segment lengths (R = 900 <= max_rows)
+    lens = [0, 517, 83, 300]
+    offs.copy_(_offsets(lens))
+    src.copy_(torch.randn(tokens, d, device=DEV).to(BF16))
+    g3.copy_(torch.randn(max_rows, d, device=DEV).to(BF16))
+    for t in (x_saved, h1, h2, out, g2, wg):
+        t.fill_(NAN)
+    graph.replay()
+    torch.cuda.synchronize()
+
+    r = sum(lens)
+    x = gather_rows_ref(src, src_idx[:r])
+    assert torch.equal(x_saved[:r], x) and torch.isnan(x_saved[r:]).all(), "replayed a_copy_out"
+    r1_64, r1_32, r2_64, r2_32 = _swiglu_refs(x, w13, offs)
+    _check("replayed h1", h1[:r], r1_64, r1_32)
+    _check("replayed h2", h2[:r], r2_64, r2_32)
+    _check("replayed scatter", out[dst_idx[:r]],
+           grouped_mm_fwd_ref(h2[:r], w2, offs, compute_dtype=F64, out_dtype=F64),
+           grouped_mm_fwd_ref(h2[:r], w2, offs, compute_dtype=F32, out_dtype=BF16))
+    _check("replayed dgrad", g2[:r], grouped_mm_dgrad_ref(g3[:r], w2, offs, compute_dtype=F64, out_dtype=F64),
+           grouped_mm_dgrad_ref(g3[:r], w2, offs, compute_dtype=F32, out_dtype=BF16))
+    assert torch.isnan(g2[r:]).all(), "replayed dgrad wrote rows past R"
+    full = torch.tensor([n > 0 for n in lens], device=DEV)
+    _check("replayed wgrad", wg[full],
+           grouped_mm_wgrad_ref(g3[:r], h2[:r], offs, compute_dtype=F64, out_dtype=F64)[full],
+           grouped_mm_wgrad_ref(g3[:r], h2[:r], offs, compute_dtype=F32, out_dtype=BF16)[full])
+    assert (wg[~full] == 0).all(), "replayed wgrad: empty expert must be zeros"
