@@ -69,7 +69,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--cases", default="guide,dsv3,imb1.5,imb_all,F1024,F2048,F4096")
-    ap.add_argument("--paths", default="dist_moe,dist_moe_torchgemm,a2a")
+    ap.add_argument("--paths", default="dist_moe,dist_moe_staged,dist_moe_torchgemm,a2a")
     ap.add_argument("--modes", default="fwd,fwdbwd")
     ap.add_argument("--profile", action="store_true", help="write per-kernel times of our path")
     args = ap.parse_args()
@@ -107,8 +107,9 @@ def main():
         ref_y = ref_gx = None
         if "a2a" in args.paths:
             y = a2a_grouped_mm_experts(x, ids, s, w13, w2)
-            ref_y = y.detach()
             ref_gx, = torch.autograd.grad(y, (x,), gy)
+            ref_y = y.detach()
+            del y
         for path in args.paths.split(","):
             if path == "a2a":
                 fwd = lambda: a2a_grouped_mm_experts(x, ids, s, w13, w2)  # noqa: E731
@@ -120,7 +121,8 @@ def main():
                 ctx = None
             else:
                 os.environ["DIST_MOE_GEMM"] = "torch" if path == "dist_moe_torchgemm" else "triton"
-                cfg = dm.Config(num_local_input_tokens=T, hidden_dim=D, intermediate_dim=F,
+                cfg = dm.Config(pipeline="staged" if path == "dist_moe_staged" else "standard",
+                                num_local_input_tokens=T, hidden_dim=D, intermediate_dim=F,
                                 top_k=K, num_experts=E_local * EP, backend="cuda",
                                 device_scratch_capacity_factor=scratch_factor,
                                 activation_slot_capacity_factor=scratch_factor,
@@ -128,6 +130,7 @@ def main():
                 ctx = dm.create_context(config=cfg, device=dev)
                 y = dm.routed_experts(x, ids, s, w13, w2, ctx)
                 gx, = torch.autograd.grad(y, (x,), gy)
+                y = y.detach()   # drop the autograd graph before any capture
                 if ref_y is not None:
                     e_y = float((y.float() - ref_y.float()).norm() / ref_y.float().norm())
                     e_g = float((gx.float() - ref_gx.float()).norm() / ref_gx.float().norm())
@@ -166,14 +169,14 @@ def main():
                 if rank == 0:
                     print(f"  {path:<20} {mode:<7} {t.median_ms:8.3f} ms "
                           f"[{t.min_ms:.3f}-{t.max_ms:.3f}]  {tf:7.1f} TFLOP/s", flush=True)
-            if args.profile and ctx is not None and path == "dist_moe" and case == "guide":
+            if args.profile and ctx is not None and case == "guide":
                 from torch.profiler import ProfilerActivity, profile
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     for _ in range(3):
                         fwdbwd()
                     torch.cuda.synchronize()
                 if rank == 0:
-                    with open(os.path.join(args.out, f"profile_{case}.txt"), "w") as f:
+                    with open(os.path.join(args.out, f"profile_{case}_{path}.txt"), "w") as f:
                         f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
             if ctx is not None:
                 ctx.close()

@@ -17,8 +17,9 @@ for s in $sections; do case $s in
   env) nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv
        nvidia-smi topo -m | head -5
        python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' ;;
-  check) run check1 torchrun --nproc-per-node=1 tests/gpu/dist_check.py --quick --json "$OUT/check1.json"
-         [ "$NGPU" -ge 2 ] && run check2 torchrun --nproc-per-node=2 tests/gpu/dist_check.py --json "$OUT/check2.json" ;;
+  packing) run packing torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py ;;
+  check) run check1 torchrun --nproc-per-node=1 tests/gpu/dist_check.py --quick ${CHECK_ARGS:-}
+         [ "$NGPU" -ge 2 ] && run check2 torchrun --nproc-per-node=2 tests/gpu/dist_check.py ${CHECK_ARGS:-} ;;
   kernels) run kernels python3 -m pytest -q -x tests/gpu -m gpu -k "not cuda_backend" ;;
   bench) run bench_gemm python3 benchmarks/bench_grouped_gemm.py --csv "$OUT/bench_gemm.csv" ;;
   layer) run layer torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py --out "$OUT" ${LAYER_ARGS:-} ;;

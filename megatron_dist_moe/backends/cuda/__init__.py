@@ -71,6 +71,9 @@ class CudaBackend:
                                           pipeline=cfg.pipeline)
             self.p_dispatch = K_rows.device_ptr(self.sym.dispatch)
             self.p_combine = K_rows.device_ptr(self.sym.combine)
+            # Tests and benchmarks may set a list here: each training forward appends its 0-d
+            # need_recompute tensor (graph outputs stay live, so replays update them).
+            self.decision_trace: list[torch.Tensor] | None = None
             # Make sure every rank's buffers exist before any peer access.
             torch.distributed.barrier(group=ctx.group)
 
@@ -114,6 +117,8 @@ class CudaBackend:
         if training:
             record = plan_forward(self.ctx.planner, tabs.rows_EP, self.ctx.rank, self.plan)
             lay, xg_addr, h1_addr = self._addresses(record, tabs.num_rows)
+            if self.decision_trace is not None:
+                self.decision_trace.append(record.need_recompute)
         else:
             xg_addr, h1_addr = self.experts.p_xg, self.experts.p_h1
         self.experts.forward(tabs, w13_E2FD, w2_EDF, tabs.combine_ptrs, xg_addr, h1_addr)
