@@ -43,6 +43,9 @@ def time_windows(fn: Callable[[], None], graph: bool, group=None, warmup: int = 
     """Time `fn` per the guide's method. graph=True captures one call into a CUDA graph and
     replays it `iters` times per window (one capture keeps the graph's memory pool small)."""
     if graph:
+        import gc
+
+        gc.collect()   # no stray frees of earlier contexts inside the capture
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

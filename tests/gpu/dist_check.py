@@ -99,10 +99,16 @@ def compare(got, prob, cfg, rank, sl):
     emul = oracle(*args, bf16_points=True)
     pick = (lambda t: t[rank], lambda t: t[rank], lambda t: t[rank], lambda t: t[sl],
             lambda t: t[sl])
+    # NOTE: the clamped activation's derivative jumps at +-limit; an h1 element within a bf16
+    # ulp of the bound lands on either side depending on accumulation order, and a handful of
+    # such flips moves grad_x / grad_w13 by ~1e-2. The emulation cannot reproduce our flips,
+    # so clamped gradients get a 3e-2 floor (a wrong row or expert costs >1e-1).
+    clamped = cfg.activation == "swiglu_clamped"
     errs, tols = {}, {}
     for name, g, ex, em, p in zip(NAMES, got, exact, emul, pick):
         errs[name] = relerr(g.reshape(p(ex).shape), p(ex))
-        tols[name] = max(TOL_FLOOR, 2 * relerr(p(em), p(ex)))
+        floor = 3e-2 if clamped and name in ("grad_x", "grad_w13") else TOL_FLOOR
+        tols[name] = max(floor, 2 * relerr(p(em), p(ex)))
     return errs, tols
 
 

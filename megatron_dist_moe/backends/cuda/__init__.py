@@ -3,11 +3,13 @@
 Forward, per call (one CUDA stream, no host synchronisation):
     1. publish T, int16 IDs and x into this rank's symmetric routing/dispatch regions
     2. device barrier; read every rank's IDs; build expert-major peer address tables
-    3. planner decision for this layer (training only)
+    3. training: planner decision for this layer; x_g and h1 are then written straight into
+       the selected activation slot (full save) or into scratch (replay), addresses chosen on
+       the device
     4. expert MLP on the received rows (gather -> W13 -> SwiGLU -> W2 -> scatter to owners)
     5. device barrier; owner applies scores and sums the K routes in fp32
-    6. training: copy saved state into the selected activation slot at the planner's offsets,
-       predicated on the device (row counts become 0 for what is not kept)
+    6. training: keep x (replay) or the route outputs (full save) in the slot; device-predicated
+       row counts (0 for what is not kept)
 Backward mirrors it (guide §05), replaying the forward under a device predicate when the planner
 chose recompute. The expert-MLP step is delegated to `experts.ExpertPipeline`.
 """
@@ -181,7 +183,11 @@ class CudaBackend:
         return None
 
     def close(self) -> None:
+        import gc
+
         torch.cuda.synchronize(self.ctx.device)
         self.experts = None
-        self.act = None
+        self.act = self.act_base = self.p_dispatch = self.p_combine = None
         self.sym.close()
+        self.ctx = None          # break the Context <-> backend cycle
+        gc.collect()

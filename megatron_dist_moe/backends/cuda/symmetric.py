@@ -70,7 +70,10 @@ class SymmetricBuffers:
         return ids, Ts
 
     def close(self) -> None:
+        # NOTE: drop every view now: freeing symmetric memory later (from the cyclic garbage
+        # collector) could land inside another context's CUDA-graph capture and abort it.
         self.peer_header.clear()
         self.peer_ids.clear()
+        self.header = self.ids_TK = self.dispatch = self.combine = None
         self.handle = None
         self.buf = None

@@ -1,0 +1,287 @@
+"""Grouped GEMM microbenchmark: our Triton kernels versus torch._grouped_mm (bf16, one GPU).
+
+Checks correctness first (exit code 1 on a mismatch), then times each kernel and its torch
+counterpart and prints ms and TFLOP/s. Kernels (R rows over E experts, D hidden, F intermediate):
+
+  fwd_swiglu         h1 = x @ W13[e]^T and h2 = SwiGLU(h1)       torch: _grouped_mm + eager SwiGLU
+  fwd_swiglu_gather  same, rows gathered by address + a_copy_out  torch: index_select + the above
+  fwd_w2_scatter     y = h2 @ W2[e]^T, rows scattered by address  torch: _grouped_mm + index_copy_
+  dgrad_w2           grad_h2 = grad_h3 @ W2[e]                    torch: _grouped_mm
+  dgrad_w13          grad_x = grad_h1 @ W13[e]                    torch: _grouped_mm
+  wgrad_w13          dW13[e] = grad_h1_e^T @ x_e (bf16 out)       torch: _grouped_mm 2D x 2D
+  wgrad_w2           dW2[e] = grad_h3_e^T @ h2_e (bf16 out)       torch: _grouped_mm 2D x 2D
+
+"ratio" is our TFLOP/s over torch's for the same work (>1: we are faster); for the fused kernels
+torch's time includes its unfused epilogue work (SwiGLU, gather, scatter), and the torch GEMM
+alone is printed too (impl "torch_gemm").
+
+    python benchmarks/bench_grouped_gemm.py --csv bench_out/grouped_gemm.csv [--sweep]
+    python benchmarks/bench_grouped_gemm.py --shapes 6x2048x7168x3072 --kernels fwd_swiglu
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_dist_moe.kernels.grouped_gemm import (  # noqa: E402
+    GroupedGemmConfig, device_ptr, grouped_mm_dgrad, grouped_mm_fwd, grouped_mm_wgrad)
+
+BF16 = torch.bfloat16
+# name -> (experts, rows per expert, D, F); both have R = 12288 rows
+SHAPES = {"e6_f3072": (6, 2048, 7168, 3072), "e8_f2048": (8, 1536, 7168, 2048)}
+KERNELS = ("fwd_swiglu", "fwd_swiglu_gather", "fwd_w2_scatter", "dgrad_w2", "dgrad_w13",
+           "wgrad_w13", "wgrad_w2")
+SWEEP = [
+    GroupedGemmConfig(128, 256, 64, 8, 8, 3, tma=False),
+    GroupedGemmConfig(128, 256, 64, 8, 8, 3, tma=True),
+    GroupedGemmConfig(128, 256, 64, 8, 8, 4, tma=True),
+    GroupedGemmConfig(128, 128, 64, 8, 8, 4, tma=False),
+    GroupedGemmConfig(128, 128, 64, 8, 8, 5, tma=True),
+    GroupedGemmConfig(256, 128, 64, 8, 8, 3, tma=True),
+]
+
+
+def _parse_shape(s: str):
+    if s in SHAPES:
+        return s, SHAPES[s]
+    e, rows, d, f = (int(v) for v in s.lower().split("x"))
+    return f"e{e}_r{rows}_d{d}_f{f}", (e, rows, d, f)
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True,
+                               cwd=Path(__file__).resolve().parent).stdout.strip()
+        return out + ("-dirty" if dirty else "")
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return "unknown"
+
+
+def _rel(a, b) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+class Problem:
+    """All buffers of one shape, allocated once; kernels are closures over them."""
+
+    def __init__(self, e, rows, d, f, seed=0):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        dev = "cuda"
+
+        def rnd(*shape, scale=1.0):
+            return (torch.randn(*shape, device=dev, generator=g) * scale).to(BF16)
+
+        self.e, self.d, self.f, self.r = e, d, f, e * rows
+        r = self.r
+        self.offs = torch.arange(0, r + 1, rows, dtype=torch.int32, device=dev)  # [E+1]
+        self.offs_t = self.offs[1:].contiguous()  # torch: cumulative ends [E]
+        self.x, self.g3, self.g1 = rnd(r, d), rnd(r, d), rnd(r, 2 * f)
+        self.w13, self.w2 = rnd(e, 2 * f, d, scale=d ** -0.5), rnd(e, d, f, scale=f ** -0.5)
+        self.h1, self.h2 = torch.empty(r, 2 * f, dtype=BF16, device=dev), torch.empty(r, f, dtype=BF16, device=dev)
+        self.h2.copy_(rnd(r, f))
+        self.y = torch.empty(r, d, dtype=BF16, device=dev)
+        self.g2, self.gx = torch.empty(r, f, dtype=BF16, device=dev), torch.empty(r, d, dtype=BF16, device=dev)
+        self.dw13 = torch.empty(e, 2 * f, d, dtype=BF16, device=dev)
+        self.dw2 = torch.empty(e, d, f, dtype=BF16, device=dev)
+        self.x_saved = torch.empty(r, d, dtype=BF16, device=dev)
+        # a permutation stands in for the routing gather/scatter (single GPU: same addresses)
+        self.src_idx = torch.randperm(r, device=dev, generator=g)
+        self.dst_idx = torch.randperm(r, device=dev, generator=g)
+        self.a_rows = self.x.data_ptr() + self.src_idx.to(torch.int64) * d * 2
+        self.y_rows = self.y.data_ptr() + self.dst_idx.to(torch.int64) * d * 2
+        self.p = {k: device_ptr(getattr(self, k)) for k in
+                  ("x", "g3", "g1", "h1", "h2", "y", "g2", "gx", "x_saved")}
+        # torch-side outputs
+        self.t = {}
+
+    # ---- ours
+    def ours(self, kernel, cfg=None):
+        p, kw = self.p, dict(expert_offsets=self.offs, max_rows=self.r, config=cfg)
+        if kernel == "fwd_swiglu":
+            return lambda: grouped_mm_fwd(w=self.w13, a=p["x"], epilogue="swiglu", h1=p["h1"], h2=p["h2"], **kw)
+        if kernel == "fwd_swiglu_gather":
+            return lambda: grouped_mm_fwd(w=self.w13, a_row_ptrs=self.a_rows, a_copy_out=p["x_saved"],
+                                          epilogue="swiglu", h1=p["h1"], h2=p["h2"], **kw)
+        if kernel == "fwd_w2_scatter":
+            return lambda: grouped_mm_fwd(w=self.w2, a=p["h2"], epilogue="scatter", out_row_ptrs=self.y_rows, **kw)
+        if kernel == "dgrad_w2":
+            return lambda: grouped_mm_dgrad(w=self.w2, a=p["g3"], out=p["g2"], **kw)
+        if kernel == "dgrad_w13":
+            return lambda: grouped_mm_dgrad(w=self.w13, a=p["g1"], out=p["gx"], **kw)
+        if kernel == "wgrad_w13":
+            return lambda: grouped_mm_wgrad(p["g1"], p["x"], self.offs, self.dw13, dtype=BF16, config=cfg)
+        if kernel == "wgrad_w2":
+            return lambda: grouped_mm_wgrad(p["g3"], p["h2"], self.offs, self.dw2, dtype=BF16, config=cfg)
+        raise ValueError(kernel)
+
+    def ours_output(self, kernel):
+        return {"fwd_swiglu": (self.h1, self.h2), "fwd_swiglu_gather": (self.h1, self.h2),
+                "fwd_w2_scatter": (self.y,), "dgrad_w2": (self.g2,), "dgrad_w13": (self.gx,),
+                "wgrad_w13": (self.dw13,), "wgrad_w2": (self.dw2,)}[kernel]
+
+    # ---- torch
+    def torch_fns(self, kernel):
+        """(full torch equivalent, GEMM alone); each returns its outputs."""
+        f, gm, offs = self.f, torch._grouped_mm, self.offs_t
+
+        def swiglu(h1):
+            return (torch.nn.functional.silu(h1[:, :f].float()) * h1[:, f:].float()).to(BF16)
+
+        if kernel in ("fwd_swiglu", "fwd_swiglu_gather"):
+            gather = kernel == "fwd_swiglu_gather"
+
+            def gemm():
+                return gm(self.x, self.w13.transpose(1, 2), offs=offs)
+
+            def full():
+                x = self.x.index_select(0, self.src_idx) if gather else self.x
+                h1 = gm(x, self.w13.transpose(1, 2), offs=offs)
+                return h1, swiglu(h1)
+            return full, gemm
+        if kernel == "fwd_w2_scatter":
+            y_t = torch.empty_like(self.y)
+
+            def gemm():
+                return gm(self.h2, self.w2.transpose(1, 2), offs=offs)
+
+            def full():
+                y_t.index_copy_(0, self.dst_idx, gemm())
+                return (y_t,)
+            return full, gemm
+        if kernel == "dgrad_w2":
+            fn = lambda: (gm(self.g3, self.w2, offs=offs),)  # noqa: E731
+            return fn, fn
+        if kernel == "dgrad_w13":
+            fn = lambda: (gm(self.g1, self.w13, offs=offs),)  # noqa: E731
+            return fn, fn
+        if kernel == "wgrad_w13":
+            fn = lambda: (gm(self.g1.t(), self.x, offs=offs),)  # noqa: E731
+            return fn, fn
+        if kernel == "wgrad_w2":
+            fn = lambda: (gm(self.g3.t(), self.h2, offs=offs),)  # noqa: E731
+            return fn, fn
+        raise ValueError(kernel)
+
+    def flops(self, kernel) -> float:
+        r, d, f = self.r, self.d, self.f
+        return 2.0 * r * d * f * (2 if kernel in ("fwd_swiglu", "fwd_swiglu_gather", "dgrad_w13", "wgrad_w13") else 1)
+
+    def check(self, kernel, cfg=None) -> float:
+        """Max relative (norm-wise) difference of our outputs to torch's."""
+        for t in self.ours_output(kernel):
+            t.fill_(float("nan"))
+        self.ours(kernel, cfg)()
+        ref = self.torch_fns(kernel)[0]()
+        if kernel == "fwd_swiglu_gather":
+            assert torch.equal(self.x_saved, self.x.index_select(0, self.src_idx)), "a_copy_out mismatch"
+        return max(_rel(o, t) for o, t in zip(self.ours_output(kernel), ref))
+
+
+def _time_ms(fn, timer: str, rep: int) -> float:
+    import triton.testing as tt
+    if timer == "graph":
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            return tt.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+    return tt.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--csv", type=Path, default=None, help="append result rows to this CSV file")
+    ap.add_argument("--sweep", action="store_true", help="also time a few tile configs per kernel")
+    ap.add_argument("--shapes", default=",".join(SHAPES),
+                    help=f"comma list of {list(SHAPES)} or ExROWSxDxF (rows per expert)")
+    ap.add_argument("--kernels", default=",".join(KERNELS), help="comma list of kernels")
+    ap.add_argument("--timer", choices=("bench", "graph"), default="bench",
+                    help="triton do_bench median (bench) or CUDA-graph replays (graph)")
+    ap.add_argument("--rep", type=int, default=300, help="timing budget per measurement, ms")
+    ap.add_argument("--tol", type=float, default=1e-2, help="max relative difference to torch")
+    args = ap.parse_args(argv)
+    assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
+
+    gpu, commit = torch.cuda.get_device_name(), _commit()
+    kernels = [k for k in args.kernels.split(",") if k]
+    rows_out, failed = [], []
+    print(f"# {gpu}  commit {commit}  torch {torch.__version__}  timer={args.timer}")
+    hdr = f"{'shape':<22}{'kernel':<20}{'impl':<12}{'config':<26}{'ms':>9}{'TFLOP/s':>9}{'ratio':>7}"
+    for shape_arg in args.shapes.split(","):
+        shape_name, (e, rows, d, f) = _parse_shape(shape_arg)
+        prob = Problem(e, rows, d, f)
+        print(hdr)
+        for kernel in kernels:
+            err = prob.check(kernel)
+            if not err <= args.tol:  # also catches NaN (unwritten outputs)
+                print(f"MISMATCH {shape_name} {kernel}: relative difference to torch {err:.3e} > {args.tol}")
+                failed.append((shape_name, kernel))
+                continue
+            flops = prob.flops(kernel)
+            full, gemm = prob.torch_fns(kernel)
+            try:
+                t_full = _time_ms(full, args.timer, args.rep)
+                t_gemm = _time_ms(gemm, args.timer, args.rep) if gemm is not full else t_full
+            except RuntimeError as ex:  # e.g. a torch build whose _grouped_mm lacks this form
+                print(f"torch {kernel} unavailable: {ex}")
+                t_full = t_gemm = float("nan")
+            results = [("torch", "-", t_full), ]
+            if gemm is not full:
+                results.append(("torch_gemm", "-", t_gemm))
+            results.append(("ours", "default", _time_ms(prob.ours(kernel), args.timer, args.rep)))
+            if args.sweep:
+                best = None
+                for cfg in SWEEP:
+                    name = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}s{cfg.num_stages}w{cfg.num_warps}" + ("tma" if cfg.tma else "")
+                    try:
+                        e_cfg = prob.check(kernel, cfg)
+                        if not e_cfg <= args.tol:
+                            print(f"  sweep {name}: MISMATCH {e_cfg:.3e}")
+                            failed.append((shape_name, kernel, name))
+                            continue
+                        ms = _time_ms(prob.ours(kernel, cfg), args.timer, args.rep)
+                    except Exception as ex:  # a config that does not compile here is reported, not fatal
+                        print(f"  sweep {name}: failed: {type(ex).__name__}: {str(ex)[:200]}")
+                        continue
+                    results.append(("ours_sweep", name, ms))
+                    if best is None or ms < best[1]:
+                        best = (name, ms)
+                if best:
+                    print(f"  best {kernel}: {best[0]} {best[1]:.3f} ms {flops / best[1] / 1e9:.0f} TFLOP/s")
+            for impl, cfg_name, ms in results:
+                tflops = flops / ms / 1e9
+                ratio = t_full / ms
+                print(f"{shape_name:<22}{kernel:<20}{impl:<12}{cfg_name:<26}{ms:9.3f}{tflops:9.0f}{ratio:7.2f}")
+                rows_out.append(dict(commit=commit, gpu=gpu, shape=shape_name, experts=e, rows=e * rows,
+                                     d=d, f=f, kernel=kernel, impl=impl, config=cfg_name,
+                                     ms=round(ms, 4), tflops=round(tflops, 1),
+                                     ratio_vs_torch=round(ratio, 3)))
+        del prob
+        torch.cuda.empty_cache()
+
+    if args.csv and rows_out:
+        args.csv.parent.mkdir(parents=True, exist_ok=True)
+        new = not args.csv.exists()
+        with args.csv.open("a", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=list(rows_out[0]))
+            if new:
+                w.writeheader()
+            w.writerows(rows_out)
+        print(f"appended {len(rows_out)} rows to {args.csv}")
+    if failed:
+        print(f"FAILED correctness: {failed}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

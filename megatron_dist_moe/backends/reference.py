@@ -1,0 +1,392 @@
+"""ReferenceBackend: routed_experts in plain PyTorch + torch.distributed, on any device.
+
+It is the oracle for the CUDA backend and the backend CI runs (gloo on CPU, NCCL on GPU). Clarity
+beats speed here, but nothing is simplified away: rows travel between ranks through
+`all_to_all_single`, the save/recompute planner takes the same decisions as on the GPU, and every
+saved tensor is a view into a real byte arena laid out by the memory plan.
+
+Data flow of one call (EP ranks, this rank = r):
+
+    1. all-gather expert IDs -> ids_all [EP, T, K]. Every rank derives every rank's received row
+       count rows_EP from it, so overflow and save/replay decisions agree on all ranks.
+    2. dispatch: each source sends x[t] once per route (t, k) to the expert's owner; the owner
+       orders the received rows expert-major (local expert, source rank, t, k) -> x_g [R, D].
+    3. experts: h1 = round(x_g @ W13^T); h2 = round(act(h1)); h3 = round(h2 @ W2^T), with operands
+       in the storage dtype and fp32 accumulation (fp64 when x is fp64).
+    4. combine: h3 rows return to their token owners -> routes h3 [T, K, D] (zero on inactive
+       routes); y = round(sum_k score[t, k] * h3[t, k]) summed in fp32.
+
+Backward mirrors it: grad_h3 = round(score * grad_y) is dispatched like x, W2 DGRAD/WGRAD, SwiGLU
+backward from h1, W13 DGRAD/WGRAD, and the route input gradients return to the token owners, who
+sum the K routes in fp32. grad_scores[t, k] = <grad_y[t], h3[t, k]> in fp32.
+
+Arena: one uint8 tensor holding the activation slots followed by the scratch region
+(`plan.num_slots * plan.slot_bytes + plan.total_scratch_bytes`: the device scratch plus the part
+the CUDA backend would back with pinned host pages). The plan counts bf16 bytes; for fp32 / fp64
+inputs (oracle tests) the backend keeps a second arena whose every offset is scaled by
+itemsize / 2, so the byte layout is the same in units of elements.
+
+Weight gradients are accumulated in fp32 (fp64 for fp64 inputs), rounded to Config.wgrad_dtype
+and returned in the parameter's dtype: autograd casts a gradient to its input's dtype anyway, so
+wgrad_dtype="fp32" with bf16 weights yields fp32-accumulated gradients rounded once to bf16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError
+from ..memory_plan import align128
+from ..ops import RoutedExpertsInputError
+from ..planner import LayerRecord, plan_backward, plan_forward, saved_layout
+
+__all__ = ["ReferenceBackend", "swiglu_fwd", "swiglu_bwd"]
+
+
+# -- activations (computed in the accumulation dtype from the stored h1) ------------------------
+def swiglu_fwd(h1: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    """h2 [R, F] from h1 [R, 2F] = [gate | up] (same dtype as h1)."""
+    F = h1.shape[1] // 2
+    g, u = h1[:, :F], h1[:, F:]
+    if activation == "swiglu":
+        return torch.nn.functional.silu(g) * u
+    gc = g.clamp(max=limit)
+    uc = u.clamp(-limit, limit)
+    return gc * torch.sigmoid(alpha * gc) * (uc + 1)
+
+
+def swiglu_bwd(h1: torch.Tensor, grad_h2: torch.Tensor, activation: str, alpha: float,
+               limit: float) -> torch.Tensor:
+    """grad_h1 [R, 2F] from h1 [R, 2F] and grad_h2 [R, F] (all in the accumulation dtype)."""
+    F = h1.shape[1] // 2
+    g, u = h1[:, :F], h1[:, F:]
+    if activation == "swiglu":
+        s = torch.sigmoid(g)
+        grad_g = grad_h2 * u * (s * (1 + g * (1 - s)))
+        grad_u = grad_h2 * (g * s)
+    else:
+        # NOTE: clamp passes the gradient where the value lies inside the closed interval
+        # (torch.clamp's convention), so the oracle's autograd agrees at the boundary.
+        gc = g.clamp(max=limit)
+        uc = u.clamp(-limit, limit)
+        s = torch.sigmoid(alpha * gc)
+        grad_g = grad_h2 * (uc + 1) * (s + alpha * gc * s * (1 - s)) * (g <= limit)
+        grad_u = grad_h2 * (gc * s) * ((u >= -limit) & (u <= limit))
+    return torch.cat([grad_g, grad_u], dim=1)
+
+
+# -- routing of one call -----------------------------------------------------------------------
+@dataclass
+class _Routes:
+    """Who sends which route rows where, for one call (host-side lists are fine here)."""
+
+    T: int
+    rows_EP: torch.Tensor          # [EP] int64: routed rows each rank receives
+    send_flat_idx: torch.Tensor    # [S] int64: this rank's active routes t*K+k, by owner rank
+    send_counts: list[int]         # [EP] rows this rank sends to each owner
+    recv_counts: list[int]         # [EP] rows this rank receives from each source
+    em_order: torch.Tensor         # [R] int64: received-row index of each expert-major row
+    expert_counts: list[int]       # [E_local] rows per local expert (expert-major segments)
+
+    @property
+    def rows(self) -> int:
+        return len(self.em_order)
+
+
+@dataclass
+class _Saved:
+    """What a training forward keeps for its backward (besides the arena bytes)."""
+
+    record: LayerRecord
+    routes: _Routes
+    scores_TK: torch.Tensor
+    w13_END: torch.Tensor
+    w2_EDF: torch.Tensor
+    dtype: torch.dtype
+
+
+class ReferenceBackend:
+    """Pure-PyTorch backend over torch.distributed; see the module docstring."""
+
+    name = "reference"
+    supported_dtypes = (torch.bfloat16, torch.float32, torch.float64)
+
+    def __init__(self, ctx):
+        if ctx.config.precision != "bf16":
+            raise ConfigError("precision", f"the reference backend computes in bf16 (or fp32/fp64 "
+                              f"for oracle tests) and does not emulate {ctx.config.precision!r}; "
+                              "use precision='bf16' with backend='reference'")
+        self.ctx = ctx
+        self.plan = ctx.plan
+        self._arena_bytes = self.plan.scratch_offset + self.plan.total_scratch_bytes
+        self._arenas: dict[int, torch.Tensor] = {}
+        self._arena(torch.bfloat16)   # the bf16 arena is what the plan sizes: allocate up front
+
+    # -- arena ----------------------------------------------------------------------------------
+    def _arena(self, dtype: torch.dtype) -> torch.Tensor:
+        scale = dtype.itemsize // 2
+        if scale not in self._arenas:
+            # NOTE: 0xFF bytes are NaN in bf16/fp32/fp64: a read of bytes nobody wrote shows up.
+            self._arenas[scale] = torch.full((self._arena_bytes * scale,), 0xFF, dtype=torch.uint8,
+                                             device=self.ctx.device)
+        return self._arenas[scale]
+
+    def _view(self, dtype: torch.dtype, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """A `dtype` view of `shape` at plan byte `offset` (bf16 units) of the arena."""
+        scale = dtype.itemsize // 2
+        numel = 1
+        for s in shape:
+            numel *= s
+        start = int(offset) * scale
+        arena = self._arena(dtype)
+        assert start + numel * dtype.itemsize <= arena.numel(), "arena view out of range"
+        return arena[start:start + numel * dtype.itemsize].view(dtype).view(shape)
+
+    def _scratch(self, dtype: torch.dtype, R: int, widths: list[int]) -> list[torch.Tensor]:
+        """Consecutive align128 regions [R, w] at the scratch base (forward layout)."""
+        out, off = [], self.plan.scratch_offset
+        for w in widths:
+            out.append(self._view(dtype, off, (R, w)))
+            off += align128(R * w * 2)
+        assert off - self.plan.scratch_offset <= self.plan.total_scratch_bytes, \
+            "scratch layout exceeds the planned scratch bytes"
+        return out
+
+    def _backward_scratch(self, dtype: torch.dtype, R: int):
+        """x_g | h1 | (h2, g3 -> later grad_h1) | grad_h2: the plan's backward peak layout."""
+        D, F = self.ctx.config.hidden_dim, self.ctx.config.intermediate_dim
+        base = self.plan.scratch_offset
+        o_h1 = base + align128(R * D * 2)
+        o_shared = o_h1 + align128(R * 2 * F * 2)
+        o_g3 = o_shared + align128(R * F * 2)
+        shared = max(align128(R * F * 2) + align128(R * D * 2), align128(R * 2 * F * 2))
+        o_gh2 = o_shared + shared
+        assert o_gh2 + align128(R * F * 2) - base <= self.plan.total_scratch_bytes, \
+            "backward scratch layout exceeds the planned scratch bytes"
+        v = self._view
+        return dict(x_g=v(dtype, base, (R, D)), h1=v(dtype, o_h1, (R, 2 * F)),
+                    h2=v(dtype, o_shared, (R, F)), g3=v(dtype, o_g3, (R, D)),
+                    grad_h1=v(dtype, o_shared, (R, 2 * F)), grad_h2=v(dtype, o_gh2, (R, F)))
+
+    # -- collectives ----------------------------------------------------------------------------
+    def check_collective(self, x_TD: torch.Tensor) -> None:
+        ctx = self.ctx
+        t = torch.tensor([x_TD.shape[0]], dtype=torch.int64, device=ctx.device)
+        got = [torch.empty_like(t) for _ in range(ctx.ep_size)]
+        dist.all_gather(got, t, group=ctx.group)
+        Ts = [int(v) for v in got]
+        if len(set(Ts)) > 1:
+            raise RoutedExpertsInputError(
+                "x", f"every rank must pass the same number of rows T (pad with all-inactive "
+                f"rows); this is rank {ctx.rank} with T={x_TD.shape[0]}, per-rank T = {Ts}")
+
+    def _exchange(self, rows: torch.Tensor, send_counts: list[int],
+                  recv_counts: list[int]) -> torch.Tensor:
+        out = rows.new_empty((sum(recv_counts), rows.shape[1]))
+        dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=recv_counts,
+                               input_split_sizes=send_counts, group=self.ctx.group)
+        return out
+
+    def _route(self, expert_ids_TK: torch.Tensor) -> _Routes:
+        ctx = self.ctx
+        EP, r, E_local = ctx.ep_size, ctx.rank, ctx.num_local_experts
+        T, K = expert_ids_TK.shape
+        ids = expert_ids_TK.to(torch.int64).contiguous()
+        gathered = [torch.empty_like(ids) for _ in range(EP)]
+        dist.all_gather(gathered, ids, group=ctx.group)
+        ids_all = torch.stack(gathered).view(EP, T * K)
+        owner_all = torch.where(ids_all >= 0, ids_all // E_local, -1)
+        rows_EP = torch.stack([(owner_all == q).sum() for q in range(EP)]).to(torch.int64)
+
+        worst = int(rows_EP.max()) if EP else 0
+        if worst > self.plan.total_scratch_rows:
+            q = int(rows_EP.argmax())
+            raise RoutedExpertsInputError(
+                "expert_ids", f"rank {q} would receive {worst} routed rows but the scratch holds "
+                f"{self.plan.total_scratch_rows} (balanced T*K={self.plan.balanced_rows}); raise "
+                "Config.device_scratch_capacity_factor or host_scratch_capacity_factor")
+
+        mine = owner_all[r]
+        active = (mine >= 0).nonzero().view(-1)
+        by_owner = torch.sort(mine[active], stable=True).indices
+        send_flat_idx = active[by_owner]
+        send_counts = torch.bincount(mine[active], minlength=EP).tolist()
+
+        recv_mask = owner_all == r
+        src, flat = recv_mask.nonzero(as_tuple=True)       # row-major: by source, then (t, k)
+        local_e = ids_all[src, flat] - r * E_local
+        key = (local_e * EP + src) * (T * K) + flat
+        em_order = torch.sort(key).indices
+        return _Routes(T=T, rows_EP=rows_EP, send_flat_idx=send_flat_idx, send_counts=send_counts,
+                       recv_counts=recv_mask.sum(1).tolist(), em_order=em_order,
+                       expert_counts=torch.bincount(local_e, minlength=E_local).tolist())
+
+    def _dispatch(self, src_rows: torch.Tensor, routes: _Routes, out: torch.Tensor) -> None:
+        """Send src_rows [S, D] (one per active route of this rank) to the experts' owners and
+        write the received rows expert-major into out [R, D]."""
+        recv = self._exchange(src_rows, routes.send_counts, routes.recv_counts)
+        out.copy_(recv[routes.em_order])
+
+    def _return(self, em_rows: torch.Tensor, routes: _Routes) -> torch.Tensor:
+        """Send expert-major rows em_rows [R, D] back to their token owners; returns [S, D] in
+        the order of routes.send_flat_idx."""
+        back = torch.empty_like(em_rows)
+        back[routes.em_order] = em_rows
+        return self._exchange(back, routes.recv_counts, routes.send_counts)
+
+    # -- expert math ----------------------------------------------------------------------------
+    @staticmethod
+    def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+        return torch.float32 if dtype == torch.bfloat16 else dtype
+
+    def _segments(self, routes: _Routes):
+        a = 0
+        for e, n in enumerate(routes.expert_counts):
+            yield e, a, a + n
+            a += n
+
+    def _experts_fwd(self, x_g, h1, h2, w13_END, w2_EDF, routes: _Routes) -> torch.Tensor:
+        """Fill h1 and h2 (arena views) from x_g; return h3 rows [R, D] (storage dtype)."""
+        cfg = self.ctx.config
+        acc = self._acc_dtype(x_g.dtype)
+        h3 = torch.empty_like(x_g)
+        for e, a, b in self._segments(routes):
+            if a == b:
+                continue
+            h1[a:b].copy_(x_g[a:b].to(acc) @ w13_END[e].to(acc).T)
+            h2[a:b].copy_(swiglu_fwd(h1[a:b].to(acc), cfg.activation, cfg.swiglu_alpha,
+                                     cfg.swiglu_limit))
+            h3[a:b].copy_(h2[a:b].to(acc) @ w2_EDF[e].to(acc).T)
+        return h3
+
+    def _replay(self, x_TD, w13_END, w2_EDF, routes: _Routes, x_g, h1, h2,
+                routes_TKD: torch.Tensor) -> None:
+        """The forward up to the combine: fills x_g, h1, h2 and routes_TKD [T, K, D]."""
+        K = self.ctx.config.top_k
+        self._dispatch(x_TD[routes.send_flat_idx // K], routes, x_g)
+        h3 = self._experts_fwd(x_g, h1, h2, w13_END, w2_EDF, routes)
+        flat = routes_TKD.view(-1, routes_TKD.shape[-1])
+        flat.zero_()     # inactive routes hold exact zeros, never stale bytes
+        flat[routes.send_flat_idx] = self._return(h3, routes)
+
+    # -- Backend API ----------------------------------------------------------------------------
+    def forward(self, x_TD, expert_ids_TK, scores_TK, w13_END, w2_EDF, training: bool):
+        ctx, plan, cfg = self.ctx, self.plan, self.ctx.config
+        if training and cfg.inference:
+            raise RuntimeError("routed_experts: this context has Config.inference=True and keeps "
+                               "no state for backward; call it under torch.no_grad() or create "
+                               "the context with inference=False")
+        T, D, K, F = x_TD.shape[0], cfg.hidden_dim, cfg.top_k, cfg.intermediate_dim
+        dtype = x_TD.dtype
+        routes = self._route(expert_ids_TK)          # raises on overflow, before any write
+        R = routes.rows
+        x_g, h1, h2 = self._scratch(dtype, R, [D, 2 * F, F])
+
+        record = None
+        if training:
+            planner = ctx.planner
+            slot = int(planner.selected[0])
+            pos, planned = int(planner.layer_position[slot]), int(planner.selected[1])
+            if pos >= planned:
+                raise RuntimeError(
+                    f"routed_experts: activation slot {slot} already holds {pos} layer(s), the "
+                    f"number it was selected for; call ctx.select_activation_slot(slot, n) with "
+                    f"n <= max_moe_layers_per_activation_slot="
+                    f"{cfg.max_moe_layers_per_activation_slot} before each group of layer "
+                    "forwards, and run their backwards before reusing the slot")
+            record = plan_forward(planner, routes.rows_EP, ctx.rank, plan)
+            added = int(planner.buffer_offsets[slot]) - int(record.start)
+            assert int(record.start) + added <= plan.slot_base(slot) + plan.slot_bytes, \
+                "planner placed saved state past the slot end"
+            if bool(record.need_recompute):
+                self._view(dtype, int(record.start), (T, D)).copy_(x_TD)
+                routes_TKD = torch.empty(T, K, D, dtype=dtype, device=x_TD.device)
+            else:
+                lay = saved_layout(record, routes.rows_EP[ctx.rank], plan)
+                x_g = self._view(dtype, int(lay.x_gathered), (R, D))
+                h1 = self._view(dtype, int(lay.h1), (R, 2 * F))
+                routes_TKD = self._view(dtype, int(lay.routes), (T, K, D))
+        else:
+            routes_TKD = torch.empty(T, K, D, dtype=dtype, device=x_TD.device)
+
+        self._replay(x_TD, w13_END, w2_EDF, routes, x_g, h1, h2, routes_TKD)
+        acc = self._acc_dtype(dtype)
+        y_TD = (scores_TK.to(acc).unsqueeze(-1) * routes_TKD.to(acc)).sum(dim=1).to(dtype)
+        if not training:
+            return y_TD, None
+        saved = _Saved(record=record, routes=routes, scores_TK=scores_TK.detach().clone(),
+                       w13_END=w13_END.detach(), w2_EDF=w2_EDF.detach(), dtype=dtype)
+        return y_TD, saved
+
+    def backward(self, grad_y_TD, saved: _Saved):
+        ctx, plan, cfg = self.ctx, self.plan, self.ctx.config
+        record, routes, dtype = saved.record, saved.routes, saved.dtype
+        plan_backward(ctx.planner, record)           # rewind first: backward runs in reverse
+        T, K, D, F, R = routes.T, cfg.top_k, cfg.hidden_dim, cfg.intermediate_dim, routes.rows
+        acc = self._acc_dtype(dtype)
+        w13, w2 = saved.w13_END, saved.w2_EDF
+        s = self._backward_scratch(dtype, R)
+
+        if bool(record.need_recompute):
+            x_TD = self._view(dtype, int(record.start), (T, D))
+            x_g, h1 = s["x_g"], s["h1"]
+            routes_TKD = torch.empty(T, K, D, dtype=dtype, device=grad_y_TD.device)
+            self._replay(x_TD, w13, w2, routes, x_g, h1, s["h2"], routes_TKD)
+        else:
+            lay = saved_layout(record, routes.rows_EP[ctx.rank], plan)
+            x_g = self._view(dtype, int(lay.x_gathered), (R, D))
+            h1 = self._view(dtype, int(lay.h1), (R, 2 * F))
+            routes_TKD = self._view(dtype, int(lay.routes), (T, K, D))
+            for e, a, b in self._segments(routes):    # h2 is never saved: rebuild it from h1
+                s["h2"][a:b].copy_(swiglu_fwd(h1[a:b].to(acc), cfg.activation, cfg.swiglu_alpha,
+                                              cfg.swiglu_limit))
+        h2, g3, grad_h2 = s["h2"], s["g3"], s["grad_h2"]
+
+        # token owner: score gradients and the per-route output gradients
+        gy = grad_y_TD.to(acc)
+        grad_scores_TK = (gy.unsqueeze(1) * routes_TKD.to(acc)).sum(dim=-1)
+        grad_h3 = (saved.scores_TK.to(acc).unsqueeze(-1) * gy.unsqueeze(1)).to(dtype)
+        self._dispatch(grad_h3.view(T * K, D)[routes.send_flat_idx], routes, g3)
+
+        # expert owner: W2 DGRAD / WGRAD (last reads of h2 and g3)
+        E_local = w13.shape[0]
+        grad_w2 = torch.zeros(E_local, D, F, dtype=acc, device=grad_y_TD.device)
+        grad_w13 = torch.zeros(E_local, 2 * F, D, dtype=acc, device=grad_y_TD.device)
+        for e, a, b in self._segments(routes):
+            if a == b:
+                continue
+            g3e = g3[a:b].to(acc)
+            grad_w2[e] = g3e.T @ h2[a:b].to(acc)
+            grad_h2[a:b].copy_(g3e @ w2[e].to(acc))
+        # SwiGLU backward; grad_h1 reuses the bytes of h2 and g3, whose readers are done
+        grad_h1_rows = swiglu_bwd(h1.to(acc), grad_h2.to(acc), cfg.activation, cfg.swiglu_alpha,
+                                  cfg.swiglu_limit)
+        grad_h1 = s["grad_h1"]
+        grad_h1.copy_(grad_h1_rows)
+        # W13 DGRAD / WGRAD; route input gradients go back to the token owners
+        grad_xg = torch.empty(R, D, dtype=dtype, device=grad_y_TD.device)
+        for e, a, b in self._segments(routes):
+            if a == b:
+                continue
+            gh1e = grad_h1[a:b].to(acc)
+            grad_w13[e] = gh1e.T @ x_g[a:b].to(acc)
+            grad_xg[a:b].copy_(gh1e @ w13[e].to(acc))
+        grad_routes = torch.zeros(T * K, D, dtype=acc, device=grad_y_TD.device)
+        grad_routes[routes.send_flat_idx] = self._return(grad_xg, routes).to(acc)
+        grad_x_TD = grad_routes.view(T, K, D).sum(dim=1).to(dtype)
+
+        def wgrad(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            if cfg.wgrad_dtype == "bf16":
+                g = g.to(torch.bfloat16)
+            return g.to(w.dtype)
+
+        return grad_x_TD, grad_scores_TK, wgrad(grad_w13, w13), wgrad(grad_w2, w2)
+
+    def reset(self) -> None:
+        """Nothing to rewind beyond the planner state (Context.reset does that)."""
+
+    def close(self) -> None:
+        self._arenas.clear()

@@ -1,0 +1,666 @@
+"""Persistent grouped GEMMs for routed experts (Triton, Hopper first).
+
+Rows are sorted expert-major: rows of local expert e are [psum[e], psum[e+1]) where
+`expert_offsets` (int32 [E+1], device) holds the cumulative row ends (psum[0] = 0, psum[E] = R).
+R and every segment length are device values that the host never reads, so every launcher is
+CUDA-graph capturable: the grid is a host bound (at most the SM count, fewer when a host
+`max_rows` bound says there are fewer tiles), and each persistent program walks the tile list
+that the device offsets define.
+
+Three launchers share one kernel (`_grouped_mm_kernel`) or its wgrad sibling:
+
+  grouped_mm_fwd    out[r, :] = a[r, :] @ w[e].T       w [E, N, Kd]  (FPROP: W13, W2 forward)
+  grouped_mm_dgrad  out[r, :] = a[r, :] @ w[e]         w [E, Kd, N]  (DGRAD: W2 and W13 backward)
+  grouped_mm_wgrad  out[e]    = a_e.T @ b_e            a [R, M], b [R, N], out [E, M, N]
+
+Operands at device-chosen addresses travel as *device pointers*: int64 [1] tensors holding an
+absolute address (`device_ptr`). Rows read from / written to peers travel as per-row address
+tables: int64 [>= R] tensors, 0 meaning "no row" (a gathered 0 row reads zeros, a scattered 0 row
+is skipped). Every address must be 16-byte aligned (the kernels tell the compiler so, to get
+vectorized loads); rows of bf16 with width a multiple of 64 keep row addresses aligned.
+
+The compute dtype is the dtype of `w` (bf16 in production; fp32/fp16 in the CPU interpreter,
+where bf16 `tl.dot` is broken). Accumulation is always fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "GroupedGemmConfig",
+    "CONFIG_TABLE",
+    "INTERPRETER_CONFIG",
+    "select_config",
+    "device_ptr",
+    "grouped_mm_fwd",
+    "grouped_mm_dgrad",
+    "grouped_mm_wgrad",
+    "EPILOGUES",
+    "ACTIVATIONS",
+]
+
+EPILOGUES = ("store", "swiglu", "scatter")
+ACTIVATIONS = ("swiglu", "swiglu_clamped")
+_EPI_STORE, _EPI_SWIGLU, _EPI_SCATTER = 0, 1, 2
+_ACT_SWIGLU, _ACT_SWIGLU_CLAMPED = 0, 1
+
+_HAS_TMA = hasattr(tl, "make_tensor_descriptor")
+
+
+# --------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GroupedGemmConfig:
+    """Tile shape and launch parameters of one grouped GEMM launch.
+
+    block_n is the output width a program computes; for the "swiglu" epilogue it is the gate
+    width plus the up width (each half is block_n // 2 wide), so 128x256 costs the same registers
+    in every epilogue. For wgrad, block_m/block_n tile out[e] [M, N] and block_k steps over rows.
+    tma: load dense operands through TMA descriptors built on the device (needs Hopper and
+    `triton.set_allocator`, which the launcher provides when none is set); gathered rows always
+    use plain loads.
+    """
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    tma: bool = False
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            assert v >= 16 and v & (v - 1) == 0, f"{name}={v}: tiles must be powers of two >= 16"
+        assert self.group_m >= 1, f"group_m={self.group_m} must be >= 1"
+        assert not self.tma or _HAS_TMA, "tma=True needs tl.make_tensor_descriptor (Triton >= 3.4)"
+
+
+# Explicit table (no autotuning inside graph capture). Keys: kernel kind, then a shape class.
+# Measured on H200 (benchmarks/bench_grouped_gemm.py --sweep, 6 experts x 2048 rows, D=7168,
+# F=3072; BENCHMARKS.md): 128x256x64, 4 stages, 8 warps with TMA loads was best or within 2%
+# for every kernel: fwd+SwiGLU 721, W2 scatter 701, DGRAD 672-735, WGRAD 603-627 TFLOP/s;
+# the same tile with plain loads reached 536-589.
+CONFIG_TABLE: dict[tuple[str, str], GroupedGemmConfig] = {
+    ("fwd", "large"): GroupedGemmConfig(128, 256, 64, 8, 8, 4, tma=_HAS_TMA),
+    ("fwd", "small"): GroupedGemmConfig(128, 128, 64, 8, 8, 5, tma=_HAS_TMA),
+    ("dgrad", "large"): GroupedGemmConfig(128, 256, 64, 8, 8, 4, tma=_HAS_TMA),
+    ("dgrad", "small"): GroupedGemmConfig(128, 128, 64, 8, 8, 5, tma=_HAS_TMA),
+    ("wgrad", "large"): GroupedGemmConfig(128, 256, 64, 8, 8, 4, tma=_HAS_TMA),
+    ("wgrad", "small"): GroupedGemmConfig(128, 128, 64, 8, 8, 5, tma=_HAS_TMA),
+}
+# Tiny tiles so the CPU interpreter finishes quickly and small test shapes span several tiles.
+INTERPRETER_CONFIG = GroupedGemmConfig(16, 32, 32, 2, 4, 1)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def select_config(kind: str, *, n: int, kd: int, device: torch.device) -> GroupedGemmConfig:
+    """Pick the table entry for `kind` in ("fwd", "dgrad", "wgrad").
+
+    n is the output width a program tiles (for swiglu the full 2F), kd the contraction width
+    (for wgrad: n = N and kd = M, the two output dims). Shapes whose output width is small or
+    not a multiple of 256 use 128x128 tiles so that fewer columns are masked off.
+    """
+    if device.type != "cuda" or _interpreting():
+        return INTERPRETER_CONFIG
+    shape_class = "large" if (n % 256 == 0 and n >= 1024) else "small"
+    return CONFIG_TABLE[(kind, shape_class)]
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _default_num_programs(device: torch.device) -> int:
+    if device.type == "cuda" and not _interpreting():
+        return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return 3  # interpreter: few programs, so that each walks several tiles (persistence tested)
+
+
+def device_ptr(t: torch.Tensor) -> torch.Tensor:
+    """int64 [1] tensor on t.device holding t.data_ptr().
+
+    Built with a fill kernel (no host-to-device copy), so it may also be called during CUDA-graph
+    capture; the address is then baked into the graph.
+    """
+    assert t.data_ptr() % 16 == 0, f"device_ptr: address {t.data_ptr():#x} must be 16-byte aligned"
+    return torch.full((1,), t.data_ptr(), dtype=torch.int64, device=t.device)
+
+
+def _ensure_tma_allocator() -> None:
+    """Device-side TMA descriptors live in a per-launch global scratch from triton's allocator."""
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+        if not isinstance(_allocator.get(), NullAllocator):
+            return
+    except ImportError:  # layout of triton internals changed: set ours unconditionally
+        pass
+
+    def _alloc(size: int, alignment: int, stream: Optional[int]):
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+
+    triton.set_allocator(_alloc)
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _MMArgs:
+    """Validated arguments of one `_grouped_mm_kernel` launch (tensors plus constexprs)."""
+
+    a_addr: torch.Tensor  # int64 [1] (dense A) or a dummy
+    a_rows: torch.Tensor  # int64 [>= R] (gathered A) or a dummy
+    a_copy_addr: torch.Tensor
+    w: torch.Tensor
+    offsets: torch.Tensor
+    out_addr: torch.Tensor
+    out2_addr: torch.Tensor
+    out_rows: torch.Tensor
+    n: int  # output width per half (F for swiglu)
+    kd: int
+    num_experts: int
+    max_rows: int
+    a_gather: bool
+    a_copy: bool
+    w_kn: bool  # DGRAD orientation w [E, Kd, N]
+    epilogue: int
+    store_h1: bool
+    activation: int
+    alpha: float
+    limit: float
+
+
+def _as_device_ptr(x: torch.Tensor, name: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Accept an int64 [1] device pointer, or a dense tensor (converted with `device_ptr`)."""
+    if x.dtype == torch.int64 and x.numel() == 1:
+        return x
+    assert x.is_contiguous(), f"{name}: a dense tensor operand must be contiguous"
+    assert dtype is None or x.dtype == dtype, f"{name}: dtype {x.dtype} != compute dtype {dtype}"
+    return device_ptr(x)
+
+
+def _check_offsets(expert_offsets: torch.Tensor, num_experts: int, device: torch.device) -> None:
+    assert expert_offsets.dtype == torch.int32, "expert_offsets must be int32 cumulative row ends"
+    assert expert_offsets.is_contiguous() and expert_offsets.numel() == num_experts + 1, (
+        f"expert_offsets must be contiguous [E+1] = [{num_experts + 1}], got {tuple(expert_offsets.shape)}")
+    assert expert_offsets.device == device, "expert_offsets must live on the weights' device"
+
+
+def _check_rows(t: torch.Tensor, name: str, max_rows: int, device: torch.device) -> None:
+    assert t.dtype == torch.int64 and t.dim() == 1 and t.is_contiguous(), (
+        f"{name}: must be a contiguous int64 [max_rows] table of row addresses")
+    assert t.numel() >= max_rows, f"{name}: {t.numel()} entries < max_rows={max_rows}"
+    assert t.device == device, f"{name}: must live on the weights' device"
+
+
+def _prepare(*, w_kn, w, expert_offsets, max_rows, a, a_row_ptrs, a_copy_out, epilogue, out,
+             out_row_ptrs, h1, h2, activation, swiglu_alpha, swiglu_limit) -> _MMArgs:
+    assert w.dim() == 3 and w.is_contiguous(), "w must be a contiguous [E, *, *] tensor"
+    dev, dt = w.device, w.dtype
+    num_experts = w.shape[0]
+    _check_offsets(expert_offsets, num_experts, dev)
+    assert epilogue in EPILOGUES, f"epilogue must be one of {EPILOGUES}, got {epilogue!r}"
+    assert activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {activation!r}"
+    assert max_rows >= 0, "max_rows is a host upper bound on R"
+    assert (a is None) != (a_row_ptrs is None), "give exactly one of a (dense) and a_row_ptrs (gather)"
+    if w_kn:
+        kd, n = w.shape[1], w.shape[2]
+        assert epilogue != "swiglu", "the swiglu epilogue is an FPROP (W13) epilogue"
+    elif epilogue == "swiglu":
+        assert w.shape[1] % 2 == 0, "swiglu: w must be W13 [E, 2F, D]"
+        kd, n = w.shape[2], w.shape[1] // 2
+    else:
+        kd, n = w.shape[2], w.shape[1]
+    assert kd % 16 == 0 and n % 8 == 0, f"Kd={kd} must be a multiple of 16 and N={n} of 8"
+
+    dummy = expert_offsets  # never dereferenced when its constexpr path is off
+    a_addr = _as_device_ptr(a, "a", dt) if a is not None else dummy
+    if a_row_ptrs is not None:
+        _check_rows(a_row_ptrs, "a_row_ptrs", max_rows, dev)
+    a_copy_addr = _as_device_ptr(a_copy_out, "a_copy_out", dt) if a_copy_out is not None else dummy
+
+    out_addr = out2_addr = out_rows = dummy
+    store_h1 = False
+    if epilogue == "store":
+        assert out is not None, "epilogue='store' needs out (device pointer to [R, N])"
+        out_addr = _as_device_ptr(out, "out", dt)
+    elif epilogue == "swiglu":
+        assert h2 is not None, "epilogue='swiglu' needs h2 (device pointer to [R, F])"
+        out2_addr = _as_device_ptr(h2, "h2", dt)
+        if h1 is not None:
+            out_addr, store_h1 = _as_device_ptr(h1, "h1", dt), True
+    else:
+        assert out_row_ptrs is not None, "epilogue='scatter' needs out_row_ptrs"
+        _check_rows(out_row_ptrs, "out_row_ptrs", max_rows, dev)
+        out_rows = out_row_ptrs
+    return _MMArgs(
+        a_addr=a_addr, a_rows=a_row_ptrs if a_row_ptrs is not None else dummy,
+        a_copy_addr=a_copy_addr, w=w, offsets=expert_offsets, out_addr=out_addr,
+        out2_addr=out2_addr, out_rows=out_rows, n=n, kd=kd, num_experts=num_experts,
+        max_rows=max_rows, a_gather=a_row_ptrs is not None, a_copy=a_copy_out is not None,
+        w_kn=w_kn, epilogue=EPILOGUES.index(epilogue), store_h1=store_h1,
+        activation=ACTIVATIONS.index(activation), alpha=float(swiglu_alpha),
+        limit=float(swiglu_limit))
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _load_ptr(addr_ptr, DT: tl.constexpr):
+    """Typed pointer from a device pointer (int64 [1] holding a 16-byte aligned address)."""
+    # NOTE: the hint must sit on the int->ptr cast: axis analysis drops hints placed on a load's
+    # result. Without it, operand loads are 2-byte scalars that the pipeliner will not turn into
+    # cp.async, and stores are not vectorized (checked in the sm_90 PTX).
+    return tl.multiple_of(tl.load(addr_ptr).to(tl.pointer_type(DT)), 16)
+
+
+@triton.jit
+def _swizzle(local, num_m, num_n, GROUP_M: tl.constexpr):
+    """Group-M order inside one expert: GROUP_M m-tiles share each weight n-tile in L2."""
+    width = GROUP_M * num_n
+    group = local // width
+    first_m = group * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (local % width) % group_size
+    pid_n = (local % width) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:  # fp32 operands (interpreter tests): no tf32 rounding
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _grouped_mm_kernel(
+    a_addr_ptr, a_rows_ptr, a_copy_addr_ptr, w_ptr, offsets_ptr,
+    out_addr_ptr, out2_addr_ptr, out_rows_ptr,
+    N, Kd, alpha, limit,
+    E: tl.constexpr, E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    A_GATHER: tl.constexpr, A_COPY: tl.constexpr, W_KN: tl.constexpr, EPILOGUE: tl.constexpr,
+    STORE_H1: tl.constexpr, ACT: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
+    COPY_RELOAD: tl.constexpr = False,
+):
+    DT: tl.constexpr = w_ptr.dtype.element_ty
+    SWIGLU: tl.constexpr = EPILOGUE == 1
+    BN: tl.constexpr = BLOCK_N // 2 if SWIGLU else BLOCK_N  # width of each accumulator
+    W_ROWS = 2 * N if SWIGLU else N  # FPROP: rows of w[e]
+    pid = tl.program_id(0)
+
+    # Tile list from the device offsets: expert e owns tiles [cum[e] - tiles[e], cum[e]).
+    e_idx = tl.arange(0, E_PAD)
+    starts = tl.load(offsets_ptr + e_idx, mask=e_idx < E, other=0)
+    ends = tl.load(offsets_ptr + e_idx + 1, mask=e_idx < E, other=0)
+    num_n = tl.cdiv(N, BN)
+    m_tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    tiles = m_tiles * num_n
+    cum = tl.cumsum(tiles, 0)
+    total = tl.sum(tiles, 0)
+    offs_k = tl.arange(0, BLOCK_K)
+
+    if not A_GATHER:
+        a_base = _load_ptr(a_addr_ptr, DT)
+        if USE_TMA:
+            num_rows = tl.maximum(tl.load(offsets_ptr + E), 1)
+            a_desc = tl.make_tensor_descriptor(a_base, shape=[num_rows, Kd], strides=[Kd, 1],
+                                               block_shape=[BLOCK_M, BLOCK_K])
+    if A_COPY:
+        a_copy_base = _load_ptr(a_copy_addr_ptr, DT)
+    if USE_TMA:
+        if W_KN:
+            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * Kd, N], strides=[N, 1],
+                                               block_shape=[BLOCK_K, BN])
+        else:
+            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * W_ROWS, Kd], strides=[Kd, 1],
+                                               block_shape=[BN, BLOCK_K])
+
+    for t in tl.range(pid, total, tl.num_programs(0)):
+        e = tl.sum((cum <= t).to(tl.int32), 0)
+        sel = e_idx == e
+        local = t - tl.sum(tl.where(sel, cum - tiles, 0), 0)
+        row_start = tl.sum(tl.where(sel, starts, 0), 0)
+        row_end = tl.sum(tl.where(sel, ends, 0), 0)
+        num_m = tl.sum(tl.where(sel, m_tiles, 0), 0)
+        pid_m, pid_n = _swizzle(local, num_m, num_n, GROUP_M)
+
+        row0 = row_start + pid_m * BLOCK_M
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < row_end
+        cols = pid_n * BN + tl.arange(0, BN)
+        col_ok = cols < N
+        # NOTE: clamped indices keep dense-A and FPROP weight loads in bounds without masks (the
+        # extra rows/cols compute values that the epilogue never stores). Clamping breaks
+        # contiguity, so it is only used along non-contiguous dims; DGRAD weights use a mask.
+        cols_ld = tl.minimum(cols, N - 1)
+
+        if A_GATHER:
+            a_addr = tl.load(a_rows_ptr + rows, mask=row_ok, other=0)
+            a_ok = a_addr != 0
+            a_row_base = tl.multiple_of(a_addr.to(tl.pointer_type(DT)), [16])
+            a_ptrs = a_row_base[:, None] + offs_k[None, :]
+        elif not USE_TMA:
+            rows_ld = tl.minimum(rows, row_end - 1).to(tl.int64)
+            a_ptrs = a_base + rows_ld[:, None] * Kd + offs_k[None, :]
+        if A_COPY:
+            copy_ptrs = a_copy_base + rows.to(tl.int64)[:, None] * Kd + offs_k[None, :]
+            copy_mask = row_ok[:, None] & (pid_n == 0)
+
+        w_e = w_ptr + e.to(tl.int64) * W_ROWS * Kd
+        if W_KN:  # w[e] is [Kd, N], contiguous along N
+            b_ptrs = w_e + offs_k[:, None] * N + cols[None, :]
+        else:  # w[e] is [W_ROWS, Kd], contiguous along Kd; tile loaded as [BLOCK_K, BN]
+            b_ptrs = w_e + cols_ld[None, :].to(tl.int64) * Kd + offs_k[:, None]
+            if SWIGLU:
+                b2_ptrs = b_ptrs + N * Kd  # the up half: rows F + n
+
+        acc = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
+        if SWIGLU:
+            acc2 = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
+        for k in tl.range(0, Kd, BLOCK_K):
+            if A_GATHER:
+                a = tl.load(a_ptrs, mask=a_ok[:, None], other=0.0)
+                a_ptrs += BLOCK_K
+            elif USE_TMA:
+                a = a_desc.load([row0, k])
+            else:
+                a = tl.load(a_ptrs)
+                a_ptrs += BLOCK_K
+            if A_COPY:
+                if COPY_RELOAD and A_GATHER:
+                    # NOTE: a separate load (an L2 hit) feeds the copy, so the tile feeding the
+                    # dot is not also consumed from registers inside the pipelined loop.
+                    a_c = tl.load(a_ptrs - BLOCK_K, mask=copy_mask & a_ok[:, None], other=0.0)
+                    tl.store(copy_ptrs, a_c, mask=copy_mask)
+                else:
+                    tl.store(copy_ptrs, a, mask=copy_mask)
+                copy_ptrs += BLOCK_K
+            if USE_TMA:
+                if W_KN:
+                    b = w_desc.load([e * Kd + k, pid_n * BN])
+                else:
+                    b = w_desc.load([e * W_ROWS + pid_n * BN, k]).T
+                    if SWIGLU:
+                        b2 = w_desc.load([e * W_ROWS + N + pid_n * BN, k]).T
+            elif W_KN:
+                b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
+                b_ptrs += BLOCK_K * N
+            else:
+                b = tl.load(b_ptrs)
+                b_ptrs += BLOCK_K
+                if SWIGLU:
+                    b2 = tl.load(b2_ptrs)
+                    b2_ptrs += BLOCK_K
+            acc = _dot(a, b, acc, IEEE)
+            if SWIGLU:
+                acc2 = _dot(a, b2, acc2, IEEE)
+
+        mask = row_ok[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)
+        if EPILOGUE == 0:  # dense store, row stride N
+            out_base = _load_ptr(out_addr_ptr, DT)
+            tl.store(out_base + rows64[:, None] * N + cols[None, :], acc.to(DT), mask=mask)
+        elif EPILOGUE == 1:  # h1 [R, 2F] (gate | up), h2 [R, F]
+            g = acc.to(DT)
+            u = acc2.to(DT)
+            if STORE_H1:
+                h1_ptrs = (_load_ptr(out_addr_ptr, DT)
+                           + rows64[:, None] * (2 * N) + cols[None, :])
+                tl.store(h1_ptrs, g, mask=mask)
+                tl.store(h1_ptrs + N, u, mask=mask)
+            # NOTE: the activation reads the rounded h1, exactly what backward will reload.
+            gf = g.to(tl.float32)
+            uf = u.to(tl.float32)
+            if ACT == 0:
+                h = gf * tl.sigmoid(gf) * uf
+            else:
+                gf = tl.minimum(gf, limit)
+                uf = tl.minimum(tl.maximum(uf, -limit), limit)
+                h = gf * tl.sigmoid(alpha * gf) * (uf + 1.0)
+            h2_base = _load_ptr(out2_addr_ptr, DT)
+            tl.store(h2_base + rows64[:, None] * N + cols[None, :], h.to(DT), mask=mask)
+        else:  # scatter: row i to address out_rows[i], skipped when 0
+            o_addr = tl.load(out_rows_ptr + rows, mask=row_ok, other=0)
+            o_row_base = tl.multiple_of(o_addr.to(tl.pointer_type(DT)), [16])
+            o_ptrs = o_row_base[:, None] + cols[None, :]
+            tl.store(o_ptrs, acc.to(DT), mask=(o_addr != 0)[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _grouped_mm_wgrad_kernel(
+    a_addr_ptr, b_addr_ptr, offsets_ptr, out_ptr, M, N,
+    E: tl.constexpr, IN_DT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_expert = num_m * num_n
+    e = pid // per_expert
+    pid_m, pid_n = _swizzle(pid % per_expert, num_m, num_n, GROUP_M)
+    row_start = tl.load(offsets_ptr + e)
+    row_end = tl.load(offsets_ptr + e + 1)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    a_base = _load_ptr(a_addr_ptr, IN_DT)
+    b_base = _load_ptr(b_addr_ptr, IN_DT)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if USE_TMA:
+        # Descriptors over this expert's rows only: TMA zero-fills the ragged tail.
+        num_rows = tl.maximum(row_end - row_start, 1)
+        a_desc = tl.make_tensor_descriptor(a_base + row_start.to(tl.int64) * M, shape=[num_rows, M],
+                                           strides=[M, 1], block_shape=[BLOCK_K, BLOCK_M])
+        b_desc = tl.make_tensor_descriptor(b_base + row_start.to(tl.int64) * N, shape=[num_rows, N],
+                                           strides=[N, 1], block_shape=[BLOCK_K, BLOCK_N])
+        for r in tl.range(0, row_end - row_start, BLOCK_K):
+            a = a_desc.load([r, pid_m * BLOCK_M])
+            b = b_desc.load([r, pid_n * BLOCK_N])
+            acc = _dot(a.T, b, acc, IEEE)
+    else:
+        # NOTE: masks, not clamped indices, along M and N: those are the contiguous dims.
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        rk = row_start + tl.arange(0, BLOCK_K)
+        a_ptrs = a_base + rk.to(tl.int64)[:, None] * M + offs_m[None, :]
+        b_ptrs = b_base + rk.to(tl.int64)[:, None] * N + offs_n[None, :]
+        for r in tl.range(row_start, row_end, BLOCK_K):
+            r_ok = (r + tl.arange(0, BLOCK_K)) < row_end
+            a = tl.load(a_ptrs, mask=r_ok[:, None] & m_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = _dot(a.T, b, acc, IEEE)
+            a_ptrs += BLOCK_K * M
+            b_ptrs += BLOCK_K * N
+
+    OUT_DT: tl.constexpr = out_ptr.dtype.element_ty
+    out_ptrs = (out_ptr + e.to(tl.int64) * M * N + offs_m.to(tl.int64)[:, None] * N
+                + offs_n[None, :])
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if ACCUMULATE:
+        # Empty experts leave out[e] untouched.
+        mask = mask & (row_end > row_start)
+        acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, acc.to(OUT_DT), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+# How the gathered A tile reaches a_copy_out: from the registers that feed the dot (False) or
+# through a second load (True). Set from the GPU checks; see tests/gpu/test_grouped_gemm_gpu.py.
+COPY_RELOAD = os.environ.get("DIST_MOE_COPY_RELOAD", "1") == "1"
+
+
+def _launch_mm(args: _MMArgs, config: GroupedGemmConfig, num_programs: Optional[int]) -> None:
+    w = args.w
+    bn = config.block_n // 2 if args.epilogue == _EPI_SWIGLU else config.block_n
+    assert args.kd % config.block_k == 0, (
+        f"Kd={args.kd} must be a multiple of block_k={config.block_k} (the K loop is unmasked)")
+    if args.epilogue == _EPI_SWIGLU:
+        assert config.block_n % 32 == 0, "swiglu needs block_n >= 32 (two halves of >= 16)"
+    num_n = triton.cdiv(args.n, bn)
+    # Host bound on tiles: sum_e cdiv(len_e, BM) <= cdiv(R, BM) + E - 1.
+    tile_bound = (triton.cdiv(args.max_rows, config.block_m) + args.num_experts) * num_n
+    progs = num_programs or _default_num_programs(w.device)
+    grid = (max(1, min(progs, tile_bound)),)
+    if config.tma and w.device.type == "cuda":
+        _ensure_tma_allocator()
+    _grouped_mm_kernel[grid](
+        a_addr_ptr=args.a_addr, a_rows_ptr=args.a_rows, a_copy_addr_ptr=args.a_copy_addr,
+        w_ptr=w, offsets_ptr=args.offsets, out_addr_ptr=args.out_addr,
+        out2_addr_ptr=args.out2_addr, out_rows_ptr=args.out_rows,
+        N=args.n, Kd=args.kd, alpha=args.alpha, limit=args.limit,
+        E=args.num_experts, E_PAD=max(2, triton.next_power_of_2(args.num_experts)),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        GROUP_M=config.group_m, A_GATHER=args.a_gather, A_COPY=args.a_copy, W_KN=args.w_kn,
+        EPILOGUE=args.epilogue, STORE_H1=args.store_h1, ACT=args.activation,
+        USE_TMA=config.tma, IEEE=w.dtype == torch.float32, COPY_RELOAD=COPY_RELOAD,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def grouped_mm_fwd(
+    *,
+    w: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    max_rows: int,
+    a: Optional[torch.Tensor] = None,
+    a_row_ptrs: Optional[torch.Tensor] = None,
+    a_copy_out: Optional[torch.Tensor] = None,
+    epilogue: str = "store",
+    out: Optional[torch.Tensor] = None,
+    out_row_ptrs: Optional[torch.Tensor] = None,
+    h1: Optional[torch.Tensor] = None,
+    h2: Optional[torch.Tensor] = None,
+    activation: str = "swiglu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
+    config: Optional[GroupedGemmConfig] = None,
+    num_programs: Optional[int] = None,
+) -> None:
+    """FPROP grouped GEMM: row r of expert e gets a[r] @ w[e].T (fp32 accumulation).
+
+    w               [E, N, Kd] contiguous, compute dtype (bf16; fp32/fp16 for the interpreter).
+                    For epilogue="swiglu" this is W13 [E, 2F, D] (gate rows [0, F), up [F, 2F)).
+    expert_offsets  int32 [E+1] device, cumulative row ends (psum[E] = R, never read on host).
+    max_rows        host upper bound on R; only sizes the grid (tiles past R do nothing).
+    a               A [R, Kd] (row stride Kd): device pointer (int64 [1]) or dense tensor.
+    a_row_ptrs      instead of a: int64 [>= max_rows] absolute row addresses (0 -> zero row).
+    a_copy_out      optional device pointer to [R, Kd]: the program of n-tile 0 stores each A
+                    tile it loaded there (saves gathered rows for backward).
+    epilogue        "store":   out (device pointer to [R, N], row stride N) = result.
+                    "swiglu":  h1 (optional device pointer to [R, 2F]) = [gate | up] rounded to
+                               the compute dtype; h2 (device pointer to [R, F]) = act(h1).
+                    "scatter": result row r written to address out_row_ptrs[r] (int64
+                               [>= max_rows]); rows whose address is 0 are skipped.
+    activation      "swiglu": silu(g) * u; "swiglu_clamped": g = min(g, limit),
+                    u = clamp(u, -limit, limit), h2 = g * sigmoid(alpha * g) * (u + 1).
+    config          tile config; default from `select_config("fwd", ...)`.
+    num_programs    persistent grid size; default the SM count.
+    """
+    args = _prepare(w_kn=False, w=w, expert_offsets=expert_offsets, max_rows=max_rows, a=a,
+                    a_row_ptrs=a_row_ptrs, a_copy_out=a_copy_out, epilogue=epilogue, out=out,
+                    out_row_ptrs=out_row_ptrs, h1=h1, h2=h2, activation=activation,
+                    swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+    width = 2 * args.n if epilogue == "swiglu" else args.n
+    config = config or select_config("fwd", n=width, kd=args.kd, device=w.device)
+    _launch_mm(args, config, num_programs)
+
+
+def grouped_mm_dgrad(
+    *,
+    w: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    max_rows: int,
+    a: Optional[torch.Tensor] = None,
+    a_row_ptrs: Optional[torch.Tensor] = None,
+    a_copy_out: Optional[torch.Tensor] = None,
+    epilogue: str = "store",
+    out: Optional[torch.Tensor] = None,
+    out_row_ptrs: Optional[torch.Tensor] = None,
+    config: Optional[GroupedGemmConfig] = None,
+    num_programs: Optional[int] = None,
+) -> None:
+    """DGRAD grouped GEMM: row r of expert e gets a[r] @ w[e] (fp32 accumulation).
+
+    w  [E, Kd, N] contiguous: W2 [E, D, F] for grad_h2 [R, F] = grad_h3 [R, D] @ W2[e], or
+       W13 [E, 2F, D] for grad_x [R, D] = grad_h1 [R, 2F] @ W13[e].
+    Other arguments as in `grouped_mm_fwd` (epilogues "store" and "scatter" only).
+    """
+    args = _prepare(w_kn=True, w=w, expert_offsets=expert_offsets, max_rows=max_rows, a=a,
+                    a_row_ptrs=a_row_ptrs, a_copy_out=a_copy_out, epilogue=epilogue, out=out,
+                    out_row_ptrs=out_row_ptrs, h1=None, h2=None, activation="swiglu",
+                    swiglu_alpha=1.0, swiglu_limit=1.0)
+    config = config or select_config("dgrad", n=args.n, kd=args.kd, device=w.device)
+    _launch_mm(args, config, num_programs)
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def grouped_mm_wgrad(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    accumulate: bool = False,
+    dtype: Optional[torch.dtype] = None,
+    config: Optional[GroupedGemmConfig] = None,
+) -> None:
+    """WGRAD grouped GEMM: out[e] (+)= a_e.T @ b_e over the rows of expert e (fp32 accumulation).
+
+    a               [R, M] dense (row stride M): device pointer (int64 [1]) or dense tensor.
+    b               [R, N] dense (row stride N): device pointer or dense tensor.
+    expert_offsets  int32 [E+1] device cumulative row ends.
+    out             [E, M, N] contiguous tensor, bf16 or fp32 (fp16/fp32 also for the
+                    interpreter). Experts with no rows get zeros, or stay untouched when
+                    accumulate=True (which needs an fp32 out: out[e] += a_e.T @ b_e).
+    dtype           dtype of a and b; default: theirs when tensors, else bfloat16.
+    """
+    assert out.dim() == 3 and out.is_contiguous(), "out must be a contiguous [E, M, N] tensor"
+    assert out.dtype in _TL_DTYPES, f"out dtype {out.dtype} not supported"
+    assert not accumulate or out.dtype == torch.float32, "accumulate=True needs an fp32 out"
+    num_experts, m, n = out.shape
+    _check_offsets(expert_offsets, num_experts, out.device)
+    if dtype is None:
+        dtype = a.dtype if a.dtype != torch.int64 else torch.bfloat16
+    assert dtype in _TL_DTYPES, f"input dtype {dtype} not supported"
+    a_addr = _as_device_ptr(a, "a", dtype)
+    b_addr = _as_device_ptr(b, "b", dtype)
+    config = config or select_config("wgrad", n=n, kd=m, device=out.device)
+    if config.tma:
+        size = torch.empty((), dtype=dtype).element_size()
+        assert (m * size) % 16 == 0 and (n * size) % 16 == 0, "TMA needs 16-byte row strides"
+        if out.device.type == "cuda":
+            _ensure_tma_allocator()
+    grid = (num_experts * triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+    if grid[0] == 0:
+        return
+    _grouped_mm_wgrad_kernel[grid](
+        a_addr_ptr=a_addr, b_addr_ptr=b_addr, offsets_ptr=expert_offsets, out_ptr=out, M=m, N=n,
+        E=num_experts, IN_DT=_TL_DTYPES[dtype], BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        ACCUMULATE=accumulate, USE_TMA=config.tma, IEEE=dtype == torch.float32,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )

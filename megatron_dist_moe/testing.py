@@ -1,0 +1,312 @@
+"""Shared helpers for tests, benchmarks and the demo: fp64 oracle, routing generators, spawning.
+
+Nothing here runs at import time; torch.distributed is only touched inside spawned workers.
+
+    oracle      routed_experts_oracle(x_TD, ids_TK, scores_TK, w13_all, w2_all, ...)
+    routing     random_routing(...), imbalanced_routing(...)
+    problems    make_problem(cfg, ep_size, seed, ...) -> Problem (every rank's inputs and weights)
+                run_rank(ctx, problem, ...) -> this rank's output and gradients
+                oracle_results(problem, cfg) / rank_errors(...)
+    processes   spawn(fn, world_size, args) runs fn(rank, world_size, *args) on gloo/NCCL ranks
+                rendezvousing through a FileStore in a fresh temporary directory (no ports).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+__all__ = [
+    "routed_experts_oracle", "random_routing", "imbalanced_routing", "make_weights",
+    "relative_error", "Problem", "make_problem", "run_rank", "oracle_results", "rank_errors",
+    "spawn", "RESULT_NAMES",
+]
+
+RESULT_NAMES = ("y", "grad_x", "grad_scores", "grad_w13", "grad_w2")
+
+
+# -- oracle ------------------------------------------------------------------------------------
+def routed_experts_oracle(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor,
+                          scores_TK: torch.Tensor, w13: torch.Tensor, w2_EDF: torch.Tensor, *,
+                          activation: str = "swiglu", swiglu_alpha: float = 1.702,
+                          swiglu_limit: float = 7.0,
+                          compute_dtype: torch.dtype | None = torch.float64) -> torch.Tensor:
+    """Dense-math reference of routed_experts over *all* experts (differentiable, any device).
+
+    Args:
+        x_TD:           [T, D] tokens (every rank's tokens concatenated, for an EP comparison).
+        expert_ids_TK:  [T, K] global expert IDs in [0, E), -1 = inactive route.
+        scores_TK:      [T, K] route scores.
+        w13:            [E, 2, F, D] or [E, 2F, D] global gate/up weights.
+        w2_EDF:         [E, D, F] global down projections.
+        compute_dtype:  dtype every operand is cast to (default fp64: the oracle); None computes
+                        in the inputs' own dtype (a "plain torch at the same precision" baseline).
+
+    Returns y_TD [T, D] in compute_dtype: sum over active routes of score * W2 act(W13 x).
+    """
+    E = w13.shape[0]
+    D = x_TD.shape[1]
+    w13 = w13.reshape(E, -1, D)
+    F = w13.shape[1] // 2
+    dt = x_TD.dtype if compute_dtype is None else compute_dtype
+    x_TD, scores_TK, w13, w2_EDF = x_TD.to(dt), scores_TK.to(dt), w13.to(dt), w2_EDF.to(dt)
+    ids = expert_ids_TK.to(torch.int64)
+    y = torch.zeros_like(x_TD)
+    for e in range(E):
+        t_idx, k_idx = (ids == e).nonzero(as_tuple=True)
+        if t_idx.numel() == 0:
+            continue
+        h1 = x_TD[t_idx] @ w13[e].T
+        g, u = h1[:, :F], h1[:, F:]
+        if activation == "swiglu":
+            h2 = torch.nn.functional.silu(g) * u
+        elif activation == "swiglu_clamped":
+            gc = g.clamp(max=swiglu_limit)
+            uc = u.clamp(-swiglu_limit, swiglu_limit)
+            h2 = gc * torch.sigmoid(swiglu_alpha * gc) * (uc + 1)
+        else:
+            raise ValueError(f"unknown activation {activation!r}")
+        h3 = h2 @ w2_EDF[e].T
+        y = y.index_add(0, t_idx, scores_TK[t_idx, k_idx].unsqueeze(-1) * h3)
+    return y
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Norm-wise relative error ||got - want|| / ||want|| in fp64 (0 when both are zero)."""
+    got, want = got.detach().to("cpu", torch.float64), want.detach().to("cpu", torch.float64)
+    den = want.norm().item()
+    num = (got - want).norm().item()
+    if den == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return num / den
+
+
+# -- routing generators ------------------------------------------------------------------------
+def _scores(T: int, K: int, generator: torch.Generator | None) -> torch.Tensor:
+    """Positive softmax-like scores [T, K] fp32 (each row sums to 1)."""
+    logits = torch.randn(T, K, generator=generator, dtype=torch.float64)
+    return torch.softmax(logits, dim=-1).to(torch.float32)
+
+
+def _deactivate(ids: torch.Tensor, scores: torch.Tensor, generator, inactive_fraction: float,
+                num_inactive_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    T, K = ids.shape
+    if inactive_fraction > 0:
+        off = torch.rand(T, K, generator=generator) < inactive_fraction
+        ids = ids.masked_fill(off, -1)
+    if num_inactive_rows > 0:
+        rows = torch.randperm(T, generator=generator)[:num_inactive_rows]
+        ids[rows] = -1
+    scores = scores.masked_fill(ids < 0, 0.0)
+    return ids, scores
+
+
+def random_routing(num_tokens: int, top_k: int, num_experts: int, *,
+                   generator: torch.Generator | None = None, inactive_fraction: float = 0.0,
+                   num_inactive_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniform routing: each token picks top_k distinct experts.
+
+    Returns (expert_ids [T, K] int64, scores [T, K] fp32); a fraction of routes (and
+    `num_inactive_rows` whole rows) are inactive: ID -1 and score exactly 0.
+    """
+    keys = torch.rand(num_tokens, num_experts, generator=generator)
+    ids = keys.topk(top_k, dim=1).indices.to(torch.int64)
+    return _deactivate(ids, _scores(num_tokens, top_k, generator), generator, inactive_fraction,
+                       num_inactive_rows)
+
+
+def imbalanced_routing(num_tokens: int, top_k: int, num_experts: int, *, ep_size: int,
+                       mode: str = "one_rank", target_rank: int = 0, hot_expert: int = 0,
+                       zipf_s: float = 1.5, generator: torch.Generator | None = None,
+                       inactive_fraction: float = 0.0, num_inactive_rows: int = 0
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Skewed routing for overflow / planner / correctness tests.
+
+    mode:
+        "one_rank"    every route goes to an expert owned by `target_rank` (needs
+                      top_k <= E_local); that rank receives T*K rows from every source.
+        "hot_expert"  route 0 of every token goes to `hot_expert`, the rest are uniform.
+        "zipf"        experts drawn with probability ~ 1 / (rank+1)^zipf_s (distinct per token).
+    """
+    E_local = num_experts // ep_size
+    T, K = num_tokens, top_k
+    if mode == "one_rank":
+        if K > E_local:
+            raise ValueError(f"one_rank routing needs top_k={K} <= E_local={E_local}")
+        keys = torch.rand(T, E_local, generator=generator)
+        ids = keys.topk(K, dim=1).indices.to(torch.int64) + target_rank * E_local
+    elif mode == "hot_expert":
+        keys = torch.rand(T, num_experts, generator=generator)
+        keys[:, hot_expert] = 2.0          # always the top pick, in route slot 0
+        ids = keys.topk(K, dim=1).indices.to(torch.int64)
+    elif mode == "zipf":
+        w = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** zipf_s
+        ids = torch.multinomial(w.expand(T, -1), K, replacement=False, generator=generator)
+    else:
+        raise ValueError(f"unknown imbalance mode {mode!r}")
+    return _deactivate(ids, _scores(T, K, generator), generator, inactive_fraction,
+                       num_inactive_rows)
+
+
+def make_weights(num_experts: int, hidden_dim: int, intermediate_dim: int, *,
+                 generator: torch.Generator | None = None, dtype: torch.dtype = torch.bfloat16
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global (w13 [E, 2, F, D], w2 [E, D, F]) scaled so h1 and h3 stay O(1)."""
+    E, D, F = num_experts, hidden_dim, intermediate_dim
+    w13 = torch.randn(E, 2, F, D, generator=generator, dtype=torch.float64) / D ** 0.5
+    w2 = torch.randn(E, D, F, generator=generator, dtype=torch.float64) / F ** 0.5
+    return w13.to(dtype), w2.to(dtype)
+
+
+# -- whole problems ----------------------------------------------------------------------------
+@dataclass
+class Problem:
+    """Every rank's inputs of one routed_experts call (global tensors on CPU, rank-major tokens).
+
+    x [EP*T, D], ids [EP*T, K] int64, scores [EP*T, K] fp32, w13 [E, 2, F, D], w2 [E, D, F],
+    grad_y [EP*T, D]; values already rounded to `dtype`.
+    """
+
+    ep_size: int
+    T: int
+    x: torch.Tensor
+    ids: torch.Tensor
+    scores: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+    grad_y: torch.Tensor
+
+    def tokens(self, rank: int) -> slice:
+        return slice(rank * self.T, (rank + 1) * self.T)
+
+    def experts(self, rank: int) -> slice:
+        E_local = self.w13.shape[0] // self.ep_size
+        return slice(rank * E_local, (rank + 1) * E_local)
+
+
+def make_problem(cfg, ep_size: int, seed: int, *, dtype: torch.dtype = torch.bfloat16,
+                 routing: str = "random", num_tokens: int | None = None,
+                 inactive_fraction: float = 0.0, num_inactive_rows: int = 0,
+                 **routing_kwargs: Any) -> Problem:
+    """A deterministic problem for `cfg` on `ep_size` ranks (same on every rank for a seed).
+
+    routing: "random" or an imbalanced_routing mode ("one_rank", "hot_expert", "zipf").
+    """
+    gen = torch.Generator().manual_seed(seed)
+    T = cfg.num_local_input_tokens if num_tokens is None else num_tokens
+    N, K, E, D, F = ep_size * T, cfg.top_k, cfg.num_experts, cfg.hidden_dim, cfg.intermediate_dim
+    x = torch.randn(N, D, generator=gen, dtype=torch.float64).to(dtype)
+    if routing == "random":
+        ids, scores = random_routing(N, K, E, generator=gen, inactive_fraction=inactive_fraction,
+                                     num_inactive_rows=num_inactive_rows)
+    else:
+        ids, scores = imbalanced_routing(N, K, E, ep_size=ep_size, mode=routing, generator=gen,
+                                         inactive_fraction=inactive_fraction,
+                                         num_inactive_rows=num_inactive_rows, **routing_kwargs)
+    if dtype == torch.float64:
+        scores = scores.to(torch.float64)
+    w13, w2 = make_weights(E, D, F, generator=gen, dtype=dtype)
+    grad_y = torch.randn(N, D, generator=gen, dtype=torch.float64).to(dtype)
+    return Problem(ep_size, T, x, ids, scores, w13, w2, grad_y)
+
+
+def run_rank(ctx, problem: Problem, *, w13_layout: str = "E2FD", backward: bool = True,
+             ) -> dict[str, torch.Tensor]:
+    """Run routed_experts on this rank's slice of `problem` (forward, and backward when asked).
+
+    w13_layout: "E2FD" passes w13 as [E_local, 2, F, D], "E2F_D" as [E_local, 2F, D].
+    Returns CPU tensors: y, and grad_x, grad_scores, grad_w13 ([E_local, 2, F, D]), grad_w2.
+    """
+    from .ops import routed_experts
+
+    dev, r = ctx.device, ctx.rank
+    tok, exp = problem.tokens(r), problem.experts(r)
+    x = problem.x[tok].to(dev).requires_grad_(backward)
+    ids = problem.ids[tok].to(dev)
+    scores = problem.scores[tok].to(dev).requires_grad_(backward)
+    w13 = problem.w13[exp].contiguous().to(dev)
+    if w13_layout == "E2F_D":
+        w13 = w13.reshape(w13.shape[0], -1, w13.shape[-1])
+    elif w13_layout != "E2FD":
+        raise ValueError(f"unknown w13 layout {w13_layout!r}")
+    w13 = w13.requires_grad_(backward)
+    w2 = problem.w2[exp].contiguous().to(dev).requires_grad_(backward)
+    if backward:
+        y = routed_experts(x, ids, scores, w13, w2, ctx)
+        y.backward(problem.grad_y[tok].to(dev))
+        return dict(y=y.detach().cpu(), grad_x=x.grad.cpu(), grad_scores=scores.grad.cpu(),
+                    grad_w13=w13.grad.reshape(problem.w13[exp].shape).cpu(), grad_w2=w2.grad.cpu())
+    with torch.no_grad():
+        y = routed_experts(x, ids, scores, w13, w2, ctx)
+    return dict(y=y.cpu())
+
+
+def oracle_results(problem: Problem, cfg, *, compute_dtype: torch.dtype | None = torch.float64
+                   ) -> dict[str, torch.Tensor]:
+    """The oracle's y and gradients for every rank (global tensors, in compute_dtype)."""
+    def leaf(t):
+        t = t.detach().clone()
+        if compute_dtype is not None:
+            t = t.to(compute_dtype)
+        return t.requires_grad_(True)
+
+    x, scores, w13, w2 = leaf(problem.x), leaf(problem.scores), leaf(problem.w13), leaf(problem.w2)
+    y = routed_experts_oracle(x, problem.ids, scores, w13, w2, activation=cfg.activation,
+                              swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit,
+                              compute_dtype=None)
+    y.backward(problem.grad_y.to(y.dtype))
+    return dict(y=y.detach(), grad_x=x.grad, grad_scores=scores.grad, grad_w13=w13.grad,
+                grad_w2=w2.grad)
+
+
+def rank_errors(results: dict[str, torch.Tensor], oracle: dict[str, torch.Tensor],
+                problem: Problem, rank: int) -> dict[str, float]:
+    """Relative error of each of this rank's results against the matching oracle slice."""
+    tok, exp = problem.tokens(rank), problem.experts(rank)
+    pick = dict(y=tok, grad_x=tok, grad_scores=tok, grad_w13=exp, grad_w2=exp)
+    return {k: relative_error(v, oracle[k][pick[k]]) for k, v in results.items()}
+
+
+# -- processes ---------------------------------------------------------------------------------
+def _spawn_entry(rank: int, fn: Callable, world_size: int, args: tuple, backend: str,
+                 workdir: str, timeout_s: float, num_threads: int) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(num_threads)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    store = dist.FileStore(os.path.join(workdir, "store"), world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(workdir, f"result_{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable, world_size: int = 2, args: tuple = (), *, backend: str = "gloo",
+          timeout_s: float = 120.0, num_threads: int = 1) -> list[Any]:
+    """Run fn(rank, world_size, *args) on `world_size` fresh processes with a process group.
+
+    fn must be importable (a module-level function). Ranks rendezvous through a FileStore in a
+    new temporary directory, so parallel runs never collide on a port. Returns each rank's return
+    value (round-tripped through torch.save). A failing rank raises here with its traceback and
+    the other ranks are terminated; `timeout_s` bounds every collective.
+    """
+    import torch.multiprocessing as mp
+
+    workdir = tempfile.mkdtemp(prefix="dm_spawn_")
+    try:
+        mp.spawn(_spawn_entry, nprocs=world_size, join=True,
+                 args=(fn, world_size, tuple(args), backend, workdir, timeout_s, num_threads))
+        return [torch.load(os.path.join(workdir, f"result_{r}.pt"), weights_only=False)
+                for r in range(world_size)]
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)

@@ -1,0 +1,94 @@
+"""`python -m megatron_dist_moe plan|demo`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import megatron_dist_moe as dm
+from megatron_dist_moe import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "configs"
+PRESET_EP = {"guide_bench": 64, "deepseek_v3": 64, "tiny": 2}
+
+
+@pytest.mark.parametrize("name", sorted(PRESET_EP))
+def test_plan_prints_explain(name, capsys):
+    rc = cli.main(["plan", "--config", str(CONFIGS / f"{name}.yaml"), "--ep", str(PRESET_EP[name])])
+    out = capsys.readouterr().out
+    assert rc == 0
+    want = dm.plan_memory(dm.load_config(CONFIGS / f"{name}.yaml"), ep_size=PRESET_EP[name])
+    assert want.explain() in out
+
+
+def test_plan_imbalance_table(capsys):
+    rc = cli.main(["plan", "--config", str(CONFIGS / "deepseek_v3.yaml"), "--ep", "64",
+                   "--imbalance", "1,4,8", "--layers", "4"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    lines = [ln.split() for ln in out.splitlines() if ln.strip().startswith("L")]
+    assert [ln[0] for ln in lines] == ["L0", "L1", "L2", "L3"]
+    assert [ln[5] for ln in lines] == ["save", "save", "replay", "replay"]
+    assert "rewinds every cursor: yes" in out
+
+
+def test_simulation_uses_the_planner():
+    c = dm.load_config(CONFIGS / "tiny.yaml", max_moe_layers_per_activation_slot=3)
+    plan = dm.plan_memory(c, ep_size=4)
+    assert cli.imbalanced_rows(plan, 1.0) == [128] * 4
+    # 4 x 128 routes in all: the tracked rank takes 2.5 x 128 = 320, the others share 192
+    assert cli.imbalanced_rows(plan, 2.5, tracked_rank=2) == [64, 64, 320, 64]
+    assert cli.imbalanced_rows(plan, 0.5, tracked_rank=0) == [64, 150, 149, 149]
+    assert cli.imbalanced_rows(plan, 100.0) == [512, 0, 0, 0]
+    # slot = 3 x full_state(128) = 3 x 131072; full_state(R) = 768 R + 32768; input 16384
+    #   L0 128 rows: 131072 + 2 x 16384 <= 393216 save
+    #   L1 192 rows: 131072 + 180224 + 16384 = 327680 <= 393216 save
+    #   L2 384 rows: 311296 + 327680 > 393216 replay (and 384 > 256 scratch rows: overflow)
+    sim = cli.simulate_slot(plan, [1, 1.5, 3])
+    assert [d.need_recompute for d in sim.layers] == [False, False, True]
+    assert sim.layers[1].candidate_bytes + sim.layers[1].reserve_bytes == 327680
+    assert sim.layers[2].overflow and not sim.layers[0].overflow
+    assert sim.rewound
+    assert sim.layers[1].start == plan.layer.full_state(128)
+    with pytest.raises(ValueError, match="max_moe_layers_per_activation_slot"):
+        cli.simulate_slot(plan, [1], num_layers=4)
+
+
+@pytest.mark.parametrize("name", sorted(PRESET_EP))
+def test_plan_plot_writes_png(name, tmp_path, capsys):
+    out = tmp_path / f"{name}.png"
+    rc = cli.main(["plan", "--config", str(CONFIGS / f"{name}.yaml"), "--ep", str(PRESET_EP[name]),
+                   "--imbalance", "1,2,4", "--plot", str(out)])
+    assert rc == 0
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    assert f"wrote {out}" in capsys.readouterr().out
+
+
+def test_plan_errors_name_the_problem(capsys):
+    rc = cli.main(["plan", "--config", str(CONFIGS / "tiny.yaml"), "--ep", "3"])
+    assert rc == 2 and "Config.num_experts" in capsys.readouterr().err
+    rc = cli.main(["plan", "--config", str(CONFIGS / "tiny.yaml"), "--ep", "2",
+                   "--set", "top_k=100"])
+    assert rc == 2 and "Config.top_k" in capsys.readouterr().err
+    rc = cli.main(["plan", "--config", str(CONFIGS / "nope.yaml"), "--ep", "2"])
+    assert rc == 2 and "nope.yaml" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--config", str(CONFIGS / "tiny.yaml"), "--ep", "2", "--imbalance", "a,b"])
+
+
+def test_demo_end_to_end():
+    """The README's main job: 2 gloo ranks, reference backend, error against the fp64 oracle."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-m", "megatron_dist_moe", "demo", "--ranks", "2"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "Dist-MoE memory plan" in out and "reference" in out and "PASS" in out
+    worst = float(out.split("max relative error")[1].split()[0])
+    assert 1e-4 < worst < 2e-2

@@ -1,0 +1,131 @@
+"""Config validation (every error names its field) and the YAML presets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import megatron_dist_moe as dm
+from megatron_dist_moe.config import ConfigError
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+SHAPE = dict(num_local_input_tokens=64, hidden_dim=128, intermediate_dim=128, top_k=2,
+             num_experts=8)
+
+
+def make(**kw):
+    return dm.Config(**{**SHAPE, **kw})
+
+
+BAD = [
+    # (field named in the error, overrides)
+    ("num_local_input_tokens", dict(num_local_input_tokens=0)),
+    ("num_local_input_tokens", dict(num_local_input_tokens=True)),
+    ("num_local_input_tokens", dict(num_local_input_tokens=2**30, top_k=2)),
+    ("hidden_dim", dict(hidden_dim=100)),
+    ("hidden_dim", dict(hidden_dim=64.0)),
+    ("intermediate_dim", dict(intermediate_dim=96)),
+    ("intermediate_dim", dict(intermediate_dim=192, precision="fp8_block")),
+    ("hidden_dim", dict(hidden_dim=64, precision="mxfp8")),
+    ("top_k", dict(top_k=-1)),
+    ("top_k", dict(top_k=9)),
+    ("num_experts", dict(num_experts=0)),
+    ("precision", dict(precision="fp16")),
+    ("precision", dict(precision="nvfp4")),               # nvfp4 without inference
+    ("pipeline", dict(pipeline="fast")),
+    ("activation", dict(activation="gelu")),
+    ("backend", dict(backend="triton")),
+    ("wgrad_dtype", dict(wgrad_dtype="fp16")),
+    ("inference", dict(inference=1)),
+    ("num_activation_slots", dict(num_activation_slots=0)),   # training needs a slot
+    ("num_activation_slots", dict(num_activation_slots=-1, inference=True)),
+    ("num_activation_slots", dict(num_activation_slots=1.0)),
+    ("max_moe_layers_per_activation_slot", dict(max_moe_layers_per_activation_slot=0)),
+    ("activation_slot_bytes", dict(activation_slot_bytes=1 << 20,
+                                   activation_slot_capacity_factor=1.0)),
+    ("activation_slot_bytes", dict(activation_slot_bytes=-128)),
+    ("activation_slot_bytes", dict(activation_slot_bytes=1.5)),
+    ("activation_slot_capacity_factor", dict(activation_slot_capacity_factor=-0.5)),
+    ("activation_slot_capacity_factor", dict(activation_slot_capacity_factor=float("nan"))),
+    ("device_scratch_capacity_factor", dict(device_scratch_capacity_factor=0.0)),
+    ("host_scratch_capacity_factor", dict(host_scratch_capacity_factor=1.0)),  # below device 2.0
+    ("swiglu_limit", dict(activation="swiglu_clamped", swiglu_limit=0.0)),
+]
+
+
+@pytest.mark.parametrize("field,kw", BAD, ids=[f"{f}-{i}" for i, (f, _) in enumerate(BAD)])
+def test_invalid_config_names_the_field(field, kw):
+    with pytest.raises(ValueError) as info:
+        make(**kw)
+    assert isinstance(info.value, ConfigError)
+    assert info.value.field == field
+    assert f"Config.{field}" in str(info.value)
+
+
+def test_valid_combinations():
+    make()
+    make(precision="nvfp4", inference=True, num_activation_slots=0)
+    make(precision="fp8_block", hidden_dim=256, intermediate_dim=128)
+    make(activation="swiglu_clamped", swiglu_alpha=1.702, swiglu_limit=7.0)
+    make(host_scratch_capacity_factor=8.0, device_scratch_capacity_factor=2.0)
+    make(activation_slot_bytes=0)
+
+
+def test_frozen_and_replace_validates():
+    cfg = make()
+    with pytest.raises(Exception):
+        cfg.top_k = 3
+    assert cfg.replace(top_k=4).top_k == 4
+    with pytest.raises(ConfigError, match="Config.top_k"):
+        cfg.replace(top_k=100)
+
+
+def test_num_local_experts():
+    cfg = make()
+    assert cfg.num_local_experts(4) == 2
+    with pytest.raises(ConfigError, match="Config.num_experts.*3"):
+        cfg.num_local_experts(3)
+    with pytest.raises(ValueError, match="ep_size"):
+        cfg.num_local_experts(0)
+
+
+def test_from_dict_rejects_unknown_fields():
+    with pytest.raises(ConfigError, match="unknown field") as info:
+        dm.Config.from_dict({**SHAPE, "hiden_dim": 3})
+    assert info.value.field == "hiden_dim"
+    assert dm.Config.from_dict(make().to_dict()) == make()
+
+
+PRESETS = {
+    "guide_bench": (2048, 7168, 3072, 384, 6),
+    "deepseek_v3": (4096, 7168, 2048, 256, 8),
+    "tiny": (64, 128, 128, 8, 2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_load(name):
+    cfg = dm.load_config(CONFIGS / f"{name}.yaml")
+    T, D, F, E, K = PRESETS[name]
+    assert (cfg.num_local_input_tokens, cfg.hidden_dim, cfg.intermediate_dim, cfg.num_experts,
+            cfg.top_k) == (T, D, F, E, K)
+    assert not cfg.inference
+
+
+def test_load_config_overrides_and_nested_key(tmp_path):
+    cfg = dm.load_config(CONFIGS / "tiny.yaml", top_k=4, precision="bf16")
+    assert cfg.top_k == 4
+    p = tmp_path / "nested.yaml"
+    p.write_text("dist_moe:\n  num_local_input_tokens: 8\n  hidden_dim: 64\n"
+                 "  intermediate_dim: 64\n  top_k: 1\n  num_experts: 2\n")
+    assert dm.load_config(p).num_experts == 2
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="mapping"):
+        dm.load_config(bad)
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("num_local_input_tokens: 8\nhidden_dim: 64\nintermediate_dim: 64\n"
+                    "top_k: 1\nnum_experts: 2\nprecison: bf16\n")
+    with pytest.raises(ConfigError, match="precison"):
+        dm.load_config(typo)

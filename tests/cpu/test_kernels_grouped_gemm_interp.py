@@ -1,0 +1,310 @@
+"""Grouped GEMM kernels under Triton's CPU interpreter, against the fp64 torch reference.
+
+`triton.jit` decides at decoration time whether to interpret, so the checks run in one child
+process started with TRITON_INTERPRET=1 (this file run as a script); each pytest test reports one
+check of that run. Operands are fp32/fp16 because bf16 `tl.dot` is wrong in the interpreter.
+
+Tolerances: with fp32 operands and fp32 accumulation over Kd <= 128, |error| <~ 1e-6 x max|ref|,
+so 1e-5 catches any wrong row, column or expert; fp16 outputs round at 2^-11 relative, so 2e-3;
+bf16 outputs (wgrad) at 2^-9, so 8e-3. Unwritten outputs are poisoned (NaN) and checked.
+
+    python tests/cpu/test_kernels_grouped_gemm_interp.py [check ...]   # runs the checks directly
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+NAN = float("nan")
+TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 8e-3}
+
+
+# ----------------------------------------------------------------------------- helpers (child)
+def _offsets(lens):
+    import torch
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def _close(name, got, ref, dtype):
+    import torch
+    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    got64, ref64 = got.double(), ref.double()
+    assert not torch.isnan(got64).any(), f"{name}: {int(torch.isnan(got64).sum())} unwritten (NaN) values"
+    scale = ref64.abs().max().clamp(min=1e-30)
+    err = ((got64 - ref64).abs().max() / scale).item()
+    tol = TOL[str(dtype).split(".")[-1]]
+    assert err <= tol, f"{name}: max error {err:.3e} x max|ref| > {tol:.1e}"
+
+
+def _untouched(name, t):
+    import torch
+    assert torch.isnan(t).all(), f"{name}: {int((~torch.isnan(t)).sum())} values written that must not be"
+
+
+def _row_ptrs(base, idx, row_elems):
+    """int64 row addresses of base rows idx (idx < 0 -> 0, i.e. no row)."""
+    import torch
+    addr = base.data_ptr() + idx.to(torch.int64) * row_elems * base.element_size()
+    return torch.where(idx >= 0, addr, torch.zeros_like(addr))
+
+
+def _cfg(**kw):
+    from megatron_dist_moe.kernels.grouped_gemm import INTERPRETER_CONFIG
+    from dataclasses import replace
+    return replace(INTERPRETER_CONFIG, **kw)
+
+
+# ----------------------------------------------------------------------------- checks (child)
+def check_fwd_store_dense():
+    import torch
+    from megatron_dist_moe.kernels.grouped_gemm import grouped_mm_fwd, device_ptr
+    from megatron_dist_moe.kernels.grouped_gemm_ref import grouped_mm_fwd_ref
+    for lens, n, progs in (([0, 5, 37], 64, None), ([3, 0, 17, 1, 0], 80, 2)):  # 80: ragged N
+        e, kd, dt, max_rows = len(lens), 64, torch.float32, sum(lens) + 9
+        offs, r = _offsets(lens), sum(lens)
+        x = torch.randn(max_rows, kd, dtype=dt)
+        w = torch.randn(e, n, kd, dtype=dt)
+        out = torch.full((max_rows, n), NAN, dtype=dt)
+        grouped_mm_fwd(w=w, expert_offsets=offs, max_rows=max_rows, a=device_ptr(x),
+                       out=device_ptr(out), num_programs=progs)
+        ref = grouped_mm_fwd_ref(x[:r], w, offs, compute_dtype=torch.float64)
+        _close(f"out lens={lens}", out[:r], ref, dt)
+        _untouched("rows past R", out[r:])
+
+
+def _check_swiglu(dt, activation, gather, tma):
+    import torch
+    from megatron_dist_moe.kernels.grouped_gemm import grouped_mm_fwd, device_ptr
+    from megatron_dist_moe.kernels.grouped_gemm_ref import grouped_mm_fwd_swiglu_ref, gather_rows_ref
+    lens, d, f = [0, 5, 37], 64, 64
+    e, offs, r, max_rows = len(lens), _offsets(lens), sum(lens), sum(lens) + 4
+    w13 = (torch.randn(e, 2 * f, d) / 4).to(dt)
+    if gather:  # rows come from a "peer" buffer in shuffled order, some rows absent (address 0)
+        src = torch.randn(50, d).to(dt)
+        idx = torch.randint(0, 50, (max_rows,))
+        idx[[0, 7, 30]] = -1
+        x = gather_rows_ref(src, idx[:r])
+        a_kw = dict(a_row_ptrs=_row_ptrs(src, idx, d))
+        copy = torch.full((max_rows, d), NAN).to(dt)
+        a_kw["a_copy_out"] = device_ptr(copy)
+    else:
+        x = torch.randn(r, d).to(dt)
+        a_kw = dict(a=x)
+    h1 = torch.full((max_rows, 2 * f), NAN).to(dt)
+    h2 = torch.full((max_rows, f), NAN).to(dt)
+    grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=max_rows, epilogue="swiglu",
+                   h1=device_ptr(h1), h2=device_ptr(h2), activation=activation, swiglu_alpha=1.702,
+                   swiglu_limit=1.5, config=_cfg(tma=tma), **a_kw)
+    r1, r2 = grouped_mm_fwd_swiglu_ref(x, w13, offs, activation=activation, swiglu_alpha=1.702,
+                                       swiglu_limit=1.5, compute_dtype=torch.float64)
+    _close("h1", h1[:r], r1, dt)
+    _close("h2", h2[:r], r2, dt)
+    _untouched("h1 rows past R", h1[r:])
+    _untouched("h2 rows past R", h2[r:])
+    if gather:
+        assert torch.equal(copy[:r], x), "a_copy_out must hold the gathered rows (zeros for address 0)"
+        _untouched("a_copy_out rows past R", copy[r:])
+
+
+def check_fwd_swiglu_dense_fp32():
+    import torch
+    _check_swiglu(torch.float32, "swiglu", gather=False, tma=False)
+
+
+def check_fwd_swiglu_clamped_gather_copy_fp16():
+    import torch
+    _check_swiglu(torch.float16, "swiglu_clamped", gather=True, tma=False)
+
+
+def check_fwd_swiglu_tma():
+    import torch
+    _check_swiglu(torch.float32, "swiglu_clamped", gather=False, tma=True)
+
+
+def check_fwd_swiglu_no_h1():
+    import torch
+    from megatron_dist_moe.kernels.grouped_gemm import grouped_mm_fwd
+    from megatron_dist_moe.kernels.grouped_gemm_ref import grouped_mm_fwd_swiglu_ref
+    lens, d, f, dt = [9, 0, 20], 64, 64, torch.float32
+    offs, r = _offsets(lens), sum(lens)
+    x, w13 = torch.randn(r, d), torch.randn(3, 2 * f, d) / 4
+    h2 = torch.full((r, f), NAN)
+    grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=r, a=x, epilogue="swiglu", h2=h2)
+    _close("h2", h2, grouped_mm_fwd_swiglu_ref(x, w13, offs, compute_dtype=torch.float64)[1], dt)
+
+
+def _check_scatter(dgrad, tma):
+    import torch
+    from megatron_dist_moe.kernels.grouped_gemm import grouped_mm_fwd, grouped_mm_dgrad
+    from megatron_dist_moe.kernels.grouped_gemm_ref import (
+        gather_rows_ref, grouped_mm_dgrad_ref, grouped_mm_fwd_ref)
+    lens, d, f, dt = [6, 0, 21, 13], 64, 128, torch.float32
+    e, offs, r, max_rows = len(lens), _offsets(lens), sum(lens), sum(lens) + 3
+    src = torch.randn(60, f)
+    a_idx = torch.randperm(60)[:max_rows]
+    a_idx[[2, 25]] = -1
+    w = torch.randn(e, d, f) / 4  # fprop: W2 [E, D, F] as [E, N, Kd]; dgrad: as [E, Kd, N]
+    a_in = src if not dgrad else torch.randn(60, d)
+    kd = a_in.shape[1]
+    n = d if not dgrad else f
+    t_rows = 70  # the token owner's buffer
+    dst = torch.full((t_rows, n), NAN)
+    dst_idx = torch.randperm(t_rows)[:max_rows]
+    dst_idx[[0, 10, r - 1]] = -1  # skipped rows
+    kw = dict(w=w, expert_offsets=offs, max_rows=max_rows, a_row_ptrs=_row_ptrs(a_in, a_idx, kd),
+              epilogue="scatter", out_row_ptrs=_row_ptrs(dst, dst_idx, n), config=_cfg(tma=tma))
+    (grouped_mm_dgrad if dgrad else grouped_mm_fwd)(**kw)
+    x = gather_rows_ref(a_in, a_idx[:r])
+    ref_fn = grouped_mm_dgrad_ref if dgrad else grouped_mm_fwd_ref
+    ref = ref_fn(x, w, offs, compute_dtype=torch.float64)
+    written = dst_idx[:r][dst_idx[:r] >= 0]
+    _close("scattered rows", dst[written], ref[dst_idx[:r] >= 0], dt)
+    untouched = torch.ones(t_rows, dtype=torch.bool)
+    untouched[written] = False
+    _untouched("rows not scattered to (skipped or absent)", dst[untouched])
+
+
+def check_fwd_scatter_gather():
+    _check_scatter(dgrad=False, tma=False)
+
+
+def check_dgrad_scatter_gather_tma():
+    _check_scatter(dgrad=True, tma=True)
+
+
+def check_dgrad_store():
+    import torch
+    from megatron_dist_moe.kernels.grouped_gemm import grouped_mm_dgrad, device_ptr
+    from megatron_dist_moe.kernels.grouped_gemm_ref import grouped_mm_dgrad_ref
+    lens, d, f = [0, 5, 37], 64, 64
+    e, offs, r = len(lens), _offsets(lens), sum(lens)
+    for dt, tma in ((torch.float32, False), (torch.float16, False), (torch.float32, True)):
+        # W2 DGRAD: grad_h2 [R, F] = grad_h3 [R, D] @ W2[e], W2 [E, D, F]
+        w2, g3 = (torch.randn(e, d, f) / 4).to(dt), torch.randn(r, d).to(dt)
+        out = torch.full((r, f), NAN).to(dt)
+        grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=r, a=g3, out=device_ptr(out),
+                         config=_cfg(tma=tma))
+        _close(f"W2 dgrad {dt} tma={tma}", out, grouped_mm_dgrad_ref(g3, w2, offs, compute_dtype=torch.float64), dt)
+        # W13 DGRAD: grad_x [R, D] = grad_h1 [R, 2F] @ W13[e], W13 [E, 2F, D]
+        w13, g1 = (torch.randn(e, 2 * f, d) / 4).to(dt), torch.randn(r, 2 * f).to(dt)
+        out = torch.full((r, d), NAN).to(dt)
+        grouped_mm_dgrad(w=w13, expert_offsets=offs, max_rows=r, a=g1, out=out,
+                         config=_cfg(tma=tma), num_programs=1)
+        _close(f"W13 dgrad {dt} tma={tma}", out, grouped_mm_dgrad_ref(g1, w13, offs, compute_dtype=torch.float64), dt)
+    # ragged N (80 = 2.5 tiles of 32) in the DGRAD orientation
+    w, a = torch.randn(3, 64, 80), torch.randn(r, 64)
+    out = torch.full((r, 80), NAN)
+    grouped_mm_dgrad(w=w, expert_offsets=offs, max_rows=r, a=a, out=out)
+    _close("ragged N dgrad", out, grouped_mm_dgrad_ref(a, w, offs, compute_dtype=torch.float64), torch.float32)
+
+
+def check_wgrad():
+    import torch
+    from megatron_dist_moe.kernels.grouped_gemm import grouped_mm_wgrad, device_ptr
+    from megatron_dist_moe.kernels.grouped_gemm_ref import grouped_mm_wgrad_ref
+    for lens, m, n, tma in (([0, 5, 37], 128, 64, False), ([40, 0, 3, 0], 64, 80, True)):
+        e, offs, r = len(lens), _offsets(lens), sum(lens)
+        a, b = torch.randn(r, m), torch.randn(r, n)
+        out = torch.full((e, m, n), NAN)
+        grouped_mm_wgrad(device_ptr(a), device_ptr(b), offs, out, dtype=torch.float32,
+                         config=_cfg(tma=tma))
+        ref = grouped_mm_wgrad_ref(a, b, offs, compute_dtype=torch.float64)
+        _close(f"wgrad lens={lens} tma={tma}", out, ref, torch.float32)
+        # accumulate: empty experts untouched (poison stays), others get += a_e^T b_e
+        prev = torch.randn(e, m, n)
+        for i, ln in enumerate(lens):
+            if ln == 0:
+                prev[i] = NAN
+        acc = prev.clone()
+        grouped_mm_wgrad(a, b, offs, acc, accumulate=True, config=_cfg(tma=tma))
+        ref = grouped_mm_wgrad_ref(a, b, offs, out=prev, accumulate=True, compute_dtype=torch.float64)
+        full = torch.tensor([ln > 0 for ln in lens])
+        _close("wgrad accumulate", acc[full], ref[full], torch.float32)
+        _untouched("wgrad accumulate, empty experts", acc[~full])
+    # fp16 inputs, bf16 output
+    lens = [7, 0, 30]
+    offs, r = _offsets(lens), sum(lens)
+    a, b = torch.randn(r, 64).half(), torch.randn(r, 64).half()
+    out = torch.full((3, 64, 64), NAN, dtype=torch.bfloat16)
+    grouped_mm_wgrad(a, b, offs, out)
+    _close("wgrad bf16 out", out, grouped_mm_wgrad_ref(a, b, offs, compute_dtype=torch.float64), torch.bfloat16)
+    assert (out[1] == 0).all(), "an empty expert's wgrad must be zeros"
+
+
+def check_empty_and_persistent():
+    import torch
+    from megatron_dist_moe.kernels.grouped_gemm import grouped_mm_fwd, grouped_mm_wgrad
+    from megatron_dist_moe.kernels.grouped_gemm_ref import grouped_mm_fwd_ref
+    w = torch.randn(2, 64, 64)
+    out = torch.full((16, 64), NAN)
+    grouped_mm_fwd(w=w, expert_offsets=_offsets([0, 0]), max_rows=16, a=torch.randn(16, 64), out=out)
+    _untouched("R=0: nothing written", out)
+    wg = torch.full((2, 64, 64), NAN)
+    grouped_mm_wgrad(torch.randn(16, 64), torch.randn(16, 64), _offsets([0, 0]), wg)
+    assert (wg == 0).all(), "R=0 wgrad must write zeros"
+    # max_rows far larger than R and a single program walking every tile
+    lens = [33, 17]
+    offs, r = _offsets(lens), sum(lens)
+    x = torch.randn(r, 64)
+    for progs in (1, 7):
+        out = torch.full((r, 64), NAN)
+        grouped_mm_fwd(w=w, expert_offsets=offs, max_rows=4096, a=x, out=out, num_programs=progs)
+        _close(f"num_programs={progs}", out, grouped_mm_fwd_ref(x, w, offs, compute_dtype=torch.float64), torch.float32)
+
+
+CHECKS = {name[len("check_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("check_")}
+
+
+def _main(names):
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    sys.path.insert(0, str(REPO))
+    import torch
+    for name in names or CHECKS:
+        torch.manual_seed(0)
+        t0 = time.time()
+        try:
+            CHECKS[name]()
+            res = {"name": name, "ok": True}
+        except Exception as ex:  # reported to the parent test, which fails with the message
+            import traceback
+            res = {"name": name, "ok": False, "error": f"{type(ex).__name__}: {ex}",
+                   "trace": traceback.format_exc()[-3000:]}
+        res["seconds"] = round(time.time() - t0, 2)
+        print("RESULT " + json.dumps(res), flush=True)
+
+
+# ----------------------------------------------------------------------------- pytest (parent)
+@pytest.fixture(scope="module")
+def interp_results():
+    pytest.importorskip("triton")
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=REPO)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            res = json.loads(line[len("RESULT "):])
+            results[res["name"]] = res
+    if not results:
+        pytest.fail(f"interpreter run produced no results (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+    return results
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_grouped_gemm_interpreter(interp_results, name):
+    res = interp_results.get(name)
+    assert res is not None, f"check {name} did not report (child crashed?)"
+    assert res["ok"], f"{res['error']}\n{res.get('trace', '')}"
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

@@ -1,0 +1,185 @@
+"""Bad inputs raise ValueError naming the argument, write nothing, and leave the context usable.
+
+Runs on 2 spawned gloo ranks (one process group for every case). Each bad call is made on both
+ranks alike (a rank-local error cannot be seen by the peer before the collective starts), except
+unequal T, which is exactly the case the collective check exists for. After every rejected call
+the next valid call must still match the fp64 oracle and the planner must be back at its start.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+
+import megatron_dist_moe as dm
+from megatron_dist_moe import testing as tt
+
+EP = 2
+T, D, F, K, E = 16, 64, 64, 2, 4
+
+
+def _cfg(**kw):
+    base = dict(num_local_input_tokens=T, hidden_dim=D, intermediate_dim=F, top_k=K,
+                num_experts=E, backend="reference", device_scratch_capacity_factor=1.5)
+    base.update(kw)
+    return dm.Config(**base)
+
+
+def _bad_calls(rank):
+    """name -> (expected argument name, function of the valid args returning a call)."""
+    def swap(i, v):
+        return lambda a: a[:i] + (v(a[i]),) + a[i + 1:]
+
+    return {
+        "x_shape": ("x", swap(0, lambda x: torch.cat([x, x], dim=1))),
+        "x_dtype": ("x", swap(0, lambda x: x.to(torch.float16))),
+        "x_device": ("x", swap(0, lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta"))),
+        "x_too_many_rows": ("x", lambda a: (torch.cat([a[0], a[0][:1]]),
+                                            torch.cat([a[1], a[1][:1]]),
+                                            torch.cat([a[2], a[2][:1]])) + a[3:]),
+        "ids_shape": ("expert_ids", swap(1, lambda i: i[:, :1].contiguous())),
+        "ids_dtype": ("expert_ids", swap(1, lambda i: i.to(torch.float32))),
+        "ids_out_of_range": ("expert_ids", swap(1, lambda i: i.clone().index_fill_(0, torch.tensor([3]), E))),
+        "ids_below_minus_one": ("expert_ids", swap(1, lambda i: i.clone().index_fill_(0, torch.tensor([0]), -2))),
+        "ids_device": ("expert_ids", swap(1, lambda i: torch.empty(i.shape, dtype=i.dtype, device="meta"))),
+        "scores_shape": ("scores", swap(2, lambda s: s.T.contiguous())),
+        "scores_dtype": ("scores", swap(2, lambda s: s.to(torch.int32))),
+        "score_on_inactive_route": ("scores", lambda a: _inactive_with_score(a)),
+        "scores_nan": ("scores", swap(2, lambda s: s.clone().index_fill_(0, torch.tensor([1]), float("nan")))),
+        "w13_shape": ("w13", swap(3, lambda w: w[:, :, : F // 2].contiguous())),
+        "w13_dtype": ("w13", swap(3, lambda w: w.to(torch.float32))),
+        "w13_local_experts": ("w13", swap(3, lambda w: torch.cat([w, w]))),
+        "w2_shape": ("w2", swap(4, lambda w: w[:, : D // 2].contiguous())),
+        "w2_not_contiguous": ("w2", swap(4, lambda w: w.transpose(1, 2).contiguous().transpose(1, 2))),
+        "w2_dtype": ("w2", swap(4, lambda w: w.to(torch.bfloat16))),
+    }
+
+
+def _inactive_with_score(a):
+    ids, scores = a[1].clone(), a[2].clone()
+    ids[2, 1] = -1
+    scores[2, 1] = 0.25
+    return (a[0], ids, scores) + a[3:]
+
+
+def _worker(rank, ws):
+    cfg = _cfg()
+    problem = tt.make_problem(cfg, ws, seed=3, dtype=torch.float64, inactive_fraction=0.2)
+    oracle = tt.oracle_results(problem, cfg)
+    tok, exp = problem.tokens(rank), problem.experts(rank)
+    valid = (problem.x[tok], problem.ids[tok], problem.scores[tok],
+             problem.w13[exp].contiguous(), problem.w2[exp].contiguous())
+    out = {}
+    ctx = dm.create_context(config=cfg, device="cpu")
+    arena = ctx.backend._arena(torch.bfloat16)
+    arena64 = ctx.backend._arena(torch.float64)
+
+    def check_valid():
+        """A valid call right after: matches the oracle, planner back at start, y[0] sane."""
+        res = tt.run_rank(ctx, problem)
+        err = tt.rank_errors(res, oracle, problem, rank)
+        at_start = ctx.planner.buffer_offsets.tolist() == ctx.plan.slot_ends()
+        return max(err.values()), at_start
+
+    def attempt(name, arg, call):
+        before = (arena.clone(), arena64.clone(), ctx.planner.buffer_offsets.clone())
+        try:
+            call()
+            out[name] = dict(raised=None)
+            return
+        except Exception as e:   # noqa: BLE001 - the test inspects the type
+            raised = dict(type=type(e).__name__, is_value_error=isinstance(e, ValueError),
+                          arg=getattr(e, "arg", None), msg=str(e))
+        raised["untouched"] = (torch.equal(before[0], arena) and torch.equal(before[1], arena64)
+                               and torch.equal(before[2], ctx.planner.buffer_offsets))
+        raised["expected_arg"] = arg
+        raised["next_err"], raised["next_at_start"] = check_valid()
+        out[name] = raised
+
+    for name, (arg, make) in _bad_calls(rank).items():
+        args = make(valid)
+        attempt(name, arg, lambda: dm.routed_experts(*args, ctx))
+
+    # unequal T across ranks: only rank 1 drops a row (and stays within num_local_input_tokens)
+    def unequal():
+        a = valid if rank == 0 else tuple(t[:-1] for t in valid[:3]) + valid[3:]
+        dm.routed_experts(*a, ctx)
+    attempt("unequal_T", "x", unequal)
+
+    # bad slot selections name their parameter
+    attempt("slot_index", "slot", lambda: ctx.select_activation_slot(1, 1))
+    attempt("slot_negative", "slot", lambda: ctx.select_activation_slot(-1, 1))
+    attempt("slot_layers_zero", "num_moe_layers_in_slot", lambda: ctx.select_activation_slot(0, 0))
+    attempt("slot_layers_too_many", "num_moe_layers_in_slot",
+            lambda: ctx.select_activation_slot(0, 2))
+    ctx.select_activation_slot(0, 1)
+
+    # overflow: every route to rank 0's experts, 2*T*K rows > 1.5*T*K scratch rows
+    hot = tt.make_problem(cfg, ws, seed=4, dtype=torch.float64, routing="one_rank", target_rank=0)
+    h_tok = hot.tokens(rank)
+    attempt("overflow", "expert_ids",
+            lambda: dm.routed_experts(hot.x[h_tok], hot.ids[h_tok], hot.scores[h_tok], *valid[3:], ctx))
+    out["plan_rows"] = (ctx.plan.total_scratch_rows, 2 * T * K)
+
+    # closed context: the argument is ctx; a fresh context then works
+    ctx.close()
+    try:
+        dm.routed_experts(*valid, ctx)
+        out["closed"] = dict(raised=None)
+    except Exception as e:   # noqa: BLE001
+        out["closed"] = dict(type=type(e).__name__, is_value_error=isinstance(e, ValueError),
+                             arg=getattr(e, "arg", None), msg=str(e))
+    ctx = dm.create_context(config=cfg, device="cpu")
+    out["closed"]["next_err"], out["closed"]["next_at_start"] = check_valid()
+    ctx.close()
+    return out
+
+
+NAMES = list(_bad_calls(0)) + ["unequal_T", "slot_index", "slot_negative", "slot_layers_zero",
+                               "slot_layers_too_many", "overflow"]
+
+
+@pytest.fixture(scope="module")
+def results():
+    try:
+        return tt.spawn(_worker, EP, timeout_s=120)
+    except Exception:
+        pytest.fail(traceback.format_exc())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bad_input_raises_value_error_naming_argument(results, name):
+    for rank, res in enumerate(results):
+        r = res[name]
+        assert r.get("raised", True) is not None, f"rank {rank}: {name} was accepted"
+        assert r["is_value_error"], f"rank {rank}: {name} raised {r['type']}: {r['msg']}"
+        arg = r["expected_arg"]
+        if r["arg"] is not None:
+            assert r["arg"] == arg, r["msg"]
+        assert f"({arg})" in r["msg"], f"message does not name {arg!r}: {r['msg']}"
+        assert r["untouched"], f"rank {rank}: {name} wrote to the arena or planner before failing"
+        assert r["next_err"] < 1e-10, f"rank {rank}: call after {name} is wrong ({r['next_err']:.3g})"
+        assert r["next_at_start"]
+
+
+def test_unequal_T_names_both_values(results):
+    for res in results:
+        msg = res["unequal_T"]["msg"]
+        assert f"T = [{T}, {T - 1}]" in msg, msg
+
+
+def test_overflow_names_required_and_available_rows(results):
+    available, required = results[0]["plan_rows"]
+    assert available < required
+    for res in results:
+        msg = res["overflow"]["msg"]
+        assert f"receive {required} routed rows" in msg and f"holds {available}" in msg, msg
+
+
+def test_closed_context(results):
+    for res in results:
+        r = res["closed"]
+        assert r["is_value_error"] and r["arg"] == "ctx", r
+        assert r["next_err"] < 1e-10 and r["next_at_start"]
