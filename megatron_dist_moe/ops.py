@@ -22,6 +22,9 @@ class RoutedExpertsInputError(ValueError):
 
 _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 
+# Argument order used to name a peer's rejected argument in collective checks.
+ARG_NAMES = ("x", "expert_ids", "scores", "w13", "w2", "ctx")
+
 
 def _want_value_checks(x: torch.Tensor) -> bool:
     """Host-side value checks need a device sync: skip them while capturing a CUDA graph or when
@@ -163,8 +166,16 @@ def routed_experts(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: t
         raise RoutedExpertsInputError("ctx", f"expected a megatron_dist_moe Context, got {type(ctx).__name__}")
     if ctx.closed:
         raise RoutedExpertsInputError("ctx", "this Dist-MoE context is closed; create a new one")
-    w13_END = validate_inputs(x_TD, expert_ids_TK, scores_TK, w13, w2_EDF, ctx)
-    ctx.backend.check_collective(x_TD)
+    try:
+        w13_END = validate_inputs(x_TD, expert_ids_TK, scores_TK, w13, w2_EDF, ctx)
+        local_error = None
+    except RoutedExpertsInputError as e:
+        local_error = e
+    # Collective agreement (reference backend): every rank raises when any rank's input is bad,
+    # so a bad input on one rank never leaves its peers waiting in a collective.
+    ctx.backend.check_collective(x_TD, local_error)
+    if local_error is not None:
+        raise local_error
     training = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x_TD, scores_TK, w13_END, w2_EDF))
     if training and ctx.config.inference:

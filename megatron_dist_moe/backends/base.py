@@ -11,9 +11,10 @@ class Backend(Protocol):
     name: str
     supported_dtypes: tuple[torch.dtype, ...]
 
-    def check_collective(self, x_TD: torch.Tensor) -> None:
-        """Cross-rank checks that can be done without a device sync (e.g. equal T on the
-        reference backend). Raise ValueError naming the argument on every rank alike."""
+    def check_collective(self, x_TD: torch.Tensor, local_error: Exception | None = None) -> None:
+        """Cross-rank input agreement (equal T; whether any rank's validation failed, given as
+        `local_error` on that rank). Raise a ValueError naming the argument on every rank alike;
+        return normally on the failing rank (the caller raises its own error)."""
 
     def forward(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: torch.Tensor,
                 w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor, training: bool

@@ -172,12 +172,26 @@ class ReferenceBackend:
                     grad_h1=v(dtype, o_shared, (R, 2 * F)), grad_h2=v(dtype, o_gh2, (R, F)))
 
     # -- collectives ----------------------------------------------------------------------------
-    def check_collective(self, x_TD: torch.Tensor) -> None:
+    def check_collective(self, x_TD: torch.Tensor,
+                         local_error: RoutedExpertsInputError | None = None) -> None:
+        from ..ops import ARG_NAMES
+
         ctx = self.ctx
-        t = torch.tensor([x_TD.shape[0]], dtype=torch.int64, device=ctx.device)
+        bad = -1 if local_error is None else (
+            ARG_NAMES.index(local_error.arg) if local_error.arg in ARG_NAMES else 0)
+        T_local = x_TD.shape[0] if isinstance(x_TD, torch.Tensor) and x_TD.dim() >= 1 else -1
+        t = torch.tensor([T_local, bad], dtype=torch.int64, device=ctx.device)
         got = [torch.empty_like(t) for _ in range(ctx.ep_size)]
         dist.all_gather(got, t, group=ctx.group)
-        Ts = [int(v) for v in got]
+        if local_error is not None:
+            return       # the caller raises this rank's own error
+        for r, v in enumerate(got):
+            if int(v[1]) >= 0:
+                arg = ARG_NAMES[int(v[1])]
+                raise RoutedExpertsInputError(
+                    arg, f"rank {r} of the EP group rejected its {arg!r} argument, so this "
+                    "collective call is abandoned on every rank; nothing was written")
+        Ts = [int(v[0]) for v in got]
         if len(set(Ts)) > 1:
             raise RoutedExpertsInputError(
                 "x", f"every rank must pass the same number of rows T (pad with all-inactive "

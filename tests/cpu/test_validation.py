@@ -1,8 +1,8 @@
 """Bad inputs raise ValueError naming the argument, write nothing, and leave the context usable.
 
 Runs on 2 spawned gloo ranks (one process group for every case). Each bad call is made on both
-ranks alike (a rank-local error cannot be seen by the peer before the collective starts), except
-unequal T, which is exactly the case the collective check exists for. After every rejected call
+ranks alike, except unequal T and one bad argument on one rank only: those are exactly the cases
+the collective check exists for (every rank must raise, none may hang). After every rejected call
 the next valid call must still match the fp64 oracle and the planner must be back at its start.
 """
 
@@ -108,6 +108,11 @@ def _worker(rank, ws):
         dm.routed_experts(*a, ctx)
     attempt("unequal_T", "x", unequal)
 
+    # a bad input on one rank only: every rank raises (no rank is left waiting in a collective)
+    bad_ids = _bad_calls(rank)["ids_out_of_range"][1](valid)
+    attempt("one_rank_bad_ids", "expert_ids",
+            lambda: dm.routed_experts(*(bad_ids if rank == 1 else valid), ctx))
+
     # bad slot selections name their parameter
     attempt("slot_index", "slot", lambda: ctx.select_activation_slot(1, 1))
     attempt("slot_negative", "slot", lambda: ctx.select_activation_slot(-1, 1))
@@ -137,7 +142,7 @@ def _worker(rank, ws):
     return out
 
 
-NAMES = list(_bad_calls(0)) + ["unequal_T", "slot_index", "slot_negative", "slot_layers_zero",
+NAMES = list(_bad_calls(0)) + ["unequal_T", "one_rank_bad_ids", "slot_index", "slot_negative", "slot_layers_zero",
                                "slot_layers_too_many", "overflow"]
 
 

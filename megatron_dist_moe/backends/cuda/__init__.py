@@ -80,8 +80,10 @@ class CudaBackend:
             torch.distributed.barrier(group=ctx.group)
 
     # -- helpers ----------------------------------------------------------------------------
-    def check_collective(self, x_TD: torch.Tensor) -> None:
+    def check_collective(self, x_TD: torch.Tensor, local_error=None) -> None:
         # Equal T across ranks is checked on the device (routing header), without a host sync.
+        # NOTE: a bad input raised on one rank only leaves its peers waiting at the first device
+        # barrier of this call; agreeing on the host would cost a sync on every call.
         return None
 
     def _publish(self, x_TD: torch.Tensor, ids_TK: torch.Tensor) -> None:

@@ -1,0 +1,306 @@
+"""From a Megatron-Core TransformerConfig (plus launch sizes) to a `megatron_dist_moe.Config`.
+
+Two halves:
+
+* `check_supported(tc)` lists every setting the dist_moe layer cannot run and raises one
+  `UnsupportedMegatronConfig` naming, for each, the Megatron flag to change. It runs when a
+  DistMoELayer is built, i.e. at model construction, before the first step.
+* `dist_moe_config(tc, ...)` maps the shape and policy fields:
+
+      hidden_size                     -> hidden_dim D
+      moe_ffn_hidden_size             -> intermediate_dim F (per expert, gate and up each F)
+      num_moe_experts                 -> num_experts E
+      moe_router_topk                 -> top_k K
+      seq_length x micro_batch_size   -> num_local_input_tokens T  (/ TP with sequence
+                                         parallelism, / CP with context parallelism)
+      fp8 / fp8_recipe                -> precision ("mxfp8" -> mxfp8, "blockwise" -> fp8_block)
+      recompute_modules "moe"         -> activation_slot_capacity_factor 0 (every layer replays
+                                         inside Dist-MoE instead of Megatron's checkpoint)
+      recompute_modules "moe_act"     -> nothing to do: Dist-MoE never saves the SwiGLU output
+      pipeline schedule               -> num_activation_slots, max_moe_layers_per_activation_slot
+                                         (see pipeline_slots.py; set by the runtime)
+
+  The EP group size comes from the process group the layer receives (pg_collection.ep).
+
+Plugin-only knobs that have no TransformerConfig field travel in `DistMoEOptions`, filled from
+`--dist-moe-*` flags (added by install()) or from a `dist_moe:` section of a Megatron YAML config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..config import BACKENDS, WGRAD_DTYPES, Config, ConfigError
+
+__all__ = [
+    "UnsupportedMegatronConfig",
+    "DistMoEOptions",
+    "check_supported",
+    "precision_from_transformer_config",
+    "tokens_per_rank",
+    "dist_moe_config",
+    "options_from_args",
+    "megatron_args_or_none",
+    "tokens_per_rank_from_args",
+]
+
+DISPATCHER_TYPE = "dist_moe"
+
+# Config fields -> the Megatron flag a user changes to fix them.
+_FLAG_OF_FIELD = {
+    "hidden_dim": "--hidden-size",
+    "intermediate_dim": "--moe-ffn-hidden-size",
+    "top_k": "--moe-router-topk",
+    "num_experts": "--num-experts",
+    "num_local_input_tokens": "--seq-length / --micro-batch-size",
+    "precision": "--fp8-format / --fp8-recipe",
+}
+
+
+class UnsupportedMegatronConfig(ValueError):
+    """The Megatron configuration asks for something the dist_moe layer cannot run.
+
+    `problems` holds one "what: how to fix" line per offending setting.
+    """
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"moe_token_dispatcher_type='{DISPATCHER_TYPE}' cannot run this "
+                         f"configuration:\n{lines}")
+
+
+@dataclass(frozen=True)
+class DistMoEOptions:
+    """Dist-MoE settings with no TransformerConfig counterpart (flag: --dist-moe-<name>).
+
+    backend                          "auto" | "reference" | "cuda"
+    activation_slot_capacity_factor  None = automatic (1.0: balanced routing never replays;
+                                     0.0 when recompute_modules contains "moe")
+    device_scratch_capacity_factor   device scratch rows as a multiple of T x K
+    host_scratch_capacity_factor     optional pinned-host overflow (total factor)
+    wgrad_dtype                      "fp32" | "bf16" accumulation of the expert weight grads
+    num_local_input_tokens           override T (default: seq_length x micro_batch_size / TP / CP)
+    """
+
+    backend: str = "auto"
+    activation_slot_capacity_factor: float | None = None
+    device_scratch_capacity_factor: float = 2.0
+    host_scratch_capacity_factor: float | None = None
+    wgrad_dtype: str = "fp32"
+    num_local_input_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--dist-moe-backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.wgrad_dtype not in WGRAD_DTYPES:
+            raise ValueError(f"--dist-moe-wgrad-dtype must be one of {WGRAD_DTYPES}, got "
+                             f"{self.wgrad_dtype!r}")
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> "DistMoEOptions":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown dist_moe option(s) {unknown}; known: {sorted(known)}")
+        return cls(**dict(data))
+
+
+def _names(values: Any) -> list[str]:
+    if values is None:
+        return []
+    out = []
+    for v in (values if isinstance(values, (list, tuple, set)) else [values]):
+        out.append(getattr(v, "name", None) or str(v))
+    return out
+
+
+def _is_silu(fn: Any) -> bool:
+    import torch.nn.functional as F
+
+    return fn is F.silu or getattr(fn, "__name__", "") == "silu"
+
+
+def precision_from_transformer_config(tc: Any) -> str:
+    """dm.Config.precision for tc's fp8/fp4 settings; raises UnsupportedMegatronConfig."""
+    fp8 = getattr(tc, "fp8", None)
+    if getattr(tc, "fp4", None):
+        raise UnsupportedMegatronConfig([
+            "fp4 training (NVFP4 is inference-only in dist_moe): drop --fp4-format, or use "
+            "--fp8-format e4m3 --fp8-recipe mxfp8 / blockwise"])
+    if not fp8:
+        return "bf16"
+    recipe = getattr(getattr(tc, "fp8_recipe", None), "value", getattr(tc, "fp8_recipe", None))
+    if recipe == "mxfp8":
+        return "mxfp8"
+    if recipe == "blockwise":
+        return "fp8_block"
+    raise UnsupportedMegatronConfig([
+        f"--fp8-recipe {recipe}: dist_moe quantizes with block scales only; use "
+        "--fp8-recipe mxfp8 or --fp8-recipe blockwise (or drop --fp8-format for bf16)"])
+
+
+def check_supported(tc: Any, options: DistMoEOptions | None = None) -> None:
+    """Raise UnsupportedMegatronConfig listing every setting dist_moe cannot run."""
+    p: list[str] = []
+    g = lambda name, default=None: getattr(tc, name, default)  # noqa: E731
+
+    if not g("num_moe_experts"):
+        p.append("num_moe_experts is not set: dist_moe replaces MoE layers; set --num-experts")
+    if (g("expert_tensor_parallel_size") or 1) > 1:
+        p.append(f"expert_tensor_parallel_size={g('expert_tensor_parallel_size')}: experts are "
+                 "not tensor-parallel in dist_moe; set --expert-tensor-parallel-size 1 (attention "
+                 "may keep --tensor-model-parallel-size > 1 with --sequence-parallel)")
+    if g("moe_expert_capacity_factor") is not None:
+        p.append("moe_expert_capacity_factor (token dropping): dist_moe never drops tokens; "
+                 "remove --moe-expert-capacity-factor")
+    if g("moe_pad_expert_input_to_capacity"):
+        p.append("moe_pad_expert_input_to_capacity: remove --moe-pad-expert-input-to-capacity")
+    if g("moe_token_dropping"):
+        p.append("moe_token_dropping: dist_moe never drops tokens; disable it")
+    if not g("gated_linear_unit") or not _is_silu(g("activation_func")):
+        p.append("experts must be SwiGLU (gated_linear_unit with silu): pass --swiglu "
+                 "(YAML: activation_func: swiglu)")
+    if g("add_bias_linear"):
+        p.append("add_bias_linear: dist_moe experts have no bias; pass --disable-bias-linear")
+    if g("moe_apply_probs_on_input"):
+        p.append("moe_apply_probs_on_input: dist_moe applies router scores to the expert output; "
+                 "remove --moe-apply-probs-on-input")
+    if g("moe_latent_size"):
+        p.append("moe_latent_size (latent MoE projections): not supported; remove --moe-latent-size")
+    if g("moe_shared_expert_overlap"):
+        p.append("moe_shared_expert_overlap: there is no dispatcher communication to overlap "
+                 "with; remove --moe-shared-expert-overlap")
+    if g("overlap_moe_expert_parallel_comm"):
+        p.append("overlap_moe_expert_parallel_comm: remove --overlap-moe-expert-parallel-comm "
+                 "(the combined 1F1B schedule splits the layer at dispatcher boundaries)")
+    if g("overlap_dispatch_backward_with_experts_wgrad") or g("delay_wgrad_compute"):
+        p.append("delayed expert wgrad (overlap_dispatch_backward_with_experts_wgrad / "
+                 "delay_wgrad_compute): remove these flags; dist_moe computes weight gradients "
+                 "inside its backward")
+    if g("moe_router_padding_for_quantization") or g("moe_router_padding_for_fp8"):
+        p.append("moe_router_padding_for_quantization: dist_moe pads expert segments itself; "
+                 "remove --moe-router-padding-for-quantization")
+    if g("fp16"):
+        p.append("fp16: dist_moe runs bf16 (or block-scaled fp8) experts; use --bf16")
+    if g("transformer_impl") == "inference_optimized":
+        p.append("transformer_impl=inference_optimized: uses Megatron's own inference "
+                 "dispatchers; use --transformer-impl transformer_engine or local")
+    if g("moe_paged_stash"):
+        p.append("moe_paged_stash: dist_moe keeps saved state in its own activation slots; "
+                 "disable --moe-paged-stash")
+    if g("fine_grained_activation_offloading"):
+        bad = [m for m in _names(g("offload_modules")) if m in ("expert_fc1", "moe_act",
+                                                                "fused_group_mlp")]
+        if bad:
+            p.append(f"offload_modules {bad}: dist_moe keeps expert activations in its own "
+                     "buffers; remove them from --offload-modules")
+    graph_impl = g("cuda_graph_impl", "none") or "none"
+    if graph_impl != "none":
+        scopes = _names(g("cuda_graph_modules"))
+        partial = [s for s in scopes if s in ("moe", "moe_router", "moe_preprocess")]
+        if partial:
+            p.append(f"cuda_graph_modules {partial}: these scopes split MoELayer at dispatcher "
+                     "boundaries; capture whole layers (no --cuda-graph-modules) or 'attn' only")
+        if options is not None and options.backend == "reference":
+            p.append("CUDA graphs with --dist-moe-backend reference: the reference backend syncs "
+                     "with the host; use --dist-moe-backend cuda (or auto on sm_90+)")
+    if p:
+        raise UnsupportedMegatronConfig(p)
+    precision_from_transformer_config(tc)
+
+
+def tokens_per_rank(seq_length: int, micro_batch_size: int, *, tensor_model_parallel_size: int = 1,
+                    context_parallel_size: int = 1, sequence_parallel: bool = False) -> int:
+    """Token rows one rank feeds each MoE layer: S x B / CP, further / TP with sequence parallel."""
+    T = seq_length * micro_batch_size
+    for name, div in (("context_parallel_size", context_parallel_size),
+                      ("tensor_model_parallel_size", tensor_model_parallel_size if sequence_parallel
+                       else 1)):
+        if T % div:
+            raise UnsupportedMegatronConfig([
+                f"seq_length x micro_batch_size = {T} is not divisible by {name}={div}"])
+        T //= div
+    return T
+
+
+def dist_moe_config(tc: Any, *, num_local_input_tokens: int, options: DistMoEOptions | None = None,
+                    num_activation_slots: int = 1, max_moe_layers_per_activation_slot: int = 1,
+                    inference: bool = False) -> Config:
+    """The dm.Config of tc's MoE layers (validated; errors name the Megatron flag to change)."""
+    options = options or DistMoEOptions()
+    check_supported(tc, options)
+    capacity = options.activation_slot_capacity_factor
+    if capacity is None:
+        recompute_moe = (getattr(tc, "recompute_granularity", None) == "selective"
+                         and "moe" in _names(getattr(tc, "recompute_modules", None)))
+        capacity = 0.0 if recompute_moe else 1.0
+    try:
+        return Config(
+            num_local_input_tokens=num_local_input_tokens,
+            hidden_dim=tc.hidden_size,
+            intermediate_dim=tc.moe_ffn_hidden_size or tc.ffn_hidden_size,
+            top_k=tc.moe_router_topk,
+            num_experts=tc.num_moe_experts,
+            precision=precision_from_transformer_config(tc),
+            inference=inference,
+            num_activation_slots=0 if inference else num_activation_slots,
+            max_moe_layers_per_activation_slot=max_moe_layers_per_activation_slot,
+            activation_slot_capacity_factor=None if inference else capacity,
+            device_scratch_capacity_factor=options.device_scratch_capacity_factor,
+            host_scratch_capacity_factor=options.host_scratch_capacity_factor,
+            wgrad_dtype=options.wgrad_dtype,
+            backend=options.backend,
+        )
+    except ConfigError as e:
+        flag = _FLAG_OF_FIELD.get(e.field)
+        hint = f" (Megatron flag: {flag})" if flag else ""
+        raise UnsupportedMegatronConfig([f"{e}{hint}"]) from e
+
+
+# -- reading Megatron-LM's global args (optional: megatron.training may be absent) -------------
+
+def megatron_args_or_none() -> Any:
+    """megatron.training's parsed args when a Megatron-LM launcher initialized them, else None."""
+    try:
+        from megatron.training import global_vars
+    except Exception:   # megatron-core only, or megatron.training fails to import
+        return None
+    return getattr(global_vars, "_GLOBAL_ARGS", None)
+
+
+def _get(args: Any, name: str, default: Any = None) -> Any:
+    if isinstance(args, Mapping):
+        return args.get(name, default)
+    return getattr(args, name, default)
+
+
+def options_from_args(args: Any) -> DistMoEOptions:
+    """DistMoEOptions from `--dist-moe-*` flags or a YAML `dist_moe:` section (either may be
+    missing; defaults fill the rest)."""
+    if args is None:
+        return DistMoEOptions()
+    values: dict[str, Any] = {}
+    section = _get(args, "dist_moe")
+    if section is not None:
+        values.update(section if isinstance(section, Mapping) else vars(section))
+    for f in dataclasses.fields(DistMoEOptions):
+        v = _get(args, f"dist_moe_{f.name}")
+        if v is not None:
+            values[f.name] = v
+    return DistMoEOptions.from_mapping(values)
+
+
+def tokens_per_rank_from_args(args: Any) -> int | None:
+    """T from Megatron-LM args (seq_length, micro_batch_size, TP/CP, sequence_parallel)."""
+    if args is None:
+        return None
+    seq, mbs = _get(args, "seq_length"), _get(args, "micro_batch_size")
+    if not seq or not mbs:
+        return None
+    return tokens_per_rank(seq, mbs,
+                           tensor_model_parallel_size=_get(args, "tensor_model_parallel_size", 1),
+                           context_parallel_size=_get(args, "context_parallel_size", 1),
+                           sequence_parallel=bool(_get(args, "sequence_parallel", False)))
