@@ -22,7 +22,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 import megatron_dist_moe as dm  # noqa: E402
 from baselines import a2a_grouped_mm_experts  # noqa: E402
-from common import append_csv, git_commit, plot_rows, time_windows  # noqa: E402
+from common import append_csv, git_commit, plot_rows, profile_graph, time_windows  # noqa: E402
 
 CASES = {
     "guide": dict(T=2048, D=7168, F=3072, K=6, E_local=6, imbalance=1.0),
@@ -169,15 +169,10 @@ def main():
                 if rank == 0:
                     print(f"  {path:<20} {mode:<7} {t.median_ms:8.3f} ms "
                           f"[{t.min_ms:.3f}-{t.max_ms:.3f}]  {tf:7.1f} TFLOP/s", flush=True)
-            if args.profile and ctx is not None and case == "guide":
-                from torch.profiler import ProfilerActivity, profile
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(3):
-                        fwdbwd()
-                    torch.cuda.synchronize()
-                if rank == 0:
-                    with open(os.path.join(args.out, f"profile_{case}_{path}.txt"), "w") as f:
-                        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+            if args.profile and ctx is not None and case == "guide" and path == "dist_moe":
+                for mode, f in (("fwd", fwd), ("fwdbwd", fwdbwd)):
+                    out = os.path.join(args.out, f"profile_{case}_{path}_{mode}.txt")
+                    profile_graph(f, out if rank == 0 else "")
             if ctx is not None:
                 ctx.close()
         for r in rows:

@@ -90,6 +90,37 @@ def time_windows(fn: Callable[[], None], graph: bool, group=None, warmup: int = 
     return Timing(statistics.median(out), min(out), max(out), out)
 
 
+def profile_graph(fn: Callable[[], None], path: str, replays: int = 5, group=None) -> None:
+    """Per-kernel CUDA times of `fn` replayed from a CUDA graph (what the timings measure)."""
+    import gc
+
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    if dist.is_initialized():
+        dist.barrier(group=group)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            g.replay()
+        torch.cuda.synchronize()
+    if path:
+        with open(path, "w") as f:
+            f.write(f"per-kernel CUDA time over {replays} graph replays\n")
+            f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=45))
+    del g
+
+
 CSV_FIELDS = ["commit", "gpu", "ep", "case", "T", "D", "F", "K", "E_local", "imbalance", "path",
               "mode", "ms", "ms_min", "ms_max", "useful_tflops", "ratio_to_baseline", "note"]
 

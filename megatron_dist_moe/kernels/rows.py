@@ -124,40 +124,55 @@ def copy_rows(src_addr: torch.Tensor, dst_addr: torch.Tensor, num_rows: torch.Te
 
 # -- owner side: combine, backward publication, reduction ------------------------------------
 @triton.jit
-def _combine_routes_kernel(routes_ptr, ids_ptr, scores_ptr, y_ptr, T, D: tl.constexpr,
-                           K: tl.constexpr, BLOCK_D: tl.constexpr, ODT: tl.constexpr):
+def _combine_routes_kernel(routes_ptr, ids_ptr, scores_ptr, y_ptr, save_addr, save_flag_ptr, T,
+                           D: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr,
+                           ODT: tl.constexpr, SAVE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     dblk = tl.program_id(1)
     d = dblk * BLOCK_D + tl.arange(0, BLOCK_D)
     dm = d < D
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if SAVE:
+        keep = tl.load(save_flag_ptr) != 0
+        save = tl.load(save_addr).to(tl.pointer_type(tl.bfloat16))
     for k in tl.static_range(K):
         eid = tl.load(ids_ptr + t * K + k).to(tl.int32)
         s = tl.load(scores_ptr + t * K + k).to(tl.float32)
         r = tl.load(routes_ptr + (t * K + k) * D + d, mask=dm & (eid >= 0), other=0.0)
         acc += tl.where(eid >= 0, s * r.to(tl.float32), 0.0)
+        if SAVE:   # keep the route outputs for the score gradients (full-save layers)
+            tl.store(save + (t * K + k) * D + d, r, mask=dm & (eid >= 0) & keep)
     tl.store(y_ptr + t * D + d, acc.to(ODT), mask=dm)
 
 
 def combine_routes(routes_TKD: torch.Tensor, ids_TK: torch.Tensor, scores_TK: torch.Tensor,
-                   y_TD: torch.Tensor) -> None:
-    """y[t] = sum over active k of scores[t,k] * routes[t,k] in fp32 (inactive routes ignored)."""
+                   y_TD: torch.Tensor, save_addr: torch.Tensor | None = None,
+                   save_flag: torch.Tensor | None = None) -> None:
+    """y[t] = sum over active k of scores[t,k] * routes[t,k] in fp32 (inactive routes ignored).
+
+    save_addr/save_flag (device pointer, device int): when save_flag != 0, the active route rows
+    are also stored to save_addr [T, K, D] (one read of the routes serves both).
+    """
     T, D = y_TD.shape
     K = ids_TK.shape[1]
     if T == 0:
         return
     BLOCK_D = 1024
     grid = (T, triton.cdiv(D, BLOCK_D))
-    _combine_routes_kernel[grid](routes_TKD, ids_TK, scores_TK, y_TD, T, D=D, K=K,
-                                 BLOCK_D=BLOCK_D, ODT=_TL_DTYPE[y_TD.dtype], num_warps=4)
+    save = save_addr is not None
+    _combine_routes_kernel[grid](routes_TKD, ids_TK, scores_TK, y_TD,
+                                 save_addr if save else ids_TK, save_flag if save else ids_TK, T,
+                                 D=D, K=K, BLOCK_D=BLOCK_D, ODT=_TL_DTYPE[y_TD.dtype], SAVE=save,
+                                 num_warps=4)
 
 
 @triton.jit
-def _publish_grad_routes_kernel(gy_ptr, routes_ptr, ids_ptr, scores_ptr, grad_routes_ptr,
+def _publish_grad_routes_kernel(gy_ptr, routes_addr, ids_ptr, scores_ptr, grad_routes_ptr,
                                 grad_scores_ptr, D: tl.constexpr, K: tl.constexpr,
                                 BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     d0 = tl.arange(0, BLOCK_D)
+    routes_ptr = tl.load(routes_addr).to(tl.pointer_type(tl.bfloat16))
     for k in tl.static_range(K):
         eid = tl.load(ids_ptr + t * K + k).to(tl.int32)
         s = tl.load(scores_ptr + t * K + k).to(tl.float32)
@@ -172,16 +187,18 @@ def _publish_grad_routes_kernel(gy_ptr, routes_ptr, ids_ptr, scores_ptr, grad_ro
         tl.store(grad_scores_ptr + t * K + k, tl.sum(dot, axis=0))
 
 
-def publish_grad_routes(gy_TD: torch.Tensor, routes_TKD: torch.Tensor, ids_TK: torch.Tensor,
+def publish_grad_routes(gy_TD: torch.Tensor, routes_addr: torch.Tensor, ids_TK: torch.Tensor,
                         scores_TK: torch.Tensor, grad_routes_TKD: torch.Tensor,
                         grad_scores_TK: torch.Tensor) -> None:
     """grad_routes[t,k] = bf16(s * gy[t]) and grad_scores[t,k] = <gy[t], routes[t,k]> (fp32) for
-    active routes; inactive routes get grad_score 0 and no grad_routes row."""
+    active routes; inactive routes get grad_score 0 and no grad_routes row. The route outputs
+    [T, K, D] bf16 are read at the device address routes_addr (slot or combine buffer; may be
+    grad_routes itself: each element is read before it is overwritten)."""
     T, D = gy_TD.shape
     K = ids_TK.shape[1]
     if T == 0:
         return
-    _publish_grad_routes_kernel[(T,)](gy_TD, routes_TKD, ids_TK, scores_TK, grad_routes_TKD,
+    _publish_grad_routes_kernel[(T,)](gy_TD, routes_addr, ids_TK, scores_TK, grad_routes_TKD,
                                       grad_scores_TK, D=D, K=K, BLOCK_D=1024, num_warps=4)
 
 

@@ -49,12 +49,19 @@ BODY = textwrap.dedent(r'''
     s = torch.where(ids >= 0, torch.rand(T, Kk), 0.0)
     routes[ids < 0] = float("nan")            # stale rows must never leak
     y = torch.empty(T, D, dtype=bf)
-    K.combine_routes(routes, ids, s, y)
-    ref = R.combine_routes_ref(routes, ids, s)
-    assert torch.allclose(y.float(), ref, atol=2e-2, rtol=1e-2) and (y[0] == 0).all(), "combine"
+    saved = torch.full((T, Kk, D), 5.0).to(bf)
+    for flag in (0, 1):
+        K.combine_routes(routes, ids, s, y, K.device_ptr(saved), torch.tensor([flag]))
+        ref = R.combine_routes_ref(routes, ids, s)
+        assert torch.allclose(y.float(), ref, atol=2e-2, rtol=1e-2) and (y[0] == 0).all(), "combine"
+        live = ids >= 0
+        if flag:
+            assert torch.equal(saved[live], routes[live]), "combine save"
+        else:
+            assert (saved == 5).all(), "combine saved with flag 0"
     gy = torch.randn(T, D).to(bf)
     gr = routes.clone(); gs = torch.empty(T, Kk)
-    K.publish_grad_routes(gy, gr, ids, s, gr, gs)
+    K.publish_grad_routes(gy, K.device_ptr(gr), ids, s, gr, gs)
     rgr, rgs = R.publish_grad_routes_ref(gy, routes, ids, s)
     live = ids >= 0
     # one bf16 ulp: the interpreter's fp32->bf16 conversion may round differently from RTNE

@@ -128,17 +128,18 @@ class CudaBackend:
         self.experts.forward(tabs, w13_E2FD, w2_EDF, tabs.combine_ptrs, xg_addr, h1_addr)
         self.sym.barrier(1)
         y_TD = torch.empty_like(x_TD)
-        K_rows.combine_routes(self._routes_view(self.sym.combine, T), ids_TK, scores_TK, y_TD)
+        routes = self._routes_view(self.sym.combine, T)
         if not training:
+            K_rows.combine_routes(routes, ids_TK, scores_TK, y_TD)
             return y_TD, None
-        # Keep the input (replay) or the route outputs (score gradients); device-predicated.
-        R = tabs.num_rows
-        zero = torch.zeros_like(R)
+        # Keep the route outputs for the score gradients (full save; stored by the combine
+        # kernel as it reads them) or the input x (replay); both device-predicated.
         need = record.need_recompute
+        K_rows.combine_routes(routes, ids_TK, scores_TK, y_TD, save_addr=self.act_base + lay.routes,
+                              save_flag=(~need).to(torch.int32))
+        R = tabs.num_rows
         K_rows.copy_rows(K_rows.device_ptr(x_TD), self.act_base + lay.x,
-                         torch.where(need, torch.full_like(R, T), zero), D, T)
-        K_rows.copy_rows(self.p_combine, self.act_base + lay.routes,
-                         torch.where(need, zero, torch.full_like(R, T * K)), D, T * K)
+                         torch.where(need, torch.full_like(R, T), torch.zeros_like(R)), D, T)
         return y_TD, _Saved(record, tabs, ids_TK, scores_TK, w13_E2FD, w2_EDF, T)
 
     # -- backward ---------------------------------------------------------------------------
@@ -160,16 +161,14 @@ class CudaBackend:
         self.sym.barrier(0)
         self.experts.forward(tabs, saved.w13, saved.w2, tabs.combine_ptrs, xg_addr, h1_addr,
                              predicate=need)
-        # Kept state: the route outputs go back into combine for the score gradients.
-        K_rows.copy_rows(self.act_base + lay.routes, self.p_combine,
-                         torch.where(need, zero, torch.full_like(R, T * K)), D, T * K)
         self.sym.barrier(1)
 
-        # Owner: score gradients and route output gradients (in place in combine).
-        routes = self._routes_view(self.sym.combine, T)
+        # Owner: score gradients from the route outputs (kept in the slot, or just replayed into
+        # combine) and route output gradients written into combine.
+        routes_addr = torch.where(need, self.p_combine, self.act_base + lay.routes)
         grad_scores = torch.empty(T, K, dtype=torch.float32, device=grad_y_TD.device)
-        K_rows.publish_grad_routes(grad_y_TD, routes, saved.ids_TK, saved.scores_TK, routes,
-                                   grad_scores)
+        K_rows.publish_grad_routes(grad_y_TD, routes_addr, saved.ids_TK, saved.scores_TK,
+                                   self._routes_view(self.sym.combine, T), grad_scores)
         self.sym.barrier(2)
         grad_w13, grad_w2 = self.experts.backward(tabs, saved.w13, saved.w2,
                                                   gather_ptrs=tabs.combine_ptrs,
