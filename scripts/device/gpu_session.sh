@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine session: environment facts, GPU correctness checks, benchmarks.
 # Usage (on the GPU machine, repo root): bash scripts/device/gpu_session.sh [sections...]
-# Sections: env check kernels bench layer megatron   (default: env check)
+# Sections: env check packing kernels bench layer packbench   (default: env check)
 # Logs go to $OUT (or ./out) so the device tool brings them back.
 set -u
 OUT=${OUT:-./out}; mkdir -p "$OUT"
@@ -23,5 +23,6 @@ for s in $sections; do case $s in
   kernels) run kernels python3 -m pytest -q -x tests/gpu -m gpu -k "not cuda_backend" ;;
   bench) run bench_gemm python3 benchmarks/bench_grouped_gemm.py --csv "$OUT/bench_gemm.csv" ;;
   layer) run layer torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py --out "$OUT" ${LAYER_ARGS:-} ;;
+  packbench) run packbench torchrun --nproc-per-node="$NGPU" benchmarks/bench_packing.py --out "$OUT" ${PACK_ARGS:-} ;;
   *) echo "unknown section $s" ;;
 esac; done
