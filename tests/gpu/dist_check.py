@@ -288,6 +288,19 @@ def main():
     except Exception as e:
         results.append(dict(case="replay_min_slot", rank=rank, ok=False, error=repr(e),
                             tb=traceback.format_exc()[-2000:]))
+    # host-backed (VMM) scratch: routing beyond the device scratch bound, within the total bound
+    cfg = dm.Config(num_local_input_tokens=64, hidden_dim=128, intermediate_dim=128, top_k=2,
+                    num_experts=4 * EP, backend="cuda", device_scratch_capacity_factor=0.5,
+                    host_scratch_capacity_factor=float(EP), activation_slot_capacity_factor=1.0)
+    try:
+        with dm.create_context(config=cfg) as ctx:
+            assert ctx.plan.host_scratch_bytes > 0
+            for routing in ("hot_rank", "random"):
+                prob = make_problem(cfg, EP, 64, seed=21, routing=routing)
+                run_case(f"vmm_host_scratch_{routing}", cfg, ctx, prob, rank, EP, results)
+    except Exception as e:
+        results.append(dict(case="vmm_host_scratch", rank=rank, ok=False, error=repr(e),
+                            tb=traceback.format_exc()[-2000:]))
     gathered = [None] * EP
     dist.all_gather_object(gathered, results)
     if rank == 0:

@@ -23,7 +23,8 @@ import torch
 
 from ...kernels import rows as K_rows
 from ...planner import LayerRecord, plan_backward, plan_forward, saved_layout
-from .experts import ExpertPipeline
+from .arena import make_arena
+from .experts import ExpertPipeline, ScratchPointers
 from .routing import RoutingTables, build_routing_tables
 from .symmetric import SymmetricBuffers
 
@@ -55,21 +56,17 @@ class CudaBackend:
             raise NotImplementedError(
                 "Config.pipeline='mega' (one persistent kernel for W13+W2) is not implemented "
                 "yet; use pipeline='standard' or 'staged'")
-        if ctx.plan.host_scratch_bytes:
-            raise NotImplementedError(
-                "Config.host_scratch_capacity_factor (VMM host-backed scratch) is not implemented "
-                "in the CUDA backend yet; leave it unset")
         self.ctx = ctx
         self.plan = ctx.plan
         self.cfg = cfg
         dev = ctx.device
         with torch.cuda.device(dev):
             self.sym = SymmetricBuffers(ctx.plan, ctx.group, dev)
-            self.act = torch.empty(max(ctx.plan.activation_buffer_bytes, 128), dtype=torch.uint8,
-                                   device=dev)
-            self.act_base = torch.tensor([self.act.data_ptr()], dtype=torch.int64, device=dev)
-            self.experts = ExpertPipeline(cfg, ctx.num_local_experts, ctx.plan.device_scratch_rows,
-                                          self.act, ctx.plan.scratch_offset,
+            self.arena = make_arena(ctx.plan, dev)
+            self.act_base = torch.tensor([self.arena.base], dtype=torch.int64, device=dev)
+            self.max_rows = ctx.plan.total_scratch_rows
+            self.experts = ExpertPipeline(cfg, ctx.num_local_experts, self.max_rows,
+                                          self.arena.base + self.arena.nbytes, dev,
                                           pipeline=cfg.pipeline)
             self.p_dispatch = K_rows.device_ptr(self.sym.dispatch)
             self.p_combine = K_rows.device_ptr(self.sym.combine)
@@ -96,7 +93,7 @@ class CudaBackend:
         ids_all, T_all = self.sym.gather_routing(T)
         return build_routing_tables(
             ids_all, T_all, T, self.ctx.rank, self.ctx.num_local_experts, self.cfg.num_experts,
-            self.plan.device_scratch_rows, self.sym.dispatch_base_EP, self.sym.combine_base_EP,
+            self.max_rows, self.sym.dispatch_base_EP, self.sym.combine_base_EP,
             row_bytes=self.cfg.hidden_dim * 2, own_scores_TK=scores_TK)
 
     def _routes_view(self, buf: torch.Tensor, T: int) -> torch.Tensor:
@@ -104,12 +101,12 @@ class CudaBackend:
         return buf[: T * K * D].view(T, K, D)
 
     # -- forward ----------------------------------------------------------------------------
-    def _addresses(self, record: LayerRecord, R: torch.Tensor):
+    def _addresses(self, record: LayerRecord, R: torch.Tensor, sp: ScratchPointers):
         """(layout, x_g address, h1 address): the slot when full state is kept, else scratch."""
         lay = saved_layout(record, R[0], self.plan)
         need = record.need_recompute
-        xg = torch.where(need, self.experts.p_xg, self.act_base + lay.x_gathered)
-        h1 = torch.where(need, self.experts.p_h1, self.act_base + lay.h1)
+        xg = torch.where(need, sp.xg, self.act_base + lay.x_gathered)
+        h1 = torch.where(need, sp.h1, self.act_base + lay.h1)
         return lay, xg, h1
 
     def forward(self, x_TD, ids_TK, scores_TK, w13_E2FD, w2_EDF, training: bool):
@@ -118,14 +115,15 @@ class CudaBackend:
         self._publish(x_TD, ids_TK)
         self.sym.barrier(0)
         tabs = self._routing(T, scores_TK)
+        sp = self.experts.scratch(tabs)
         if training:
             record = plan_forward(self.ctx.planner, tabs.rows_EP, self.ctx.rank, self.plan)
-            lay, xg_addr, h1_addr = self._addresses(record, tabs.num_rows)
+            lay, xg_addr, h1_addr = self._addresses(record, tabs.num_rows, sp)
             if self.decision_trace is not None:
                 self.decision_trace.append(record.need_recompute)
         else:
-            xg_addr, h1_addr = self.experts.p_xg, self.experts.p_h1
-        self.experts.forward(tabs, w13_E2FD, w2_EDF, tabs.combine_ptrs, xg_addr, h1_addr)
+            xg_addr, h1_addr = sp.xg, sp.h1
+        self.experts.forward(tabs, w13_E2FD, w2_EDF, tabs.combine_ptrs, xg_addr, h1_addr, sp)
         self.sym.barrier(1)
         y_TD = torch.empty_like(x_TD)
         routes = self._routes_view(self.sym.combine, T)
@@ -152,14 +150,15 @@ class CudaBackend:
         need = rec.need_recompute
         R = tabs.num_rows
         zero = torch.zeros_like(R)
-        lay, xg_addr, h1_addr = self._addresses(rec, R)
+        sp = self.experts.scratch(tabs)
+        lay, xg_addr, h1_addr = self._addresses(rec, R, sp)
 
         # Replay (device-predicated): republish x from the slot and rerun the forward experts,
         # rebuilding x_g / h1 in scratch and the route outputs in the owners' combine buffers.
         K_rows.copy_rows(self.act_base + lay.x, self.p_dispatch,
                          torch.where(need, torch.full_like(R, T), zero), D, T)
         self.sym.barrier(0)
-        self.experts.forward(tabs, saved.w13, saved.w2, tabs.combine_ptrs, xg_addr, h1_addr,
+        self.experts.forward(tabs, saved.w13, saved.w2, tabs.combine_ptrs, xg_addr, h1_addr, sp,
                              predicate=need)
         self.sym.barrier(1)
 
@@ -173,7 +172,7 @@ class CudaBackend:
         grad_w13, grad_w2 = self.experts.backward(tabs, saved.w13, saved.w2,
                                                   gather_ptrs=tabs.combine_ptrs,
                                                   scatter_ptrs=tabs.dispatch_route_ptrs,
-                                                  xg_addr=xg_addr, h1_addr=h1_addr,
+                                                  xg_addr=xg_addr, h1_addr=h1_addr, sp=sp,
                                                   wgrad_dtype=cfg.wgrad_dtype)
         self.sym.barrier(3)
         grad_x = torch.empty(T, D, dtype=grad_y_TD.dtype, device=grad_y_TD.device)
@@ -188,7 +187,8 @@ class CudaBackend:
 
         torch.cuda.synchronize(self.ctx.device)
         self.experts = None
-        self.act = self.act_base = self.p_dispatch = self.p_combine = None
+        self.arena.close()
+        self.arena = self.act_base = self.p_dispatch = self.p_combine = None
         self.sym.close()
         self.ctx = None          # break the Context <-> backend cycle
         gc.collect()

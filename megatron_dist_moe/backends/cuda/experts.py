@@ -2,7 +2,8 @@
 
 x_g and h1 are written to (forward) and read from (backward) device-chosen addresses: the
 activation slot when the planner keeps full state, the shared scratch otherwise. Every other
-intermediate lives in the plan's scratch region at host-known offsets (`ScratchLayout`).
+intermediate lives in the scratch region, laid out per call for the received rows
+(`ScratchPointers`).
 
 GEMM engines behind one interface:
     "triton"  our persistent grouped GEMMs (kernels/grouped_gemm.py); SwiGLU fused into the W13
@@ -35,31 +36,35 @@ def default_gemm_engine() -> str:
     return os.environ.get("DIST_MOE_GEMM", "triton")
 
 
-@dataclass(frozen=True)
-class ScratchLayout:
-    """Byte offsets (from the activation buffer base) of the scratch tensors, for R_max rows.
+@dataclass
+class ScratchPointers:
+    """Device pointers (int64 [1]) of one call's scratch tensors, for its actual row count R.
 
-    Backward reuse (guide §04): grad_h1 overwrites h2 and g3 after both were read.
+    The layout is anchored at the arena's END and sized for R (guide §03: scratch grows down
+    from the high end), so a call whose rows fit the device scratch bound stays in device pages
+    even when a VMM arena backs lower addresses with host memory. Backward reuse (guide §04):
+    grad_h1 overwrites h2 and g3 after both were read; grad_h2 stays disjoint.
+        [x_g R*D | h1 R*2F | h2 R*F, g3 R*D (grad_h1 R*2F reuses) | grad_h2 R*F] -> end
     """
 
-    xg: int
-    h1: int
-    h2: int
-    g3: int
-    grad_h1: int
-    grad_h2: int
-    end: int
+    xg: torch.Tensor
+    h1: torch.Tensor
+    h2: torch.Tensor
+    g3: torch.Tensor
+    grad_h1: torch.Tensor
+    grad_h2: torch.Tensor
 
     @classmethod
-    def build(cls, base: int, R: int, D: int, F: int) -> "ScratchLayout":
-        xg = base
-        h1 = xg + align128(R * D * 2)
-        h2 = h1 + align128(R * 2 * F * 2)
-        g3 = h2 + align128(R * F * 2)
-        top = max(align128(R * F * 2) + align128(R * D * 2), align128(R * 2 * F * 2))
-        grad_h2 = h2 + top
-        return cls(xg=xg, h1=h1, h2=h2, g3=g3, grad_h1=h2, grad_h2=grad_h2,
-                   end=grad_h2 + align128(R * F * 2))
+    def for_rows(cls, end: torch.Tensor, R: torch.Tensor, D: int, F: int) -> "ScratchPointers":
+        R = R.to(torch.int64)
+        sx = align128(R * D * 2)
+        s1 = align128(R * 2 * F * 2)
+        s2 = align128(R * F * 2)
+        top = torch.maximum(s2 + sx, s1)
+        xg = end - (sx + s1 + top + s2)
+        h1 = xg + sx
+        h2 = h1 + s1
+        return cls(xg=xg, h1=h1, h2=h2, g3=h2 + s2, grad_h1=h2, grad_h2=h2 + top)
 
 
 def _predicated(tabs: RoutingTables, predicate: torch.Tensor | None):
@@ -71,33 +76,28 @@ def _predicated(tabs: RoutingTables, predicate: torch.Tensor | None):
 
 class ExpertPipeline:
     def __init__(self, cfg: Config, num_local_experts: int, max_rows: int,
-                 act_buffer: torch.Tensor, scratch_offset: int, pipeline: str = "standard",
+                 arena_end: int, device: torch.device, pipeline: str = "standard",
                  gemm: str | None = None):
         self.cfg = cfg
         self.E = num_local_experts
         self.max_rows = max_rows
-        self.device = act_buffer.device
+        self.device = device
         self.pipeline = pipeline
         self.gemm = gemm or default_gemm_engine()
         if self.gemm not in ("triton", "torch"):
             raise ValueError(f"DIST_MOE_GEMM={self.gemm!r}: expected 'triton' or 'torch'")
         self.clamped = cfg.activation == "swiglu_clamped"
-        D, F = cfg.hidden_dim, cfg.intermediate_dim
-        self.lay = ScratchLayout.build(act_buffer.data_ptr() + scratch_offset, max_rows, D, F)
-        if self.lay.end > act_buffer.data_ptr() + act_buffer.numel():
-            raise RuntimeError("scratch layout exceeds the planned activation buffer "
-                               f"({self.lay.end - act_buffer.data_ptr()} > {act_buffer.numel()} B)")
+        self.arena_end = torch.tensor([arena_end], dtype=torch.int64, device=device)
 
-        def ptr(addr: int) -> torch.Tensor:
-            return torch.tensor([addr], dtype=torch.int64, device=self.device)
-
-        self.p_xg, self.p_h1, self.p_h2 = ptr(self.lay.xg), ptr(self.lay.h1), ptr(self.lay.h2)
-        self.p_g3, self.p_gh1, self.p_gh2 = ptr(self.lay.g3), ptr(self.lay.grad_h1), ptr(self.lay.grad_h2)
+    def scratch(self, tabs: RoutingTables) -> ScratchPointers:
+        """This call's scratch pointers (sized for its received rows, anchored at the end)."""
+        return ScratchPointers.for_rows(self.arena_end, tabs.num_rows, self.cfg.hidden_dim,
+                                        self.cfg.intermediate_dim)
 
     # -- forward -----------------------------------------------------------------------------
     def forward(self, tabs: RoutingTables, w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor,
                 scatter_ptrs: torch.Tensor, xg_addr: torch.Tensor, h1_addr: torch.Tensor,
-                predicate: torch.Tensor | None = None) -> None:
+                sp: ScratchPointers, predicate: torch.Tensor | None = None) -> None:
         """Expert MLP of the received rows; x_g and h1 land at xg_addr / h1_addr (device ptrs),
         route outputs h3 at scatter_ptrs (peer combine rows)."""
         cfg = self.cfg
@@ -123,18 +123,18 @@ class ExpertPipeline:
         if self.pipeline == "staged":
             grouped_mm_fwd(w=w13_E2FD, expert_offsets=offs, max_rows=Rm,
                            a_row_ptrs=tabs.fwd_gather_ptrs, a_copy_out=xg_addr,
-                           epilogue="swiglu", h1=h1_addr, h2=self.p_h2, **act)
+                           epilogue="swiglu", h1=h1_addr, h2=sp.h2, **act)
         else:
             K_rows.gather_rows(tabs.fwd_gather_ptrs, xg_addr, nrows, D, torch.bfloat16, Rm)
             grouped_mm_fwd(w=w13_E2FD, expert_offsets=offs, max_rows=Rm, a=xg_addr,
-                           epilogue="swiglu", h1=h1_addr, h2=self.p_h2, **act)
-        grouped_mm_fwd(w=w2_EDF, expert_offsets=offs, max_rows=Rm, a=self.p_h2,
+                           epilogue="swiglu", h1=h1_addr, h2=sp.h2, **act)
+        grouped_mm_fwd(w=w2_EDF, expert_offsets=offs, max_rows=Rm, a=sp.h2,
                        epilogue="scatter", out_row_ptrs=scatter_ptrs)
 
     # -- backward ----------------------------------------------------------------------------
     def backward(self, tabs: RoutingTables, w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor,
                  gather_ptrs: torch.Tensor, scatter_ptrs: torch.Tensor, xg_addr: torch.Tensor,
-                 h1_addr: torch.Tensor, wgrad_dtype: str):
+                 h1_addr: torch.Tensor, sp: ScratchPointers, wgrad_dtype: str):
         """Returns (grad_w13 [E,2F,D], grad_w2 [E,D,F]); route input gradients are stored at
         scatter_ptrs (owners' dispatch rows). grad_h3 rows are read from gather_ptrs."""
         cfg = self.cfg
@@ -148,21 +148,21 @@ class ExpertPipeline:
                                         xg_addr, h1_addr, out_dtype)
         from ...kernels.grouped_gemm import grouped_mm_dgrad, grouped_mm_wgrad
         # h2 is rebuilt from h1 (BF16 full-save keeps h1, not h2).
-        K_rows.swiglu_fwd(h1_addr, self.p_h2, nrows, *act)
+        K_rows.swiglu_fwd(h1_addr, sp.h2, nrows, *act)
         if self.pipeline == "staged":
             grouped_mm_dgrad(w=w2_EDF, expert_offsets=offs, max_rows=Rm, a_row_ptrs=gather_ptrs,
-                             a_copy_out=self.p_g3, epilogue="store", out=self.p_gh2)
+                             a_copy_out=sp.g3, epilogue="store", out=sp.grad_h2)
         else:
-            K_rows.gather_rows(gather_ptrs, self.p_g3, nrows, D, torch.bfloat16, Rm)
-            grouped_mm_dgrad(w=w2_EDF, expert_offsets=offs, max_rows=Rm, a=self.p_g3,
-                             epilogue="store", out=self.p_gh2)
+            K_rows.gather_rows(gather_ptrs, sp.g3, nrows, D, torch.bfloat16, Rm)
+            grouped_mm_dgrad(w=w2_EDF, expert_offsets=offs, max_rows=Rm, a=sp.g3,
+                             epilogue="store", out=sp.grad_h2)
         grad_w2 = torch.empty(self.E, D, F, dtype=out_dtype, device=self.device)
-        grouped_mm_wgrad(self.p_g3, self.p_h2, offs, grad_w2, dtype=torch.bfloat16)
-        K_rows.swiglu_bwd(h1_addr, self.p_gh2, self.p_gh1, nrows, *act)
-        grouped_mm_dgrad(w=w13_E2FD, expert_offsets=offs, max_rows=Rm, a=self.p_gh1,
+        grouped_mm_wgrad(sp.g3, sp.h2, offs, grad_w2, dtype=torch.bfloat16)
+        K_rows.swiglu_bwd(h1_addr, sp.grad_h2, sp.grad_h1, nrows, *act)
+        grouped_mm_dgrad(w=w13_E2FD, expert_offsets=offs, max_rows=Rm, a=sp.grad_h1,
                          epilogue="scatter", out_row_ptrs=scatter_ptrs)
         grad_w13 = torch.empty(self.E, 2 * F, D, dtype=out_dtype, device=self.device)
-        grouped_mm_wgrad(self.p_gh1, xg_addr, offs, grad_w13, dtype=torch.bfloat16)
+        grouped_mm_wgrad(sp.grad_h1, xg_addr, offs, grad_w13, dtype=torch.bfloat16)
         return grad_w13, grad_w2
 
     def _backward_torch(self, tabs, w13_E2FD, w2_EDF, gather_ptrs, scatter_ptrs, xg_addr,
