@@ -7,7 +7,8 @@ Activation (one step, before Megatron parses its arguments or builds the model):
 
 or launch an unmodified Megatron-LM script through
 
-    python -m megatron_dist_moe.megatron.launch pretrain_gpt.py --moe-token-dispatcher-type dist_moe ...
+    python -m megatron_dist_moe.megatron.launch pretrain_gpt.py \
+        --moe-token-dispatcher-type dist_moe ...
 
 Then `--moe-token-dispatcher-type dist_moe` (or `moe_token_dispatcher_type: dist_moe` in a YAML
 model config) builds DistMoELayer for every MoE layer. Without install(), layer specs from

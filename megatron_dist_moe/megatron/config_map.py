@@ -169,7 +169,8 @@ def check_supported(tc: Any, options: DistMoEOptions | None = None) -> None:
         p.append("moe_apply_probs_on_input: dist_moe applies router scores to the expert output; "
                  "remove --moe-apply-probs-on-input")
     if g("moe_latent_size"):
-        p.append("moe_latent_size (latent MoE projections): not supported; remove --moe-latent-size")
+        p.append("moe_latent_size (latent MoE projections): not supported; "
+                 "remove --moe-latent-size")
     if g("moe_shared_expert_overlap"):
         p.append("moe_shared_expert_overlap: there is no dispatcher communication to overlap "
                  "with; remove --moe-shared-expert-overlap")

@@ -250,7 +250,9 @@ def schedule_interleaved_1f1b(num_microbatches: int, pp_size: int, pp_rank: int,
     if not 0 <= pp_rank < pp_size:
         raise ValueError(f"pp_rank={pp_rank} is outside [0, pp_size={pp_size})")
     M = num_microbatches
-    G = pp_size if microbatch_group_size_per_vp_stage is None else microbatch_group_size_per_vp_stage
+    G = microbatch_group_size_per_vp_stage
+    if G is None:
+        G = pp_size
     if not pp_size <= G <= M:
         raise ValueError(f"microbatch_group_size_per_vp_stage={G} must lie in [pp_size={pp_size}, "
                          f"num_microbatches={M}] (Megatron raises the same)")
@@ -299,7 +301,7 @@ class SlotHooks:
     """Drives activation-slot selection from inside Megatron's pipeline schedules.
 
     `runtime` is the object that owns the Dist-MoE contexts (megatron/runtime.py); it provides
-    `has_layers`, `plan(num_slots, max_layers)`, `select(slot, num_layers)`, `reset()` and
+    `plan(num_slots, max_layers)`, `select(slot, num_layers)`, `reset()` and
     `count_layers(module)`. Keeping it an argument keeps this class testable with a fake runtime.
 
     Lifetimes are identified by the output tensor object Megatron's forward_step returns: the
@@ -310,9 +312,9 @@ class SlotHooks:
     def __init__(self, runtime: Any) -> None:
         self.runtime = runtime
         self.allocator = SlotAllocator()
-        self._by_output: dict[int, tuple[tuple[int, int], int]] = {}   # id(output) -> (lifetime, layers)
+        # id(forward output) -> ((vstage, microbatch), MoE layers in that chunk)
+        self._by_output: dict[int, tuple[tuple[int, int], int]] = {}
         self._forward_only = False
-        self._in_schedule = False
         self._layers_per_chunk: dict[int, int] = {}
         self._anonymous = 0
 
@@ -325,7 +327,6 @@ class SlotHooks:
                            "started (a previous schedule was interrupted); resetting",
                            self.allocator.live)
             self.reset()
-        self._in_schedule = True
         self._forward_only = forward_only
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         self._layers_per_chunk = {id(c): self.runtime.count_layers(c) for c in chunks}
@@ -338,7 +339,6 @@ class SlotHooks:
         self.runtime.plan(num_slots=peak_live_slots(schedule), max_layers=max_layers)
 
     def end_schedule(self) -> None:
-        self._in_schedule = False
         if self.allocator.live:
             logger.warning("dist_moe: schedule finished with %d live activation slot(s); "
                            "resetting", self.allocator.live)
@@ -442,7 +442,6 @@ class SlotHooks:
                 result = schedule_fn(*args, **kwargs)
             except BaseException:
                 hooks.reset()
-                hooks._in_schedule = False
                 raise
             hooks.end_schedule()
             return result

@@ -40,7 +40,7 @@ class DistMoERuntime:
 
     @staticmethod
     def count_layers(module: Any) -> int:
-        """dist_moe layers inside `module` (a model chunk, possibly wrapped by DDP/Float16Module)."""
+        """dist_moe layers inside `module` (a model chunk, maybe wrapped by DDP/Float16Module)."""
         if module is None or not hasattr(module, "modules"):
             return 0
         return sum(1 for m in module.modules() if getattr(m, "is_dist_moe_layer", False))

@@ -1,0 +1,155 @@
+"""TransformerConfig -> megatron_dist_moe.Config, and start-up errors for unsupported settings."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+import torch.nn.functional as F  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from megatron_dist_moe.megatron.config_map import (  # noqa: E402
+    DistMoEOptions,
+    UnsupportedMegatronConfig,
+    check_supported,
+    dist_moe_config,
+    options_from_args,
+    tokens_per_rank,
+    tokens_per_rank_from_args,
+)
+
+
+def tc(**overrides) -> TransformerConfig:
+    kw = dict(num_layers=2, hidden_size=128, num_attention_heads=4, ffn_hidden_size=256,
+              moe_ffn_hidden_size=64, num_moe_experts=8, moe_router_topk=2,
+              moe_token_dispatcher_type="alltoall", gated_linear_unit=True,
+              activation_func=F.silu, add_bias_linear=False, bf16=True)
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def like(**overrides):
+    """A TransformerConfig look-alike for settings this CPU machine cannot construct (fp8 needs
+    Transformer Engine); the checks only read attributes."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{**vars(tc()), **overrides})
+
+
+def tc_or_like(**overrides):
+    try:
+        return tc(**overrides)
+    except (ValueError, AssertionError):   # Megatron's own validation needs TE / other flags
+        return like(**overrides)
+
+
+def test_shape_and_policy_mapping():
+    cfg = dist_moe_config(tc(), num_local_input_tokens=4096)
+    assert (cfg.num_local_input_tokens, cfg.hidden_dim, cfg.intermediate_dim, cfg.top_k,
+            cfg.num_experts) == (4096, 128, 64, 2, 8)
+    assert cfg.precision == "bf16" and not cfg.inference
+    assert cfg.activation_slot_capacity_factor == 1.0
+    assert cfg.backend == "auto" and cfg.wgrad_dtype == "fp32"
+
+
+@pytest.mark.parametrize("recipe, precision", [("mxfp8", "mxfp8"), ("blockwise", "fp8_block")])
+def test_fp8_recipe_maps_to_precision(recipe, precision):
+    cfg = dist_moe_config(like(fp8="e4m3", fp8_recipe=recipe, moe_ffn_hidden_size=128),
+                          num_local_input_tokens=128)
+    assert cfg.precision == precision
+
+
+def test_recompute_moe_makes_every_layer_replay():
+    cfg = dist_moe_config(tc(recompute_granularity="selective", recompute_modules=["moe"]),
+                          num_local_input_tokens=128)
+    assert cfg.activation_slot_capacity_factor == 0.0
+    # "moe_act" needs nothing: Dist-MoE never saves the SwiGLU output
+    cfg = dist_moe_config(like(recompute_granularity="selective", recompute_modules=["moe_act"]),
+                          num_local_input_tokens=128)
+    assert cfg.activation_slot_capacity_factor == 1.0
+    # an explicit option wins
+    cfg = dist_moe_config(tc(recompute_granularity="selective", recompute_modules=["moe"]),
+                          num_local_input_tokens=128,
+                          options=DistMoEOptions(activation_slot_capacity_factor=0.5))
+    assert cfg.activation_slot_capacity_factor == 0.5
+
+
+def test_tokens_per_rank():
+    assert tokens_per_rank(4096, 2) == 8192
+    assert tokens_per_rank(4096, 2, tensor_model_parallel_size=4, sequence_parallel=True) == 2048
+    assert tokens_per_rank(4096, 2, tensor_model_parallel_size=4) == 8192   # no SP: replicated
+    assert tokens_per_rank(4096, 1, context_parallel_size=2) == 2048
+    with pytest.raises(UnsupportedMegatronConfig, match="not divisible"):
+        tokens_per_rank(10, 1, context_parallel_size=4)
+    args = dict(seq_length=1024, micro_batch_size=4, tensor_model_parallel_size=2,
+                context_parallel_size=1, sequence_parallel=True)
+    assert tokens_per_rank_from_args(args) == 2048
+    assert tokens_per_rank_from_args(None) is None
+
+
+def test_options_from_cli_and_yaml():
+    from types import SimpleNamespace
+
+    cli = SimpleNamespace(dist_moe_backend="reference", dist_moe_wgrad_dtype=None,
+                          dist_moe_activation_slot_capacity_factor=0.25)
+    assert options_from_args(cli) == DistMoEOptions(backend="reference",
+                                                    activation_slot_capacity_factor=0.25)
+    yaml_args = SimpleNamespace(dist_moe=SimpleNamespace(backend="cuda", wgrad_dtype="bf16"))
+    assert options_from_args(yaml_args) == DistMoEOptions(backend="cuda", wgrad_dtype="bf16")
+    with pytest.raises(ValueError, match="unknown dist_moe option"):
+        options_from_args({"dist_moe": {"slots": 3}})
+    with pytest.raises(ValueError, match="--dist-moe-backend"):
+        DistMoEOptions(backend="nccl")
+
+
+# Each unsupported setting: (TransformerConfig overrides, text the message must contain).
+UNSUPPORTED = [
+    (dict(expert_tensor_parallel_size=2), "--expert-tensor-parallel-size 1"),
+    (dict(moe_expert_capacity_factor=1.25), "--moe-expert-capacity-factor"),
+    (dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
+     "--moe-pad-expert-input-to-capacity"),
+    (dict(gated_linear_unit=False, activation_func=F.gelu), "--swiglu"),
+    (dict(activation_func=F.gelu), "--swiglu"),
+    (dict(add_bias_linear=True), "--disable-bias-linear"),
+    (dict(moe_shared_expert_intermediate_size=64, moe_shared_expert_overlap=True,
+          moe_token_dispatcher_type="alltoall"), "--moe-shared-expert-overlap"),
+    (dict(fp8="e4m3", fp8_recipe="tensorwise"), "--fp8-recipe mxfp8"),
+    (dict(fp8="e4m3", fp8_recipe="delayed"), "--fp8-recipe mxfp8"),
+    (dict(bf16=False, fp16=True), "--bf16"),
+    (dict(moe_router_topk=1, moe_apply_probs_on_input=True, moe_router_pre_softmax=True),
+     "--moe-apply-probs-on-input"),
+    (dict(delay_wgrad_compute=True), "delay_wgrad_compute"),
+    (dict(cuda_graph_impl="transformer_engine", cuda_graph_modules=["moe_router"]),
+     "cuda_graph_modules"),
+]
+
+
+@pytest.mark.parametrize("overrides, needle", UNSUPPORTED,
+                         ids=[next(iter(o)) + ("_" + str(list(o.values())[0]))
+                              for o, _ in UNSUPPORTED])
+def test_unsupported_settings_fail_with_a_fix(overrides, needle):
+    config = tc_or_like(**overrides)
+    with pytest.raises(UnsupportedMegatronConfig) as info:
+        dist_moe_config(config, num_local_input_tokens=128)
+    assert needle in str(info.value)
+    assert "moe_token_dispatcher_type='dist_moe' cannot run" in str(info.value)
+
+
+def test_all_problems_are_listed_at_once():
+    with pytest.raises(UnsupportedMegatronConfig) as info:
+        check_supported(tc(add_bias_linear=True, moe_expert_capacity_factor=1.0))
+    assert len(info.value.problems) == 2
+
+
+def test_reference_backend_with_cuda_graphs_is_rejected():
+    with pytest.raises(UnsupportedMegatronConfig, match="--dist-moe-backend cuda"):
+        check_supported(tc(cuda_graph_impl="local"), DistMoEOptions(backend="reference"))
+
+
+def test_shape_errors_name_the_megatron_flag():
+    with pytest.raises(UnsupportedMegatronConfig, match="--moe-ffn-hidden-size"):
+        dist_moe_config(tc(moe_ffn_hidden_size=100), num_local_input_tokens=128)
+    with pytest.raises(UnsupportedMegatronConfig, match="--moe-ffn-hidden-size"):
+        # block-scaled fp8 needs multiples of 128
+        dist_moe_config(like(fp8="e4m3", fp8_recipe="mxfp8"), num_local_input_tokens=128)
