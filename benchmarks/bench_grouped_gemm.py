@@ -5,8 +5,11 @@ counterpart and prints ms and TFLOP/s. Kernels (R rows over E experts, D hidden,
 
   fwd_swiglu         h1 = x @ W13[e]^T and h2 = SwiGLU(h1)       torch: _grouped_mm + eager SwiGLU
   fwd_swiglu_gather  same, rows gathered by address + a_copy_out  torch: index_select + the above
+  fwd_swiglu_claim   same rows, claim mode: each m-tile copied once into a_copy_out by the first
+                     program to reach it, then read densely (TMA)  torch: as fwd_swiglu_gather
   fwd_w2_scatter     y = h2 @ W2[e]^T, rows scattered by address  torch: _grouped_mm + index_copy_
   dgrad_w2           grad_h2 = grad_h3 @ W2[e]                    torch: _grouped_mm
+  dgrad_w2_claim     same, grad_h3 rows gathered by claim into a_copy_out  torch: index_select + gm
   dgrad_w13          grad_x = grad_h1 @ W13[e]                    torch: _grouped_mm
   wgrad_w13          dW13[e] = grad_h1_e^T @ x_e (bf16 out)       torch: _grouped_mm 2D x 2D
   wgrad_w2           dW2[e] = grad_h3_e^T @ h2_e (bf16 out)       torch: _grouped_mm 2D x 2D
@@ -15,8 +18,16 @@ counterpart and prints ms and TFLOP/s. Kernels (R rows over E experts, D hidden,
 torch's time includes its unfused epilogue work (SwiGLU, gather, scatter), and the torch GEMM
 alone is printed too (impl "torch_gemm").
 
+Claim kernels also print our two-kernel baseline, "ours_gather_gemm" (rows.gather_rows into the
+dense buffer, then the dense GEMM), and the dense GEMM alone, "ours_gemm"; the summary line
+"copy hidden" = (gather_gemm - claim) / (gather_gemm - gemm): 1 means the claim kernel costs
+what the dense GEMM alone does. --peer puts the gathered source rows on GPU 1 (reads over
+NVLink, as in production; needs 2 GPUs); without it they are local (HBM) and the copy is cheap.
+--claim-sweep times claim look-ahead / copy width / group_m variants.
+
     python benchmarks/bench_grouped_gemm.py --csv bench_out/grouped_gemm.csv [--sweep]
     python benchmarks/bench_grouped_gemm.py --shapes 6x2048x7168x3072 --kernels fwd_swiglu
+    python benchmarks/bench_grouped_gemm.py --kernels fwd_swiglu_claim,dgrad_w2_claim --peer --claim-sweep
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import argparse
 import csv
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,13 +44,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_dist_moe.kernels.grouped_gemm import (  # noqa: E402
-    GroupedGemmConfig, device_ptr, grouped_mm_dgrad, grouped_mm_fwd, grouped_mm_wgrad)
+    ClaimFlags, GroupedGemmConfig, device_ptr, grouped_mm_dgrad, grouped_mm_fwd, grouped_mm_wgrad)
+from megatron_dist_moe.kernels.rows import gather_rows  # noqa: E402
 
 BF16 = torch.bfloat16
 # name -> (experts, rows per expert, D, F); both have R = 12288 rows
 SHAPES = {"e6_f3072": (6, 2048, 7168, 3072), "e8_f2048": (8, 1536, 7168, 2048)}
-KERNELS = ("fwd_swiglu", "fwd_swiglu_gather", "fwd_w2_scatter", "dgrad_w2", "dgrad_w13",
-           "wgrad_w13", "wgrad_w2")
+KERNELS = ("fwd_swiglu", "fwd_swiglu_gather", "fwd_swiglu_claim", "fwd_w2_scatter", "dgrad_w2",
+           "dgrad_w2_claim", "dgrad_w13", "wgrad_w13", "wgrad_w2")
+CLAIM_KERNELS = {"fwd_swiglu_claim": "fwd_swiglu", "dgrad_w2_claim": "dgrad_w2"}  # -> dense twin
 SWEEP = [
     GroupedGemmConfig(128, 256, 64, 8, 8, 3, tma=False),
     GroupedGemmConfig(128, 256, 64, 8, 8, 3, tma=True),
@@ -47,6 +61,27 @@ SWEEP = [
     GroupedGemmConfig(128, 128, 64, 8, 8, 5, tma=True),
     GroupedGemmConfig(256, 128, 64, 8, 8, 3, tma=True),
 ]
+_CLAIM_BASE = GroupedGemmConfig(128, 256, 64, 8, 8, 4, tma=True)
+CLAIM_SWEEP = (
+    [replace(_CLAIM_BASE, claim_ahead=a, copy_k=k) for a in (0, 1, 2, 3) for k in (128, 256)]
+    + [replace(_CLAIM_BASE, group_m=g) for g in (4, 16)]
+    + [replace(_CLAIM_BASE, tma=False)]
+)
+
+
+def _cfg_name(cfg: GroupedGemmConfig, claim: bool = False) -> str:
+    name = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}s{cfg.num_stages}w{cfg.num_warps}" + ("tma" if cfg.tma else "")
+    if claim:
+        name += f"-a{cfg.claim_ahead}k{cfg.copy_k}g{cfg.group_m}"
+    return name
+
+
+def enable_peer_access(a: int, b: int) -> None:
+    """Peer access both ways (torch turns on src's access to dst's memory on a cross-GPU copy)."""
+    for s_dev, d_dev in ((a, b), (b, a)):
+        torch.empty(16, device=f"cuda:{d_dev}").copy_(torch.ones(16, device=f"cuda:{s_dev}"))
+    torch.cuda.synchronize(a)
+    torch.cuda.synchronize(b)
 
 
 def _parse_shape(s: str):
@@ -75,7 +110,7 @@ def _rel(a, b) -> float:
 class Problem:
     """All buffers of one shape, allocated once; kernels are closures over them."""
 
-    def __init__(self, e, rows, d, f, seed=0):
+    def __init__(self, e, rows, d, f, seed=0, peer=False):
         g = torch.Generator(device="cuda").manual_seed(seed)
         dev = "cuda"
 
@@ -98,10 +133,17 @@ class Problem:
         # a permutation stands in for the routing gather/scatter (single GPU: same addresses)
         self.src_idx = torch.randperm(r, device=dev, generator=g)
         self.dst_idx = torch.randperm(r, device=dev, generator=g)
-        self.a_rows = self.x.data_ptr() + self.src_idx.to(torch.int64) * d * 2
+        # gathered rows come from src_x / src_g3: copies of x / g3 on GPU 1 with --peer
+        src_dev = "cuda:1" if peer else dev
+        self.src_x, self.src_g3 = self.x.to(src_dev), self.g3.to(src_dev)
+        self.g_idx = torch.randperm(r, device=dev, generator=g)
+        self.a_rows = self.src_x.data_ptr() + self.src_idx.to(torch.int64) * d * 2
+        self.g3_rows = self.src_g3.data_ptr() + self.g_idx.to(torch.int64) * d * 2
         self.y_rows = self.y.data_ptr() + self.dst_idx.to(torch.int64) * d * 2
+        self.g3_saved = torch.empty(r, d, dtype=BF16, device=dev)
+        self.flags = ClaimFlags(r, None, e, dev)  # one flag set, all launches in stream order
         self.p = {k: device_ptr(getattr(self, k)) for k in
-                  ("x", "g3", "g1", "h1", "h2", "y", "g2", "gx", "x_saved")}
+                  ("x", "g3", "g1", "h1", "h2", "y", "g2", "gx", "x_saved", "g3_saved")}
         # torch-side outputs
         self.t = {}
 
@@ -113,6 +155,13 @@ class Problem:
         if kernel == "fwd_swiglu_gather":
             return lambda: grouped_mm_fwd(w=self.w13, a_row_ptrs=self.a_rows, a_copy_out=p["x_saved"],
                                           epilogue="swiglu", h1=p["h1"], h2=p["h2"], **kw)
+        if kernel == "fwd_swiglu_claim":
+            return lambda: grouped_mm_fwd(w=self.w13, a_row_ptrs=self.a_rows, a_copy_out=p["x_saved"],
+                                          claim_flags=self.flags, epilogue="swiglu", h1=p["h1"],
+                                          h2=p["h2"], **kw)
+        if kernel == "dgrad_w2_claim":
+            return lambda: grouped_mm_dgrad(w=self.w2, a_row_ptrs=self.g3_rows, a_copy_out=p["g3_saved"],
+                                            claim_flags=self.flags, out=p["g2"], **kw)
         if kernel == "fwd_w2_scatter":
             return lambda: grouped_mm_fwd(w=self.w2, a=p["h2"], epilogue="scatter", out_row_ptrs=self.y_rows, **kw)
         if kernel == "dgrad_w2":
@@ -125,8 +174,25 @@ class Problem:
             return lambda: grouped_mm_wgrad(p["g3"], p["h2"], self.offs, self.dw2, dtype=BF16, config=cfg)
         raise ValueError(kernel)
 
+    def ours_gather_gemm(self, kernel):
+        """Our two-kernel pipeline for a claim kernel: gather rows into the dense buffer
+        (rows.gather_rows), then the dense GEMM on it (default config)."""
+        p, num_rows = self.p, self.offs[-1:]
+        kw = dict(expert_offsets=self.offs, max_rows=self.r)
+        if kernel == "fwd_swiglu_claim":
+            def fn():
+                gather_rows(self.a_rows, p["x_saved"], num_rows, self.d, BF16, self.r)
+                grouped_mm_fwd(w=self.w13, a=p["x_saved"], epilogue="swiglu", h1=p["h1"], h2=p["h2"], **kw)
+            return fn
+
+        def fn():
+            gather_rows(self.g3_rows, p["g3_saved"], num_rows, self.d, BF16, self.r)
+            grouped_mm_dgrad(w=self.w2, a=p["g3_saved"], out=p["g2"], **kw)
+        return fn
+
     def ours_output(self, kernel):
         return {"fwd_swiglu": (self.h1, self.h2), "fwd_swiglu_gather": (self.h1, self.h2),
+                "fwd_swiglu_claim": (self.h1, self.h2), "dgrad_w2_claim": (self.g2,),
                 "fwd_w2_scatter": (self.y,), "dgrad_w2": (self.g2,), "dgrad_w13": (self.gx,),
                 "wgrad_w13": (self.dw13,), "wgrad_w2": (self.dw2,)}[kernel]
 
@@ -138,8 +204,8 @@ class Problem:
         def swiglu(h1):
             return (torch.nn.functional.silu(h1[:, :f].float()) * h1[:, f:].float()).to(BF16)
 
-        if kernel in ("fwd_swiglu", "fwd_swiglu_gather"):
-            gather = kernel == "fwd_swiglu_gather"
+        if kernel in ("fwd_swiglu", "fwd_swiglu_gather", "fwd_swiglu_claim"):
+            gather = kernel != "fwd_swiglu"
 
             def gemm():
                 return gm(self.x, self.w13.transpose(1, 2), offs=offs)
@@ -162,6 +228,13 @@ class Problem:
         if kernel == "dgrad_w2":
             fn = lambda: (gm(self.g3, self.w2, offs=offs),)  # noqa: E731
             return fn, fn
+        if kernel == "dgrad_w2_claim":
+            def gemm():
+                return (gm(self.g3, self.w2, offs=offs),)
+
+            def full():
+                return (gm(self.g3.index_select(0, self.g_idx), self.w2, offs=offs),)
+            return full, gemm
         if kernel == "dgrad_w13":
             fn = lambda: (gm(self.g1, self.w13, offs=offs),)  # noqa: E731
             return fn, fn
@@ -175,16 +248,19 @@ class Problem:
 
     def flops(self, kernel) -> float:
         r, d, f = self.r, self.d, self.f
-        return 2.0 * r * d * f * (2 if kernel in ("fwd_swiglu", "fwd_swiglu_gather", "dgrad_w13", "wgrad_w13") else 1)
+        return 2.0 * r * d * f * (2 if kernel in ("fwd_swiglu", "fwd_swiglu_gather", "fwd_swiglu_claim",
+                                                  "dgrad_w13", "wgrad_w13") else 1)
 
     def check(self, kernel, cfg=None) -> float:
         """Max relative (norm-wise) difference of our outputs to torch's."""
-        for t in self.ours_output(kernel):
+        for t in self.ours_output(kernel) + (self.x_saved, self.g3_saved):
             t.fill_(float("nan"))
         self.ours(kernel, cfg)()
         ref = self.torch_fns(kernel)[0]()
-        if kernel == "fwd_swiglu_gather":
+        if kernel in ("fwd_swiglu_gather", "fwd_swiglu_claim"):
             assert torch.equal(self.x_saved, self.x.index_select(0, self.src_idx)), "a_copy_out mismatch"
+        if kernel == "dgrad_w2_claim":
+            assert torch.equal(self.g3_saved, self.g3.index_select(0, self.g_idx)), "a_copy_out mismatch"
         return max(_rel(o, t) for o, t in zip(self.ours_output(kernel), ref))
 
 
@@ -208,17 +284,27 @@ def main(argv=None) -> int:
                     help="triton do_bench median (bench) or CUDA-graph replays (graph)")
     ap.add_argument("--rep", type=int, default=300, help="timing budget per measurement, ms")
     ap.add_argument("--tol", type=float, default=1e-2, help="max relative difference to torch")
+    ap.add_argument("--peer", action="store_true",
+                    help="gathered/claimed source rows on GPU 1 (NVLink reads; needs 2 GPUs)")
+    ap.add_argument("--claim-sweep", action="store_true",
+                    help="time claim-mode variants (look-ahead, copy width, group_m, no TMA)")
     args = ap.parse_args(argv)
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
+    if args.peer:
+        assert torch.cuda.device_count() >= 2 and torch.cuda.can_device_access_peer(0, 1), (
+            "--peer needs two GPUs with peer access")
+        enable_peer_access(0, 1)
 
     gpu, commit = torch.cuda.get_device_name(), _commit()
     kernels = [k for k in args.kernels.split(",") if k]
     rows_out, failed = [], []
-    print(f"# {gpu}  commit {commit}  torch {torch.__version__}  timer={args.timer}")
-    hdr = f"{'shape':<22}{'kernel':<20}{'impl':<12}{'config':<26}{'ms':>9}{'TFLOP/s':>9}{'ratio':>7}"
+    print(f"# {gpu}  commit {commit}  torch {torch.__version__}  timer={args.timer}"
+          f"  source rows: {'GPU 1 (peer)' if args.peer else 'local'}")
+    hdr = f"{'shape':<22}{'kernel':<20}{'impl':<18}{'config':<34}{'ms':>9}{'TFLOP/s':>9}{'ratio':>7}"
     for shape_arg in args.shapes.split(","):
         shape_name, (e, rows, d, f) = _parse_shape(shape_arg)
-        prob = Problem(e, rows, d, f)
+        shape_name += "_peer" if args.peer else ""
+        prob = Problem(e, rows, d, f, peer=args.peer)
         print(hdr)
         for kernel in kernels:
             err = prob.check(kernel)
@@ -237,11 +323,39 @@ def main(argv=None) -> int:
             results = [("torch", "-", t_full), ]
             if gemm is not full:
                 results.append(("torch_gemm", "-", t_gemm))
-            results.append(("ours", "default", _time_ms(prob.ours(kernel), args.timer, args.rep)))
+            t_ours = _time_ms(prob.ours(kernel), args.timer, args.rep)
+            results.append(("ours", "default", t_ours))
+            if kernel in CLAIM_KERNELS:
+                t_gg = _time_ms(prob.ours_gather_gemm(kernel), args.timer, args.rep)
+                t_dense = _time_ms(prob.ours(CLAIM_KERNELS[kernel]), args.timer, args.rep)
+                results += [("ours_gather_gemm", "default", t_gg), ("ours_gemm", "default", t_dense)]
+                hidden = (t_gg - t_ours) / max(t_gg - t_dense, 1e-9)
+                print(f"  {kernel}: claim {t_ours:.3f} ms, gather+gemm {t_gg:.3f} ms, dense gemm "
+                      f"{t_dense:.3f} ms -> copy hidden {hidden:.0%}")
+                if args.claim_sweep:
+                    best = None
+                    for cfg in CLAIM_SWEEP:
+                        name = _cfg_name(cfg, claim=True)
+                        try:
+                            e_cfg = prob.check(kernel, cfg)
+                            if not e_cfg <= args.tol:
+                                print(f"  claim sweep {name}: MISMATCH {e_cfg:.3e}")
+                                failed.append((shape_name, kernel, name))
+                                continue
+                            ms = _time_ms(prob.ours(kernel, cfg), args.timer, args.rep)
+                        except Exception as ex:  # reported, not fatal (e.g. does not compile)
+                            print(f"  claim sweep {name}: failed: {type(ex).__name__}: {str(ex)[:200]}")
+                            continue
+                        results.append(("ours_claim", name, ms))
+                        if best is None or ms < best[1]:
+                            best = (name, ms)
+                    if best:
+                        print(f"  best {kernel}: {best[0]} {best[1]:.3f} ms "
+                              f"(copy hidden {(t_gg - best[1]) / max(t_gg - t_dense, 1e-9):.0%})")
             if args.sweep:
                 best = None
                 for cfg in SWEEP:
-                    name = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}s{cfg.num_stages}w{cfg.num_warps}" + ("tma" if cfg.tma else "")
+                    name = _cfg_name(cfg, claim=kernel in CLAIM_KERNELS)
                     try:
                         e_cfg = prob.check(kernel, cfg)
                         if not e_cfg <= args.tol:
@@ -260,7 +374,7 @@ def main(argv=None) -> int:
             for impl, cfg_name, ms in results:
                 tflops = flops / ms / 1e9
                 ratio = t_full / ms
-                print(f"{shape_name:<22}{kernel:<20}{impl:<12}{cfg_name:<26}{ms:9.3f}{tflops:9.0f}{ratio:7.2f}")
+                print(f"{shape_name:<22}{kernel:<20}{impl:<18}{cfg_name:<34}{ms:9.3f}{tflops:9.0f}{ratio:7.2f}")
                 rows_out.append(dict(commit=commit, gpu=gpu, shape=shape_name, experts=e, rows=e * rows,
                                      d=d, f=f, kernel=kernel, impl=impl, config=cfg_name,
                                      ms=round(ms, 4), tflops=round(tflops, 1),

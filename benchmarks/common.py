@@ -23,6 +23,9 @@ ITERS = 30
 
 
 def git_commit() -> str:
+    """Short commit hash: $DIST_MOE_COMMIT when set (the GPU machine gets no .git), else git."""
+    if os.environ.get("DIST_MOE_COMMIT"):
+        return os.environ["DIST_MOE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10).stdout.strip() or "unknown"

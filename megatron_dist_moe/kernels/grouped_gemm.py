@@ -13,6 +13,14 @@ Three launchers share one kernel (`_grouped_mm_kernel`) or its wgrad sibling:
   grouped_mm_dgrad  out[r, :] = a[r, :] @ w[e]         w [E, Kd, N]  (DGRAD: W2 and W13 backward)
   grouped_mm_wgrad  out[e]    = a_e.T @ b_e            a [R, M], b [R, N], out [E, M, N]
 
+A-operand modes (the rows of A that a tile multiplies):
+  dense     `a` [R, Kd]; TMA or plain loads.
+  gather    `a_row_ptrs`: every program loads its A tile through the row addresses (every n-tile
+            program re-reads the rows: slow over NVLink), optionally saving it to `a_copy_out`.
+  claim     `a_row_ptrs` + `a_copy_out` + `claim_flags`: the first program that reaches an m-tile
+            claims it (atomic flag), copies its rows into `a_copy_out` once, publishes it; every
+            tile then reads A densely from `a_copy_out` (TMA or plain loads). See `ClaimFlags`.
+
 Operands at device-chosen addresses travel as *device pointers*: int64 [1] tensors holding an
 absolute address (`device_ptr`). Rows read from / written to peers travel as per-row address
 tables: int64 [>= R] tensors, 0 meaning "no row" (a gathered 0 row reads zeros, a scattered 0 row
@@ -43,6 +51,7 @@ __all__ = [
     "grouped_mm_fwd",
     "grouped_mm_dgrad",
     "grouped_mm_wgrad",
+    "ClaimFlags",
     "EPILOGUES",
     "ACTIVATIONS",
 ]
@@ -68,6 +77,13 @@ class GroupedGemmConfig:
     tma: load dense operands through TMA descriptors built on the device (needs Hopper and
     `triton.set_allocator`, which the launcher provides when none is set); gathered rows always
     use plain loads.
+    copy_k, claim_ahead: claim mode only (ignored otherwise). copy_k is the column width of one
+    load/store step of the m-tile copy (BLOCK_M x copy_k elements in flight per program; the
+    launcher lowers it to a divisor of Kd). claim_ahead >= 1: before waiting for its own m-tile,
+    a program also tries to claim (and copy) the m-tile of the tile it will process
+    claim_ahead iterations later, so most copies happen about claim_ahead waves before use;
+    0 claims on demand only. The launcher lowers copy_k to a divisor of Kd and to at most 128
+    elements per thread (BLOCK_M x copy_k / (32 num_warps)): 256 for 128-row tiles, 8 warps.
     """
 
     block_m: int = 128
@@ -77,12 +93,15 @@ class GroupedGemmConfig:
     num_warps: int = 8
     num_stages: int = 3
     tma: bool = False
+    copy_k: int = 256
+    claim_ahead: int = 1
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "block_k"):
+        for name in ("block_m", "block_n", "block_k", "copy_k"):
             v = getattr(self, name)
             assert v >= 16 and v & (v - 1) == 0, f"{name}={v}: tiles must be powers of two >= 16"
         assert self.group_m >= 1, f"group_m={self.group_m} must be >= 1"
+        assert self.claim_ahead >= 0, f"claim_ahead={self.claim_ahead} must be >= 0"
         assert not self.tma or _HAS_TMA, "tma=True needs tl.make_tensor_descriptor (Triton >= 3.4)"
 
 
@@ -101,6 +120,7 @@ CONFIG_TABLE: dict[tuple[str, str], GroupedGemmConfig] = {
 }
 # Tiny tiles so the CPU interpreter finishes quickly and small test shapes span several tiles.
 INTERPRETER_CONFIG = GroupedGemmConfig(16, 32, 32, 2, 4, 1)
+_MIN_BLOCK_M = min(c.block_m for c in (*CONFIG_TABLE.values(), INTERPRETER_CONFIG))
 
 
 def _interpreting() -> bool:
@@ -157,6 +177,50 @@ def _ensure_tma_allocator() -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# Claim flags
+# --------------------------------------------------------------------------------------------
+class ClaimFlags:
+    """Per-m-tile claim/ready flags of the claim mode; reused by every launch, never reset.
+
+    ready     int64 [capacity], one flag per global m-tile: m-tile i of expert e has index
+              sum_{e' < e} cdiv(len_e', BM) + i < cdiv(R, BM) + E <= capacity, where
+              capacity = cdiv(max_rows, block_m) + num_experts (block_m: the smallest block_m of
+              the configs it will serve; default the smallest one this module uses, 16).
+    epoch     int64 [1], advanced on the device by `next_epoch()` (a tensor op: no host sync,
+              and a captured CUDA graph advances it on every replay). The launchers call it once
+              per launch, just before the kernel.
+    In the launch that reads epoch value p: flag == 2p+1 means "claimed" (a program is copying
+    that m-tile's rows), 2p+2 "ready" (rows are in a_copy_out); any other value is stale (an
+    earlier launch's, or the initial 0), i.e. "not yet copied in this launch". int64, so the
+    encoding cannot wrap (2^62 launches) and a stale value can never equal a current one.
+
+    Launches that may run concurrently (different streams) need separate ClaimFlags; launches
+    ordered on one stream may share one (e.g. the W13 forward and the W2 DGRAD of every layer).
+    """
+
+    def __init__(self, max_rows: int, block_m: Optional[int] = None, num_experts: int = 1,
+                 device=None):
+        block_m = block_m or _MIN_BLOCK_M
+        assert max_rows >= 0 and num_experts >= 1 and block_m >= 1
+        self.max_rows, self.block_m, self.num_experts = max_rows, block_m, num_experts
+        self.capacity = triton.cdiv(max_rows, block_m) + num_experts
+        self.ready = torch.zeros(self.capacity, dtype=torch.int64, device=device)
+        self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def next_epoch(self) -> None:
+        """Advance the epoch on the device (stream-ordered before the next launch)."""
+        self.epoch.add_(1)
+
+    def check(self, *, max_rows: int, block_m: int, num_experts: int, device) -> None:
+        need = triton.cdiv(max_rows, block_m) + num_experts
+        assert self.capacity >= need, (
+            f"ClaimFlags holds {self.capacity} flags, this launch may touch {need} m-tiles "
+            f"(max_rows={max_rows}, block_m={block_m}, E={num_experts}): build it with these")
+        assert self.ready.device == device and self.epoch.device == device, (
+            "ClaimFlags must live on the weights' device")
+
+
+# --------------------------------------------------------------------------------------------
 # Arguments
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -177,6 +241,7 @@ class _MMArgs:
     max_rows: int
     a_gather: bool
     a_copy: bool
+    claim: Optional["ClaimFlags"]  # claim mode: A is read densely from a_copy_out (a_addr)
     w_kn: bool  # DGRAD orientation w [E, Kd, N]
     epilogue: int
     store_h1: bool
@@ -209,7 +274,8 @@ def _check_rows(t: torch.Tensor, name: str, max_rows: int, device: torch.device)
 
 
 def _prepare(*, w_kn, w, expert_offsets, max_rows, a, a_row_ptrs, a_copy_out, epilogue, out,
-             out_row_ptrs, h1, h2, activation, swiglu_alpha, swiglu_limit) -> _MMArgs:
+             out_row_ptrs, h1, h2, activation, swiglu_alpha, swiglu_limit,
+             claim_flags=None) -> _MMArgs:
     assert w.dim() == 3 and w.is_contiguous(), "w must be a contiguous [E, *, *] tensor"
     dev, dt = w.device, w.dtype
     num_experts = w.shape[0]
@@ -233,6 +299,12 @@ def _prepare(*, w_kn, w, expert_offsets, max_rows, a, a_row_ptrs, a_copy_out, ep
     if a_row_ptrs is not None:
         _check_rows(a_row_ptrs, "a_row_ptrs", max_rows, dev)
     a_copy_addr = _as_device_ptr(a_copy_out, "a_copy_out", dt) if a_copy_out is not None else dummy
+    if claim_flags is not None:
+        assert isinstance(claim_flags, ClaimFlags), "claim_flags must be a ClaimFlags"
+        assert a_row_ptrs is not None and a_copy_out is not None, (
+            "claim mode needs a_row_ptrs (rows to gather) and a_copy_out (where they land; the "
+            "GEMM then reads A from there)")
+        a_addr = a_copy_addr  # the K loop reads the claimed copy as a dense A
 
     out_addr = out2_addr = out_rows = dummy
     store_h1 = False
@@ -252,8 +324,9 @@ def _prepare(*, w_kn, w, expert_offsets, max_rows, a, a_row_ptrs, a_copy_out, ep
         a_addr=a_addr, a_rows=a_row_ptrs if a_row_ptrs is not None else dummy,
         a_copy_addr=a_copy_addr, w=w, offsets=expert_offsets, out_addr=out_addr,
         out2_addr=out2_addr, out_rows=out_rows, n=n, kd=kd, num_experts=num_experts,
-        max_rows=max_rows, a_gather=a_row_ptrs is not None, a_copy=a_copy_out is not None,
-        w_kn=w_kn, epilogue=EPILOGUES.index(epilogue), store_h1=store_h1,
+        max_rows=max_rows, a_gather=a_row_ptrs is not None and claim_flags is None,
+        a_copy=a_copy_out is not None and claim_flags is None, claim=claim_flags, w_kn=w_kn,
+        epilogue=EPILOGUES.index(epilogue), store_h1=store_h1,
         activation=ACTIVATIONS.index(activation), alpha=float(swiglu_alpha),
         limit=float(swiglu_limit))
 
@@ -283,6 +356,138 @@ def _swizzle(local, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _tile_coords(t, e_idx, cum, tiles, starts, ends, m_tiles, num_n, GROUP_M: tl.constexpr):
+    """(expert, its first row, its row end, first m-tile index of the expert, pid_m, pid_n) of
+    tile t of the device tile list (expert e owns tiles [cum[e] - tiles[e], cum[e]))."""
+    e = tl.sum((cum <= t).to(tl.int32), 0)
+    sel = e_idx == e
+    local = t - tl.sum(tl.where(sel, cum - tiles, 0), 0)
+    row_start = tl.sum(tl.where(sel, starts, 0), 0)
+    row_end = tl.sum(tl.where(sel, ends, 0), 0)
+    num_m = tl.sum(tl.where(sel, m_tiles, 0), 0)
+    m_first = tl.sum(tl.where(sel, tl.cumsum(m_tiles, 0) - m_tiles, 0), 0)
+    pid_m, pid_n = _swizzle(local, num_m, num_n, GROUP_M)
+    return e, row_start, row_end, m_first, pid_m, pid_n
+
+
+@triton.jit
+def _fence_proxy_async():
+    """fence.proxy.async.global in every thread: orders this thread's generic-proxy global
+    accesses with its async-proxy (TMA) ones (see the NOTE in `_claim_phase`)."""
+    tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _try_claim(flag_ptr, claimed_v, ready_v):
+    """Claim the m-tile of `flag_ptr` if it is stale. Returns (won, state): won -> this program
+    must copy the rows and then `_publish`; else state is claimed_v or ready_v.
+
+    In one launch a flag only moves stale -> claimed_v (a CAS from the exact stale value it
+    read) -> ready_v (the claimer's release), so one CAS decides: exactly one program sees its
+    CAS succeed, and a failed CAS returns claimed_v or ready_v. Scalar atomics run in one thread
+    and broadcast their result to the CTA, so every thread takes the same branch."""
+    state = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+    stale = (state != claimed_v) & (state != ready_v)
+    prev = state
+    if stale:
+        prev = tl.atomic_cas(flag_ptr, state, claimed_v, sem="acq_rel", scope="gpu")
+    won = stale & (prev == state)
+    state = tl.where(won, claimed_v, prev)
+    return won, state
+
+
+@triton.jit
+def _copy_mtile(a_rows_ptr, dst_base, row0, row_end, Kd, DT: tl.constexpr,
+                BLOCK_M: tl.constexpr, COPY_K: tl.constexpr):
+    """dst[r, :] = row at address a_rows[r] (zeros for address 0) for r in [row0, min(row0 +
+    BLOCK_M, row_end)); the whole Kd width (a multiple of COPY_K), 16-byte vectors."""
+    rows = row0 + tl.arange(0, BLOCK_M)
+    ok = rows < row_end
+    src = tl.load(a_rows_ptr + rows, mask=ok, other=0)
+    load_ok = (ok & (src != 0))[:, None]
+    src_ptrs = tl.multiple_of(src.to(tl.pointer_type(DT)), [16])[:, None] + tl.arange(0, COPY_K)[None, :]
+    dst_ptrs = dst_base + rows.to(tl.int64)[:, None] * Kd + tl.arange(0, COPY_K)[None, :]
+    # num_stages=1: a plain register copy; pipelining it would stage it through shared memory,
+    # which the GEMM's own stages already fill.
+    for _k in tl.range(0, Kd, COPY_K, num_stages=1):
+        v = tl.load(src_ptrs, mask=load_ok, other=0.0)
+        tl.store(dst_ptrs, v, mask=ok[:, None])
+        src_ptrs += COPY_K
+        dst_ptrs += COPY_K
+
+
+@triton.jit
+def _publish(flag_ptr, ready_v, PROXY_FENCE: tl.constexpr):
+    """Release the copied rows: every thread's stores, then one release store of ready_v."""
+    if PROXY_FENCE:
+        _fence_proxy_async()  # generic-proxy row stores -> visible to later TMA (async) reads
+    tl.debug_barrier()  # all threads' stores precede (CTA barrier) the release below
+    tl.atomic_xchg(flag_ptr, ready_v, sem="release", scope="gpu")
+
+
+@triton.jit
+def _claim_phase(t, nprog, total, e_idx, cum, tiles, starts, ends, m_tiles, num_n,
+                 row0, row_end, flag_ptr, ready_ptr, claimed_v, ready_v, a_rows_ptr, a_copy_base,
+                 Kd, DT: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr,
+                 COPY_K: tl.constexpr, CLAIM_AHEAD: tl.constexpr, PROXY_FENCE: tl.constexpr):
+    """Make rows [row0, row0 + BLOCK_M) of a_copy_out valid before tile t reads them.
+
+    1. try to claim this tile's m-tile; the winner copies it and publishes it;
+    2. (CLAIM_AHEAD > 0) try to claim the m-tile of tile t + CLAIM_AHEAD * nprog (this
+       program's tile CLAIM_AHEAD iterations later) and copy it, so copies run ahead of use
+       and a program whose m-tile is being copied by another does useful work meanwhile;
+    3. spin (acquire) until this tile's m-tile is ready.
+
+    NOTE deadlock freedom: a program waits only in step 3, after publishing every claim it
+    made (a claim never spans a wait), and it waits for a flag in state claimed_v, i.e. for a
+    program that won that CAS, so is already running, and is inside `_copy_mtile` + `_publish`,
+    which wait for nothing (loads, stores, a barrier of its own CTA). So every wait ends, for
+    any grid size, without assuming that all programs are co-resident. In the CPU interpreter,
+    programs run one after another: each finishes (publishing all its claims) before the next
+    starts, so step 3 always finds ready_v and never spins.
+
+    NOTE memory ordering. Writer: row stores (all threads) -> [fence.proxy.async.global, all
+    threads] -> bar.sync -> atom.release.gpu (one thread). Reader: atom.acquire.gpu (one thread;
+    Triton broadcasts scalar atomics through shared memory + bar.sync) -> [fence.proxy.async.
+    global, all threads] -> A loads. The bar.sync's synchronize-with within the CTA and the
+    release/acquire pair across CTAs chain into causality order (PTX memory model), so the
+    reader's generic loads (cp.async / ld) see the rows. TMA loads are async-proxy accesses,
+    which causality order does not cover: the writer's proxy fence makes its generic stores
+    visible to the async proxy before the release, the reader's orders its acquire before its
+    TMA loads (a proxy fence on each side of the generic -> async hand-off; with only one side
+    fenced the PTX model does not order the two). The fences cost one instruction per copy /
+    per tile; PROXY_FENCE = USE_TMA (off in the interpreter, which has no inline asm). Plain
+    loads cannot hit a stale L1 line: the pipelined 16-byte A loads are cp.async.cg (L2 only),
+    and the gpu-scope acquire orders them after the rows in any case. Checked in the sm_90 PTX:
+    ld.acquire.gpu / atom.acq_rel.gpu.cas / copy / fence.proxy.async.global / bar.sync /
+    atom.release.gpu.exch, then the wait loop and the reader's fence before the TMA prologue.
+    TMA tiles may overhang row_end into the next expert's rows, which may be mid-copy: those
+    rows only feed accumulator rows that the epilogue masks off.
+    """
+    won, state = _try_claim(flag_ptr, claimed_v, ready_v)
+    if won:
+        _copy_mtile(a_rows_ptr, a_copy_base, row0, row_end, Kd, DT, BLOCK_M, COPY_K)
+        _publish(flag_ptr, ready_v, PROXY_FENCE)
+        state = ready_v
+    if CLAIM_AHEAD > 0:
+        t2 = t + CLAIM_AHEAD * nprog
+        if t2 < total:
+            _e2, row_start2, row_end2, m_first2, pid_m2, _n2 = _tile_coords(
+                t2, e_idx, cum, tiles, starts, ends, m_tiles, num_n, GROUP_M)
+            flag2 = ready_ptr + m_first2 + pid_m2
+            won2, _s2 = _try_claim(flag2, claimed_v, ready_v)
+            if won2:
+                _copy_mtile(a_rows_ptr, a_copy_base, row_start2 + pid_m2 * BLOCK_M, row_end2,
+                            Kd, DT, BLOCK_M, COPY_K)
+                _publish(flag2, ready_v, PROXY_FENCE)
+    while state != ready_v:
+        state = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+    if PROXY_FENCE:
+        _fence_proxy_async()  # the acquire above, before this tile's TMA reads of the rows
+
+
+@triton.jit
 def _dot(a, b, acc, IEEE: tl.constexpr):
     if IEEE:  # fp32 operands (interpreter tests): no tf32 rounding
         return tl.dot(a, b, acc, input_precision="ieee")
@@ -293,14 +498,18 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 @triton.jit
 def _grouped_mm_kernel(
     a_addr_ptr, a_rows_ptr, a_copy_addr_ptr, w_ptr, offsets_ptr,
-    out_addr_ptr, out2_addr_ptr, out_rows_ptr,
+    out_addr_ptr, out2_addr_ptr, out_rows_ptr, ready_ptr, epoch_ptr,
     N, Kd, alpha, limit,
     E: tl.constexpr, E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     A_GATHER: tl.constexpr, A_COPY: tl.constexpr, W_KN: tl.constexpr, EPILOGUE: tl.constexpr,
     STORE_H1: tl.constexpr, ACT: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
     COPY_RELOAD: tl.constexpr = False,
+    A_CLAIM: tl.constexpr = False, CLAIM_AHEAD: tl.constexpr = 0, COPY_K: tl.constexpr = 64,
+    PROXY_FENCE: tl.constexpr = False,
 ):
+    # A_CLAIM: a_addr_ptr is a_copy_out, read as a dense A once `_claim_phase` made the tile's
+    # rows valid; a_rows_ptr gives the rows to copy there; ready_ptr/epoch_ptr: `ClaimFlags`.
     DT: tl.constexpr = w_ptr.dtype.element_ty
     SWIGLU: tl.constexpr = EPILOGUE == 1
     BN: tl.constexpr = BLOCK_N // 2 if SWIGLU else BLOCK_N  # width of each accumulator
@@ -317,6 +526,11 @@ def _grouped_mm_kernel(
     cum = tl.cumsum(tiles, 0)
     total = tl.sum(tiles, 0)
     offs_k = tl.arange(0, BLOCK_K)
+    nprog = tl.num_programs(0)
+    if A_CLAIM:
+        epoch = tl.load(epoch_ptr)
+        claimed_v = 2 * epoch + 1
+        ready_v = 2 * epoch + 2
 
     if not A_GATHER:
         a_base = _load_ptr(a_addr_ptr, DT)
@@ -334,16 +548,16 @@ def _grouped_mm_kernel(
             w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * W_ROWS, Kd], strides=[Kd, 1],
                                                block_shape=[BN, BLOCK_K])
 
-    for t in tl.range(pid, total, tl.num_programs(0)):
-        e = tl.sum((cum <= t).to(tl.int32), 0)
-        sel = e_idx == e
-        local = t - tl.sum(tl.where(sel, cum - tiles, 0), 0)
-        row_start = tl.sum(tl.where(sel, starts, 0), 0)
-        row_end = tl.sum(tl.where(sel, ends, 0), 0)
-        num_m = tl.sum(tl.where(sel, m_tiles, 0), 0)
-        pid_m, pid_n = _swizzle(local, num_m, num_n, GROUP_M)
+    for t in tl.range(pid, total, nprog):
+        e, row_start, row_end, m_first, pid_m, pid_n = _tile_coords(
+            t, e_idx, cum, tiles, starts, ends, m_tiles, num_n, GROUP_M)
 
         row0 = row_start + pid_m * BLOCK_M
+        if A_CLAIM:
+            _claim_phase(t, nprog, total, e_idx, cum, tiles, starts, ends, m_tiles, num_n,
+                         row0, row_end, ready_ptr + m_first + pid_m, ready_ptr, claimed_v,
+                         ready_v, a_rows_ptr, a_base, Kd, DT, BLOCK_M, GROUP_M, COPY_K,
+                         CLAIM_AHEAD, PROXY_FENCE)
         rows = row0 + tl.arange(0, BLOCK_M)
         row_ok = rows < row_end
         cols = pid_n * BN + tl.arange(0, BN)
@@ -525,16 +739,32 @@ def _launch_mm(args: _MMArgs, config: GroupedGemmConfig, num_programs: Optional[
     grid = (max(1, min(progs, tile_bound)),)
     if config.tma and w.device.type == "cuda":
         _ensure_tma_allocator()
+    ready = epoch = args.offsets  # dummies unless claiming
+    copy_k = config.copy_k
+    if args.claim is not None:
+        args.claim.check(max_rows=args.max_rows, block_m=config.block_m,
+                         num_experts=args.num_experts, device=w.device)
+        ready, epoch = args.claim.ready, args.claim.epoch
+        # NOTE: at most 128 elements per thread per step: 128x512 with 8 warps spills (sm_90
+        # PTX, 255 registers) while 128x256 does not. Kd is a multiple of block_k (a power of
+        # two >= 16), so halving reaches a divisor of Kd.
+        copy_k = min(copy_k, max(16, 128 * 32 * config.num_warps // config.block_m))
+        while args.kd % copy_k:
+            copy_k //= 2
+        args.claim.next_epoch()  # stream-ordered before the kernel; captured by CUDA graphs
     _grouped_mm_kernel[grid](
         a_addr_ptr=args.a_addr, a_rows_ptr=args.a_rows, a_copy_addr_ptr=args.a_copy_addr,
         w_ptr=w, offsets_ptr=args.offsets, out_addr_ptr=args.out_addr,
-        out2_addr_ptr=args.out2_addr, out_rows_ptr=args.out_rows,
+        out2_addr_ptr=args.out2_addr, out_rows_ptr=args.out_rows, ready_ptr=ready,
+        epoch_ptr=epoch,
         N=args.n, Kd=args.kd, alpha=args.alpha, limit=args.limit,
         E=args.num_experts, E_PAD=max(2, triton.next_power_of_2(args.num_experts)),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, A_GATHER=args.a_gather, A_COPY=args.a_copy, W_KN=args.w_kn,
         EPILOGUE=args.epilogue, STORE_H1=args.store_h1, ACT=args.activation,
         USE_TMA=config.tma, IEEE=w.dtype == torch.float32, COPY_RELOAD=COPY_RELOAD,
+        A_CLAIM=args.claim is not None, CLAIM_AHEAD=config.claim_ahead, COPY_K=copy_k,
+        PROXY_FENCE=args.claim is not None and config.tma and not _interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
@@ -557,6 +787,7 @@ def grouped_mm_fwd(
     swiglu_limit: float = 7.0,
     config: Optional[GroupedGemmConfig] = None,
     num_programs: Optional[int] = None,
+    claim_flags: Optional[ClaimFlags] = None,
 ) -> None:
     """FPROP grouped GEMM: row r of expert e gets a[r] @ w[e].T (fp32 accumulation).
 
@@ -567,7 +798,13 @@ def grouped_mm_fwd(
     a               A [R, Kd] (row stride Kd): device pointer (int64 [1]) or dense tensor.
     a_row_ptrs      instead of a: int64 [>= max_rows] absolute row addresses (0 -> zero row).
     a_copy_out      optional device pointer to [R, Kd]: the program of n-tile 0 stores each A
-                    tile it loaded there (saves gathered rows for backward).
+                    tile it loaded there (saves gathered rows for backward). Required in claim
+                    mode, where it is also the A the GEMM reads.
+    claim_flags     claim mode (with a_row_ptrs and a_copy_out): a `ClaimFlags` built for
+                    max_rows, this config's block_m (or smaller) and E. Each m-tile's rows are
+                    copied from a_row_ptrs into a_copy_out once, by the first program that
+                    reaches it; all its n-tiles then read them densely (TMA when config.tma).
+                    Advances claim_flags' epoch (device op) before the kernel.
     epilogue        "store":   out (device pointer to [R, N], row stride N) = result.
                     "swiglu":  h1 (optional device pointer to [R, 2F]) = [gate | up] rounded to
                                the compute dtype; h2 (device pointer to [R, F]) = act(h1).
@@ -581,7 +818,8 @@ def grouped_mm_fwd(
     args = _prepare(w_kn=False, w=w, expert_offsets=expert_offsets, max_rows=max_rows, a=a,
                     a_row_ptrs=a_row_ptrs, a_copy_out=a_copy_out, epilogue=epilogue, out=out,
                     out_row_ptrs=out_row_ptrs, h1=h1, h2=h2, activation=activation,
-                    swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+                    swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
+                    claim_flags=claim_flags)
     width = 2 * args.n if epilogue == "swiglu" else args.n
     config = config or select_config("fwd", n=width, kd=args.kd, device=w.device)
     _launch_mm(args, config, num_programs)
@@ -600,17 +838,20 @@ def grouped_mm_dgrad(
     out_row_ptrs: Optional[torch.Tensor] = None,
     config: Optional[GroupedGemmConfig] = None,
     num_programs: Optional[int] = None,
+    claim_flags: Optional[ClaimFlags] = None,
 ) -> None:
     """DGRAD grouped GEMM: row r of expert e gets a[r] @ w[e] (fp32 accumulation).
 
     w  [E, Kd, N] contiguous: W2 [E, D, F] for grad_h2 [R, F] = grad_h3 [R, D] @ W2[e], or
        W13 [E, 2F, D] for grad_x [R, D] = grad_h1 [R, 2F] @ W13[e].
-    Other arguments as in `grouped_mm_fwd` (epilogues "store" and "scatter" only).
+    Other arguments as in `grouped_mm_fwd` (epilogues "store" and "scatter" only), claim mode
+    included: W2 DGRAD with a_row_ptrs = the grad_h3 rows, a_copy_out = the saved grad_h3
+    (WGRAD's operand), claim_flags = a `ClaimFlags`.
     """
     args = _prepare(w_kn=True, w=w, expert_offsets=expert_offsets, max_rows=max_rows, a=a,
                     a_row_ptrs=a_row_ptrs, a_copy_out=a_copy_out, epilogue=epilogue, out=out,
                     out_row_ptrs=out_row_ptrs, h1=None, h2=None, activation="swiglu",
-                    swiglu_alpha=1.0, swiglu_limit=1.0)
+                    swiglu_alpha=1.0, swiglu_limit=1.0, claim_flags=claim_flags)
     config = config or select_config("dgrad", n=args.n, kd=args.kd, device=w.device)
     _launch_mm(args, config, num_programs)
 

@@ -260,6 +260,159 @@ def check_empty_and_persistent():
         _close(f"num_programs={progs}", out, grouped_mm_fwd_ref(x, w, offs, compute_dtype=torch.float64), torch.float32)
 
 
+# ----------------------------------------------------------------------------- claim mode
+def _claim_case(flags, *, lens, d, f, dt, progs, tma, ahead, seed_rows, n_src=50, x_poison=None):
+    """One claim-mode W13+SwiGLU call; checks h1, h2, a_copy_out and the flags afterwards.
+
+    x_poison: rows of a_copy_out to pre-fill with these values (a dict row -> tensor) and whose
+    m-tiles are pre-published as ready for this launch (tests the no-copy fast path)."""
+    import torch
+    from megatron_dist_moe.kernels.grouped_gemm import grouped_mm_fwd, device_ptr
+    from megatron_dist_moe.kernels.grouped_gemm_ref import grouped_mm_fwd_swiglu_ref, gather_rows_ref
+    g = torch.Generator().manual_seed(seed_rows)
+    e, offs, r = len(lens), _offsets(lens), sum(lens)
+    max_rows = r + 5
+    w13 = (torch.randn(e, 2 * f, d, generator=g) / 4).to(dt)
+    src = torch.randn(n_src, d, generator=g).to(dt)  # a "peer's" rows
+    idx = torch.randint(0, n_src, (max_rows,), generator=g)
+    idx[torch.randperm(max_rows, generator=g)[:4]] = -1  # address 0 -> zero rows
+    x = gather_rows_ref(src, idx[:r])
+    copy = torch.full((max_rows, d), NAN).to(dt)
+    h1, h2 = torch.full((max_rows, 2 * f), NAN).to(dt), torch.full((max_rows, f), NAN).to(dt)
+    before = flags.ready.clone()
+    ep = int(flags.epoch) + 1  # the epoch this launch will run in
+    if x_poison is not None:
+        for flag_idx, (row0, rows) in x_poison.items():
+            copy[row0:row0 + rows.shape[0]] = rows
+            flags.ready[flag_idx] = 2 * ep + 2
+        x = x.clone()
+        for flag_idx, (row0, rows) in x_poison.items():
+            x[row0:row0 + rows.shape[0]] = rows[: max(0, min(rows.shape[0], r - row0))]
+    grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=max_rows, a_row_ptrs=_row_ptrs(src, idx, d),
+                   a_copy_out=device_ptr(copy), claim_flags=flags, epilogue="swiglu",
+                   h1=device_ptr(h1), h2=device_ptr(h2), activation="swiglu_clamped",
+                   swiglu_alpha=1.702, swiglu_limit=1.5, config=_cfg(tma=tma, claim_ahead=ahead),
+                   num_programs=progs)
+    tag = f"lens={lens} progs={progs} tma={tma} ahead={ahead} {dt}"
+    assert int(flags.epoch) == ep, f"{tag}: the launcher must advance the epoch once"
+    assert torch.equal(copy[:r], x), f"{tag}: a_copy_out must hold the gathered rows"
+    _untouched(f"{tag}: a_copy_out rows past R", copy[r:])
+    r1, r2 = grouped_mm_fwd_swiglu_ref(x, w13, offs, activation="swiglu_clamped", swiglu_alpha=1.702,
+                                       swiglu_limit=1.5, compute_dtype=torch.float64)
+    _close(f"{tag}: h1", h1[:r], r1, dt)
+    _close(f"{tag}: h2", h2[:r], r2, dt)
+    _untouched(f"{tag}: h1 rows past R", h1[r:])
+    _untouched(f"{tag}: h2 rows past R", h2[r:])
+    # every m-tile of the launch ends "ready" (none left claimed), no other flag is touched
+    bm = _cfg().block_m
+    n_mt = sum((ln + bm - 1) // bm for ln in lens)
+    assert (flags.ready[:n_mt] == 2 * ep + 2).all(), f"{tag}: flags {flags.ready[:n_mt].tolist()} != ready"
+    assert torch.equal(flags.ready[n_mt:], before[n_mt:]), f"{tag}: flags past the launch's m-tiles changed"
+
+
+def check_claim_fwd_swiglu_grids():
+    """Grids 1, 2, 3, 7 and look-ahead 0/1/2, consecutive calls on the same flags (the epoch
+    advances, flags are never reset), and segment lengths that change between calls."""
+    import torch
+    from megatron_dist_moe.kernels.grouped_gemm import ClaimFlags
+    flags = ClaimFlags(64, None, 3, "cpu")
+    seed = 0
+    for progs, ahead in ((1, 1), (2, 0), (3, 1), (7, 2), (1, 0), (7, 1)):
+        for lens in ([0, 5, 37], [16, 0, 17]):  # the second call remaps every m-tile's flag
+            seed += 1
+            _claim_case(flags, lens=lens, d=64, f=64, dt=torch.float32, progs=progs, tma=False,
+                        ahead=ahead, seed_rows=seed)
+
+
+def check_claim_fwd_swiglu_tma_fp16():
+    import torch
+    from megatron_dist_moe.kernels.grouped_gemm import ClaimFlags
+    flags = ClaimFlags(64, 16, 4, "cpu")
+    for i, (dt, tma, progs) in enumerate(((torch.float16, False, 3), (torch.float32, True, 2),
+                                          (torch.float16, True, 1))):
+        _claim_case(flags, lens=[3, 0, 40, 1], d=64, f=32, dt=dt, progs=progs, tma=tma, ahead=1,
+                    seed_rows=100 + i)
+
+
+def check_claim_stale_and_prepublished_flags():
+    """Flags left by an interrupted earlier launch (claimed or ready of an old epoch, garbage)
+    count as stale; a flag already ready for this launch is trusted (its rows not re-copied)."""
+    import torch
+    from megatron_dist_moe.kernels.grouped_gemm import ClaimFlags
+    flags = ClaimFlags(64, None, 3, "cpu")
+    flags.epoch.fill_(41)
+    flags.ready.copy_(torch.tensor([2 * 41 + 1, 2 * 41 + 2, 2 * 40 + 1, -7, 2 * 45 + 2, 0, 5, 1,
+                                    3])[: flags.capacity])
+    _claim_case(flags, lens=[0, 5, 37], d=64, f=64, dt=torch.float32, progs=3, tma=False, ahead=1,
+                seed_rows=7)
+    # m-tile 2 (expert 2's rows 16..31, global rows 21..36) pre-published with other rows
+    pre = torch.randn(16, 64)
+    _claim_case(flags, lens=[0, 5, 37], d=64, f=64, dt=torch.float32, progs=2, tma=False, ahead=1,
+                seed_rows=8, x_poison={2: (21, pre)})
+
+
+def check_claim_dgrad_and_scatter():
+    """W2 DGRAD (store) and an FPROP scatter epilogue in claim mode, one flag object shared."""
+    import torch
+    from megatron_dist_moe.kernels.grouped_gemm import (
+        ClaimFlags, device_ptr, grouped_mm_dgrad, grouped_mm_fwd)
+    from megatron_dist_moe.kernels.grouped_gemm_ref import (
+        gather_rows_ref, grouped_mm_dgrad_ref, grouped_mm_fwd_ref)
+    lens, d, f, dt = [6, 0, 21, 13], 64, 96, torch.float32
+    e, offs, r, max_rows = len(lens), _offsets(lens), sum(lens), sum(lens) + 3
+    flags = ClaimFlags(max_rows, None, e, "cpu")
+    g3_src = torch.randn(60, d)  # grad_h3 rows at their owners
+    idx = torch.randperm(60)[:max_rows]
+    idx[[2, 25]] = -1
+    w2 = torch.randn(e, d, f) / 4
+    for progs, tma, ahead in ((1, False, 1), (3, True, 0), (7, False, 2)):
+        g3 = torch.full((max_rows, d), NAN)
+        g2 = torch.full((max_rows, f), NAN)
+        grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=max_rows,
+                         a_row_ptrs=_row_ptrs(g3_src, idx, d), a_copy_out=device_ptr(g3),
+                         claim_flags=flags, out=device_ptr(g2), num_programs=progs,
+                         config=_cfg(tma=tma, claim_ahead=ahead))
+        x = gather_rows_ref(g3_src, idx[:r])
+        tag = f"dgrad progs={progs} tma={tma} ahead={ahead}"
+        assert torch.equal(g3[:r], x), f"{tag}: saved grad_h3 rows"
+        _untouched(f"{tag}: saved rows past R", g3[r:])
+        _close(tag, g2[:r], grouped_mm_dgrad_ref(x, w2, offs, compute_dtype=torch.float64), dt)
+        _untouched(f"{tag}: rows past R", g2[r:])
+    # FPROP W2 with the scatter epilogue, same flags (epochs keep advancing)
+    src = torch.randn(60, f)
+    a_idx = torch.randperm(60)[:max_rows]
+    a_idx[[0, 30]] = -1
+    dst = torch.full((70, d), NAN)
+    dst_idx = torch.randperm(70)[:max_rows]
+    dst_idx[[1, 10]] = -1
+    saved = torch.full((max_rows, f), NAN)
+    grouped_mm_fwd(w=w2, expert_offsets=offs, max_rows=max_rows, a_row_ptrs=_row_ptrs(src, a_idx, f),
+                   a_copy_out=saved, claim_flags=flags, epilogue="scatter",
+                   out_row_ptrs=_row_ptrs(dst, dst_idx, d), num_programs=2)
+    x = gather_rows_ref(src, a_idx[:r])
+    assert torch.equal(saved[:r], x), "scatter: saved rows"
+    ok = dst_idx[:r] >= 0
+    _close("claim scatter", dst[dst_idx[:r][ok]],
+           grouped_mm_fwd_ref(x, w2, offs, compute_dtype=torch.float64)[ok], dt)
+    assert int(flags.epoch) == 4
+
+
+def check_claim_argument_errors():
+    import torch
+    from megatron_dist_moe.kernels.grouped_gemm import ClaimFlags, grouped_mm_fwd
+    w = torch.randn(2, 64, 64)
+    offs, rows = _offsets([20, 20]), torch.zeros(40, dtype=torch.int64)
+    copy = torch.zeros(40, 64)
+    for kw, what in ((dict(a_row_ptrs=rows, claim_flags=ClaimFlags(40, None, 2, "cpu")), "no a_copy_out"),
+                     (dict(a_row_ptrs=rows, a_copy_out=copy, claim_flags=ClaimFlags(8, 16, 2, "cpu")),
+                      "flags too small for max_rows")):
+        try:
+            grouped_mm_fwd(w=w, expert_offsets=offs, max_rows=40, out=torch.zeros(40, 64), **kw)
+        except AssertionError:
+            continue
+        raise AssertionError(f"claim mode accepted bad arguments ({what})")
+
+
 CHECKS = {name[len("check_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("check_")}
 
 
@@ -267,9 +420,16 @@ def _main(names):
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     sys.path.insert(0, str(REPO))
     import torch
+    import signal
+
+    def _timeout(signum, frame):  # e.g. a claim-mode spin that never ends: fail, don't hang
+        raise TimeoutError("check ran over 240 s")
+
+    signal.signal(signal.SIGALRM, _timeout)
     for name in names or CHECKS:
         torch.manual_seed(0)
         t0 = time.time()
+        signal.alarm(240)
         try:
             CHECKS[name]()
             res = {"name": name, "ok": True}
@@ -277,6 +437,7 @@ def _main(names):
             import traceback
             res = {"name": name, "ok": False, "error": f"{type(ex).__name__}: {ex}",
                    "trace": traceback.format_exc()[-3000:]}
+        signal.alarm(0)
         res["seconds"] = round(time.time() - t0, 2)
         print("RESULT " + json.dumps(res), flush=True)
 

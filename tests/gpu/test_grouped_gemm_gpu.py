@@ -13,11 +13,22 @@ Outputs are poisoned with NaN before each call: rows that must be written must h
 and rows that must not be written (past R, skipped scatter rows) must still be NaN.
 
     pytest -m gpu tests/gpu/test_grouped_gemm_gpu.py -v
+    pytest -m gpu tests/gpu/test_grouped_gemm_gpu.py -v -k claim     # claim mode only
+
+Claim mode (rows copied once per m-tile by the first program to reach it, under atomic flags)
+is checked exactly (a_copy_out bit-equal to the gathered rows), over many consecutive launches
+with changing segments and grid sizes (races show up as wrong or NaN rows), inside a CUDA graph,
+and, with two GPUs, reading the rows from the peer GPU (a subprocess, so that a peer-access
+failure cannot poison this process's CUDA context).
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +39,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
     pytest.skip("needs a CUDA GPU with sm_90 or newer", allow_module_level=True)
 
 from megatron_dist_moe.kernels.grouped_gemm import (  # noqa: E402
-    CONFIG_TABLE, device_ptr, grouped_mm_dgrad, grouped_mm_fwd, grouped_mm_wgrad)
+    CONFIG_TABLE, ClaimFlags, device_ptr, grouped_mm_dgrad, grouped_mm_fwd, grouped_mm_wgrad)
 from megatron_dist_moe.kernels.grouped_gemm_ref import (  # noqa: E402
     gather_rows_ref, grouped_mm_dgrad_ref, grouped_mm_fwd_ref, grouped_mm_fwd_swiglu_ref,
     grouped_mm_wgrad_ref, swiglu_ref)
@@ -256,3 +267,226 @@ def test_cuda_graph_capture_and_replay(tma):
            grouped_mm_wgrad_ref(g3[:r], h2[:r], offs, compute_dtype=F64, out_dtype=F64)[full],
            grouped_mm_wgrad_ref(g3[:r], h2[:r], offs, compute_dtype=F32, out_dtype=BF16)[full])
     assert (wg[~full] == 0).all(), "replayed wgrad: empty expert must be zeros"
+
+
+# ----------------------------------------------------------------------------- claim mode
+def _claim_cfg(kind, tma, ahead=1):
+    return replace(CONFIG_TABLE[(kind, "large")], tma=tma, claim_ahead=ahead)
+
+
+def _claim_fwd_once(flags, src, src_idx, w13, lens, max_rows, cfg, num_programs=None, full_check=True):
+    """One claim-mode W13+SwiGLU launch on poisoned outputs; returns nothing, asserts."""
+    d, f = w13.shape[2], w13.shape[1] // 2
+    offs, r = _offsets(lens), sum(lens)
+    x_saved, h1, h2 = _poisoned(max_rows, d), _poisoned(max_rows, 2 * f), _poisoned(max_rows, f)
+    grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=max_rows, a_row_ptrs=_row_ptrs(src, src_idx),
+                   a_copy_out=device_ptr(x_saved), claim_flags=flags, epilogue="swiglu", h1=h1,
+                   h2=h2, config=cfg, num_programs=num_programs)
+    x = gather_rows_ref(src, src_idx[:r].to(src.device)).to(DEV)  # src may live on a peer GPU
+    tag = f"lens={lens} progs={num_programs} ahead={cfg.claim_ahead} tma={cfg.tma}"
+    assert torch.equal(x_saved[:r], x), f"{tag}: a_copy_out must hold exactly the gathered rows"
+    assert torch.isnan(x_saved[r:]).all(), f"{tag}: a_copy_out rows past R were written"
+    assert torch.isnan(h1[r:]).all() and torch.isnan(h2[r:]).all(), f"{tag}: rows past R written"
+    if full_check:
+        r1_64, r1_32, r2_64, r2_32 = _swiglu_refs(x, w13, offs)
+        _check(f"{tag} h1", h1[:r], r1_64, r1_32)
+        _check(f"{tag} h2", h2[:r], r2_64, r2_32)
+    else:  # cheap: same-precision torch, same tolerance rule
+        r1_32 = grouped_mm_fwd_ref(x, w13, offs, compute_dtype=F32, out_dtype=BF16)
+        assert not torch.isnan(h1[:r]).any(), f"{tag}: h1 rows not written"
+        assert _rel(h1[:r], r1_32) <= 1e-2, f"{tag}: h1 relative difference {_rel(h1[:r], r1_32):.2e}"
+
+
+@pytest.mark.parametrize("ahead", [0, 1, 2])
+@pytest.mark.parametrize("tma", TMA)
+@pytest.mark.parametrize("lens,d,f", SHAPES)
+def test_fwd_swiglu_claim(lens, d, f, tma, ahead):
+    """W13 + SwiGLU, rows claimed and copied once per m-tile; two calls on the same flags."""
+    torch.manual_seed(6)
+    e, r, max_rows = len(lens), sum(lens), sum(lens) + 64
+    tokens = max_rows + 37
+    w13 = _weights(e, 2 * f, d, d ** -0.5 * 2)
+    flags = ClaimFlags(max_rows, None, e, DEV)
+    for call in range(2):  # the second call runs on flags left "ready" by the first
+        src = torch.randn(tokens, d, device=DEV).to(BF16)
+        src_idx = torch.randperm(tokens, device=DEV)[:max_rows]
+        src_idx[torch.randperm(r, device=DEV)[:5]] = -1
+        _claim_fwd_once(flags, src, src_idx, w13, lens, max_rows, _claim_cfg("fwd", tma, ahead))
+    assert int(flags.epoch) == 2
+
+
+@pytest.mark.parametrize("tma", TMA)
+@pytest.mark.parametrize("lens,d,f", SHAPES)
+def test_dgrad_w2_claim(lens, d, f, tma):
+    """W2 DGRAD with grad_h3 rows gathered by claim into the saved copy (WGRAD's operand)."""
+    torch.manual_seed(7)
+    e, r, max_rows = len(lens), sum(lens), sum(lens) + 32
+    tokens = max_rows + 11
+    w2 = _weights(e, d, f, f ** -0.5)
+    offs = _offsets(lens)
+    flags = ClaimFlags(max_rows, None, e, DEV)
+    for call in range(2):
+        src = torch.randn(tokens, d, device=DEV).to(BF16)
+        src_idx = torch.randperm(tokens, device=DEV)[:max_rows]
+        src_idx[torch.randperm(r, device=DEV)[:3]] = -1
+        g3, g2 = _poisoned(max_rows, d), _poisoned(max_rows, f)
+        grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=max_rows,
+                         a_row_ptrs=_row_ptrs(src, src_idx), a_copy_out=device_ptr(g3),
+                         claim_flags=flags, out=device_ptr(g2), config=_claim_cfg("dgrad", tma))
+        x = gather_rows_ref(src, src_idx[:r])
+        assert torch.equal(g3[:r], x), "saved grad_h3 must hold exactly the gathered rows"
+        assert torch.isnan(g3[r:]).all() and torch.isnan(g2[r:]).all(), "rows past R were written"
+        _check("W2 dgrad (claim)", g2[:r], grouped_mm_dgrad_ref(x, w2, offs, compute_dtype=F64, out_dtype=F64),
+               grouped_mm_dgrad_ref(x, w2, offs, compute_dtype=F32, out_dtype=BF16))
+
+
+@pytest.mark.parametrize("tma", TMA)
+def test_claim_many_launches(tma):
+    """40 consecutive launches on one ClaimFlags: changing segments (incl. R = 0 and R =
+    max_rows), grids from 1 program to the SM count, look-ahead 0-2, fwd and dgrad mixed.
+    A broken claim/publish/acquire shows up as NaN or stale rows in a_copy_out."""
+    g = torch.Generator().manual_seed(8)
+    e, d, f, max_rows = 6, 512, 256, 3000
+    tokens = max_rows + 100
+    w13, w2 = _weights(e, 2 * f, d, d ** -0.5 * 2), _weights(e, d, f, f ** -0.5)
+    flags = ClaimFlags(max_rows, None, e, DEV)
+    grids = [1, 2, 7, 33, None]
+    for it in range(40):
+        if it == 3:
+            lens = [0] * e
+        elif it == 4:
+            lens = [max_rows - 5 * 7] + [7] * (e - 1)
+        else:
+            cuts = torch.randint(0, max_rows + 1, (e - 1,), generator=g).sort().values.tolist()
+            lens = [b - a for a, b in zip([0] + cuts, cuts + [max_rows])]
+            lens[int(torch.randint(0, e, (1,), generator=g))] = 0
+        src = torch.randn(tokens, d, device=DEV).to(BF16)
+        src_idx = torch.randperm(tokens, device=DEV)[:max_rows]
+        src_idx[torch.randperm(max_rows, device=DEV)[:9]] = -1
+        progs, ahead = grids[it % len(grids)], it % 3
+        if it % 2 == 0:
+            _claim_fwd_once(flags, src, src_idx, w13, lens, max_rows, _claim_cfg("fwd", tma, ahead),
+                            num_programs=progs, full_check=False)
+        else:
+            r, offs = sum(lens), _offsets(lens)
+            g3, g2 = _poisoned(max_rows, d), _poisoned(max_rows, f)
+            grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=max_rows,
+                             a_row_ptrs=_row_ptrs(src, src_idx), a_copy_out=g3, claim_flags=flags,
+                             out=g2, config=_claim_cfg("dgrad", tma, ahead), num_programs=progs)
+            x = gather_rows_ref(src, src_idx[:r])
+            assert torch.equal(g3[:r], x), f"launch {it}: saved grad_h3 rows wrong (lens={lens})"
+            assert torch.isnan(g3[r:]).all(), f"launch {it}: rows past R written"
+            ref = grouped_mm_dgrad_ref(x, w2, offs, compute_dtype=F32, out_dtype=BF16)
+            assert not torch.isnan(g2[:r]).any(), f"launch {it}: dgrad rows not written"
+            assert _rel(g2[:r], ref) <= 1e-2, f"launch {it}: dgrad output wrong"
+    assert int(flags.epoch) == 40
+
+
+@pytest.mark.parametrize("tma", TMA)
+def test_claim_cuda_graph_replay(tma):
+    """Claim-mode fwd and dgrad captured in one graph sharing one ClaimFlags: every replay
+    advances the epoch on the device, so replays with new rows and segments stay exact."""
+    torch.manual_seed(9)
+    d, f, e, max_rows = 512, 256, 4, 1024
+    tokens = max_rows + 10
+    w13, w2 = _weights(e, 2 * f, d, d ** -0.5 * 2), _weights(e, d, f, f ** -0.5)
+    src, gsrc = torch.randn(tokens, d, device=DEV).to(BF16), torch.randn(tokens, d, device=DEV).to(BF16)
+    src_idx = torch.randperm(tokens, device=DEV)[:max_rows]
+    g_idx = torch.randperm(tokens, device=DEV)[:max_rows]
+    a_ptrs, g_ptrs = _row_ptrs(src, src_idx), _row_ptrs(gsrc, g_idx)
+    offs = _offsets([100, 0, 300, 200])
+    x_saved, h1, h2 = _poisoned(max_rows, d), _poisoned(max_rows, 2 * f), _poisoned(max_rows, f)
+    g3, g2 = _poisoned(max_rows, d), _poisoned(max_rows, f)
+    ptr = {k: device_ptr(t) for k, t in dict(x_saved=x_saved, h1=h1, h2=h2, g3=g3, g2=g2).items()}
+    flags = ClaimFlags(max_rows, None, e, DEV)
+
+    def step():
+        grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=max_rows, a_row_ptrs=a_ptrs,
+                       a_copy_out=ptr["x_saved"], claim_flags=flags, epilogue="swiglu",
+                       h1=ptr["h1"], h2=ptr["h2"], config=_claim_cfg("fwd", tma))
+        grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=max_rows, a_row_ptrs=g_ptrs,
+                         a_copy_out=ptr["g3"], claim_flags=flags, out=ptr["g2"],
+                         config=_claim_cfg("dgrad", tma))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    epoch0 = int(flags.epoch)
+    for rep, lens in enumerate(([0, 517, 83, 300], [1000, 0, 0, 24], [250, 250, 250, 250])):
+        offs.copy_(_offsets(lens))
+        src.copy_(torch.randn(tokens, d, device=DEV).to(BF16))
+        gsrc.copy_(torch.randn(tokens, d, device=DEV).to(BF16))
+        for t in (x_saved, h1, h2, g3, g2):
+            t.fill_(NAN)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert int(flags.epoch) == epoch0 + 2 * (rep + 1), "each replay advances the epoch twice"
+        r = sum(lens)
+        x = gather_rows_ref(src, src_idx[:r])
+        assert torch.equal(x_saved[:r], x) and torch.isnan(x_saved[r:]).all(), f"replay {rep}: x_saved"
+        r1_64, r1_32, r2_64, r2_32 = _swiglu_refs(x, w13, offs)
+        _check(f"replay {rep} h1", h1[:r], r1_64, r1_32)
+        _check(f"replay {rep} h2", h2[:r], r2_64, r2_32)
+        gx = gather_rows_ref(gsrc, g_idx[:r])
+        assert torch.equal(g3[:r], gx) and torch.isnan(g3[r:]).all(), f"replay {rep}: saved grad_h3"
+        _check(f"replay {rep} dgrad", g2[:r], grouped_mm_dgrad_ref(gx, w2, offs, compute_dtype=F64, out_dtype=F64),
+               grouped_mm_dgrad_ref(gx, w2, offs, compute_dtype=F32, out_dtype=BF16))
+
+
+def enable_peer_access(a: int, b: int) -> None:
+    """Peer access both ways between GPUs a and b (torch enables it on a cross-GPU copy:
+    src -> dst copies turn on src's access to dst's memory)."""
+    for s_dev, d_dev in ((a, b), (b, a)):
+        torch.empty(16, device=f"cuda:{d_dev}").copy_(torch.ones(16, device=f"cuda:{s_dev}"))
+    torch.cuda.synchronize(a)
+    torch.cuda.synchronize(b)
+
+
+def _peer_claim_check() -> None:
+    """Rows on GPU 1, claim-mode W13 and W2 DGRAD on GPU 0 (both look-aheads, both A paths)."""
+    enable_peer_access(0, 1)
+    torch.manual_seed(10)
+    lens, d, f = [300, 0, 257, 411], 7168, 3072
+    e, r, max_rows = len(lens), sum(lens), sum(lens) + 64
+    tokens = max_rows + 37
+    w13 = _weights(e, 2 * f, d, d ** -0.5 * 2)
+    w2 = _weights(e, d, f, f ** -0.5)
+    flags = ClaimFlags(max_rows, None, e, DEV)
+    peer = torch.device("cuda:1")
+    for tma in (False, True):
+        for ahead in (0, 1):
+            src = torch.randn(tokens, d, device=peer).to(BF16)
+            src_idx = torch.randperm(tokens, device=DEV)[:max_rows]
+            src_idx[torch.randperm(r, device=DEV)[:5]] = -1
+            _claim_fwd_once(flags, src, src_idx, w13, lens, max_rows, _claim_cfg("fwd", tma, ahead))
+            offs = _offsets(lens)
+            g3, g2 = _poisoned(max_rows, d), _poisoned(max_rows, f)
+            grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=max_rows,
+                             a_row_ptrs=_row_ptrs(src, src_idx), a_copy_out=g3, claim_flags=flags,
+                             out=g2, config=_claim_cfg("dgrad", tma, ahead))
+            x = gather_rows_ref(src, src_idx[:r].to(peer)).to(DEV)
+            assert torch.equal(g3[:r], x) and torch.isnan(g3[r:]).all(), "peer dgrad: saved rows"
+            _check("peer dgrad", g2[:r], grouped_mm_dgrad_ref(x, w2, offs, compute_dtype=F64, out_dtype=F64),
+                   grouped_mm_dgrad_ref(x, w2, offs, compute_dtype=F32, out_dtype=BF16))
+    torch.cuda.synchronize()
+    print("PEER CLAIM OK")
+
+
+def test_claim_peer_source():
+    if torch.cuda.device_count() < 2 or not torch.cuda.can_device_access_peer(0, 1):
+        pytest.skip("needs two GPUs with peer access")
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH", "")) if p))
+    proc = subprocess.run([sys.executable, __file__, "peer"], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=repo)
+    assert proc.returncode == 0 and "PEER CLAIM OK" in proc.stdout, (
+        f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["peer"]:
+    _peer_claim_check()

@@ -9,8 +9,11 @@ GEMM engines behind one interface:
     "triton"  our persistent grouped GEMMs (kernels/grouped_gemm.py); SwiGLU fused into the W13
               epilogue; W2 stores rows straight into the token owners' combine buffers.
               pipeline "standard": gather kernel, then W13, then W2 (3 launches);
-              pipeline "staged":   W13 reads the peer rows itself (gather fused into its A
-                                   loads, saved through a_copy_out), then W2 (2 launches).
+              pipeline "staged":   W13 gathers its own A rows (2 launches): the first program
+                                   to reach an m-tile claims it, copies the peer rows into x_g
+                                   and publishes a readiness flag; the n-tile programs of that
+                                   m-tile wait on the flag, then read x_g (grouped_gemm
+                                   A_CLAIM); W2 DGRAD gathers grad_h3 the same way.
     "torch"   torch._grouped_mm (first step and baseline) with separate gather / SwiGLU /
               scatter kernels; its outputs are copied to the chosen addresses.
 Device predicates (replay or not) zero the expert offsets and row counts, so the launch sequence
@@ -88,6 +91,11 @@ class ExpertPipeline:
             raise ValueError(f"DIST_MOE_GEMM={self.gemm!r}: expected 'triton' or 'torch'")
         self.clamped = cfg.activation == "swiglu_clamped"
         self.arena_end = torch.tensor([arena_end], dtype=torch.int64, device=device)
+        self.claim = None
+        if pipeline == "staged" and self.gemm == "triton":
+            from ...kernels.grouped_gemm import ClaimFlags
+            # one set of flags: every claimed launch of this context runs on one stream
+            self.claim = ClaimFlags(max_rows, None, num_local_experts, device)
 
     def scratch(self, tabs: RoutingTables) -> ScratchPointers:
         """This call's scratch pointers (sized for its received rows, anchored at the end)."""
@@ -123,7 +131,7 @@ class ExpertPipeline:
         if self.pipeline == "staged":
             grouped_mm_fwd(w=w13_E2FD, expert_offsets=offs, max_rows=Rm,
                            a_row_ptrs=tabs.fwd_gather_ptrs, a_copy_out=xg_addr,
-                           epilogue="swiglu", h1=h1_addr, h2=sp.h2, **act)
+                           claim_flags=self.claim, epilogue="swiglu", h1=h1_addr, h2=sp.h2, **act)
         else:
             K_rows.gather_rows(tabs.fwd_gather_ptrs, xg_addr, nrows, D, torch.bfloat16, Rm)
             grouped_mm_fwd(w=w13_E2FD, expert_offsets=offs, max_rows=Rm, a=xg_addr,
@@ -151,7 +159,8 @@ class ExpertPipeline:
         K_rows.swiglu_fwd(h1_addr, sp.h2, nrows, *act)
         if self.pipeline == "staged":
             grouped_mm_dgrad(w=w2_EDF, expert_offsets=offs, max_rows=Rm, a_row_ptrs=gather_ptrs,
-                             a_copy_out=sp.g3, epilogue="store", out=sp.grad_h2)
+                             a_copy_out=sp.g3, claim_flags=self.claim, epilogue="store",
+                             out=sp.grad_h2)
         else:
             K_rows.gather_rows(gather_ptrs, sp.g3, nrows, D, torch.bfloat16, Rm)
             grouped_mm_dgrad(w=w2_EDF, expert_offsets=offs, max_rows=Rm, a=sp.g3,
