@@ -8,7 +8,8 @@ graph. For each activation factor two policies hold the same total saved-state b
     shared    one slot for all ten layers (max_moe_layers_per_activation_slot=10)
     per_layer ten slots of a tenth each, one layer per slot (MoK-style per-layer budgets)
 Reported per case: iteration time (guide timing method), saved-state bytes per rank at the end of
-the forwards, peak allocated GPU memory, and each layer's save (S) / replay (R) flag. Correctness
+the forwards, peak GPU memory allocated by the case above what was allocated before it (arena,
+symmetric buffers, graph pool, gradients), and each layer's save (S) / replay (R) flag. Correctness
 first: the shared policy's gradients of every layer are compared with the per-layer policy's.
 """
 
@@ -91,6 +92,7 @@ def main():
         for policy, cfg in (("shared", shared_cfg), ("per_layer", per_layer_cfg)):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            base_alloc = torch.cuda.memory_allocated()   # inputs, weights, earlier results
             with dm.create_context(config=cfg, device=dev) as ctx:
                 ctx.backend.decision_trace = []
                 grads, saved = run_all(ctx, layers, policy)
@@ -98,7 +100,7 @@ def main():
                 ctx.backend.decision_trace = None
                 grads_by[policy] = [tuple(g.float() for g in gs) for gs in grads]
                 t = time_windows(lambda: run_all(ctx, layers, policy), graph=True)
-                peak = torch.cuda.max_memory_allocated()
+                peak = torch.cuda.max_memory_allocated() - base_alloc
                 saved_rank = int(saved.sum(0)[rank]) if policy == "per_layer" else int(saved[0, rank])
             n_replay = flags.count("R")
             rows.append(dict(commit=commit, gpu=gpu, ep=EP, case=f"packing_f{factor}", T=T, D=D,

@@ -1,5 +1,7 @@
-"""routed_experts(): the one public op. Validation, backend dispatch and autograd live here.
+"""routed_experts(): the one public op. Validation and the training decision live here.
 
+The work itself is the registered op pair dist_moe::routed_experts_fwd / _bwd (library.py), whose
+autograd formula, fake implementations and activation-checkpoint semantics are described there.
 Both backends implement `backends.base.Backend`; this module never touches a backend's buffers.
 """
 
@@ -7,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from . import library
 from .context import Context
 
 __all__ = ["routed_experts", "RoutedExpertsInputError", "validate_inputs"]
@@ -114,32 +117,6 @@ def validate_inputs(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: 
     return w13
 
 
-class _RoutedExperts(torch.autograd.Function):
-    @staticmethod
-    def forward(fctx, x_TD, expert_ids_TK, scores_TK, w13_END, w2_EDF, ctx, training):
-        # NOTE: `training` is decided by routed_experts() from the grad mode of the caller:
-        # inside forward grad mode is always off, and needs_input_grad stays True under
-        # torch.no_grad(), so it cannot tell a no_grad forward from a training one.
-        y_TD, saved = ctx.backend.forward(x_TD, expert_ids_TK, scores_TK, w13_END, w2_EDF,
-                                          training=training)
-        fctx.ctx = ctx
-        fctx.saved = saved
-        fctx.score_dtype = scores_TK.dtype
-        return y_TD
-
-    @staticmethod
-    def backward(fctx, grad_y_TD):
-        ctx = fctx.ctx
-        saved, fctx.saved = fctx.saved, None
-        if saved is None:
-            raise RuntimeError("routed_experts: backward ran twice through the same graph; "
-                               "saved state is released after the first backward")
-        grad_x, grad_scores, grad_w13, grad_w2 = ctx.backend.backward(grad_y_TD.contiguous(), saved)
-        if grad_scores is not None:
-            grad_scores = grad_scores.to(fctx.score_dtype)
-        return grad_x, None, grad_scores, grad_w13, grad_w2, None, None
-
-
 def routed_experts(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: torch.Tensor,
                    w13: torch.Tensor, w2_EDF: torch.Tensor, ctx: Context) -> torch.Tensor:
     """Run the routed expert MLPs of every rank's tokens on the experts' owners.
@@ -160,26 +137,44 @@ def routed_experts(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: t
         of W2 · act(W13 · x); exactly zero for a row with no active route.
 
     Differentiable w.r.t. x, scores, w13 and w2; weight gradients land on the owning rank.
+    The work runs in the registered ops dist_moe::routed_experts_fwd / _bwd (library.py), so
+    make_fx records two opaque nodes, and torch.utils.checkpoint works (semantics there).
     Raises RoutedExpertsInputError (a ValueError) naming a bad argument before anything is written.
     """
     if not isinstance(ctx, Context):
         raise RoutedExpertsInputError("ctx", f"expected a megatron_dist_moe Context, got {type(ctx).__name__}")
     if ctx.closed:
         raise RoutedExpertsInputError("ctx", "this Dist-MoE context is closed; create a new one")
-    try:
-        w13_END = validate_inputs(x_TD, expert_ids_TK, scores_TK, w13, w2_EDF, ctx)
-        local_error = None
-    except RoutedExpertsInputError as e:
-        local_error = e
-    # Collective agreement (reference backend): every rank raises when any rank's input is bad,
-    # so a bad input on one rank never leaves its peers waiting in a collective.
-    ctx.backend.check_collective(x_TD, local_error)
+    # Checks are host logic: under make_fx they run eagerly and stay out of the graph. With
+    # FakeTensors (symbolic tracing, torch.compile) only metadata can be checked, and the
+    # cross-rank agreement, a collective, waits for the real call.
+    fake = any(library.is_fake_tensor(t) for t in (x_TD, expert_ids_TK, scores_TK, w13, w2_EDF))
+    with library.untraced():
+        try:
+            validate_inputs(x_TD, expert_ids_TK, scores_TK, w13, w2_EDF, ctx,
+                            check_values=False if fake else None)
+            local_error = None
+        except RoutedExpertsInputError as e:
+            local_error = e
+        # Collective agreement (reference backend): every rank raises when any rank's input is
+        # bad, so a bad input on one rank never leaves its peers waiting in a collective.
+        if not fake:
+            ctx.backend.check_collective(x_TD, local_error)
     if local_error is not None:
         raise local_error
+    if w13.dim() == 4:       # [E_local, 2, F, D] -> [E_local, 2F, D], a view (traced)
+        w13 = w13.reshape(w13.shape[0], -1, w13.shape[-1])
     training = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (x_TD, scores_TK, w13_END, w2_EDF))
+        t.requires_grad for t in (x_TD, scores_TK, w13, w2_EDF))
+    if training and library.in_checkpoint_recompute():
+        # Non-reentrant activation-checkpoint recomputation: the first pass already saved this
+        # layer's state in its slot and its backward uses that snapshot; this call only rebuilds
+        # y for the other ops of the region, so it must not touch the planner (library.py).
+        training = False
     if training and ctx.config.inference:
         raise RoutedExpertsInputError(
             "ctx", "this context was created with Config.inference=True and keeps no state for "
             "backward; call under torch.no_grad() or create a training context")
-    return _RoutedExperts.apply(x_TD, expert_ids_TK, scores_TK, w13_END, w2_EDF, ctx, training)
+    y_TD, _ = torch.ops.dist_moe.routed_experts_fwd(x_TD, expert_ids_TK, scores_TK, w13, w2_EDF,
+                                                    ctx.id, training)
+    return y_TD
