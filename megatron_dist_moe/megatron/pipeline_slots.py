@@ -36,6 +36,9 @@ __all__ = [
     "ScheduleError",
     "assign_slots",
     "peak_live_slots",
+    "peak_live_microbatches",
+    "SlotMemory",
+    "slot_memory",
     "schedule_no_pipelining",
     "schedule_1f1b",
     "schedule_interleaved_1f1b",
@@ -183,6 +186,59 @@ def assign_slots(schedule: Iterable[Action]) -> SlotAssignment:
 def peak_live_slots(schedule: Iterable[Action]) -> int:
     """The number of activation slots `schedule` needs (peak live lifetimes)."""
     return assign_slots(schedule).peak
+
+
+def peak_live_microbatches(schedule: Iterable[Action]) -> int:
+    """Peak number of whole-microbatch lifetimes alive at once: microbatch m is live from the
+    first forward of any of its local stages to the last backward of its local stages."""
+    actions = list(schedule)
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for step, a in enumerate(actions):
+        if a.kind == "F":
+            first.setdefault(a.microbatch, step)
+        else:
+            last[a.microbatch] = step
+    peak = 0
+    for step in range(len(actions)):
+        live = sum(1 for m in first if first[m] <= step < last.get(m, len(actions)))
+        peak = max(peak, live)
+    return peak
+
+
+@dataclass(frozen=True)
+class SlotMemory:
+    """Saved-state capacity one pipeline rank needs under the two slot policies (guide §06)."""
+
+    stage_slots: int                 # peak live (virtual stage, microbatch) lifetimes
+    stage_slot_layers: int           # MoE layers one stage slot holds
+    microbatch_slots: int            # peak live whole-microbatch lifetimes
+    microbatch_slot_layers: int      # MoE layers one whole-microbatch slot holds
+    bytes_per_layer: int
+
+    @property
+    def stage_bytes(self) -> int:
+        return self.stage_slots * self.stage_slot_layers * self.bytes_per_layer
+
+    @property
+    def microbatch_bytes(self) -> int:
+        return self.microbatch_slots * self.microbatch_slot_layers * self.bytes_per_layer
+
+
+def slot_memory(num_microbatches: int, pp_size: int, pp_rank: int, vp_size: int,
+                moe_layers_per_stage: int, bytes_per_layer: int) -> SlotMemory:
+    """Compare stage-microbatch slots with whole-microbatch slots for one rank's schedule.
+
+    Budget = peak live slots x layers per slot x saved bytes per layer. A stage slot holds one
+    virtual stage's MoE layers; a whole-microbatch slot holds every local stage's layers, so it
+    can need less memory in total even though stage slots are more numerous.
+    """
+    sched = schedule_for_rank(num_microbatches, pp_size, pp_rank,
+                              vp_size if vp_size > 1 else None)
+    return SlotMemory(stage_slots=peak_live_slots(sched), stage_slot_layers=moe_layers_per_stage,
+                      microbatch_slots=peak_live_microbatches(sched),
+                      microbatch_slot_layers=moe_layers_per_stage * max(vp_size, 1),
+                      bytes_per_layer=bytes_per_layer)
 
 
 # -- Megatron-Core schedule generators (one pipeline rank) -------------------------------------

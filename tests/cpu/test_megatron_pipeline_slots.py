@@ -200,3 +200,20 @@ def test_hooks_reset_after_an_aborted_schedule():
     expected = _parse(HAND_CHECKED[(2, 0, None, 4)][0])
     assert runtime.calls[1:] == [("select", s, 1) for _, s in expected]
     assert hooks.allocator.live == 0
+
+
+def test_slot_memory_stage_vs_whole_microbatch():
+    """Stage slots can be more numerous yet smaller in total (guide §06)."""
+    from megatron_dist_moe.megatron.pipeline_slots import (B, F, peak_live_microbatches,
+                                                           peak_live_slots, slot_memory)
+    sched = [F(0, 0), F(1, 0), F(0, 1), B(1, 0), B(0, 0), F(1, 1), B(1, 1), B(0, 1)]
+    assert peak_live_slots(sched) == 3          # F0.0 F1.0 F0.1 all live
+    assert peak_live_microbatches(sched) == 2   # microbatch 0: steps 0-4, microbatch 1: 2-7
+    # 1F1B without virtual stages: both policies coincide
+    sm = slot_memory(8, 2, 0, 1, moe_layers_per_stage=4, bytes_per_layer=100)
+    assert (sm.stage_slots, sm.microbatch_slots) == (2, 2)
+    assert sm.stage_bytes == sm.microbatch_bytes == 2 * 4 * 100
+    # PP=2 x VP=2, rank 0: 5 stage slots of 4 layers beat 4 microbatch slots of 8 layers
+    sm = slot_memory(8, 2, 0, 2, moe_layers_per_stage=4, bytes_per_layer=100)
+    assert (sm.stage_slots, sm.microbatch_slots) == (5, 4)
+    assert sm.stage_bytes == 5 * 4 * 100 < sm.microbatch_bytes == 4 * 8 * 100
