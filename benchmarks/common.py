@@ -41,26 +41,32 @@ class Timing:
     windows_ms: list[float] = field(default_factory=list)
 
 
+def capture_graph(fn: Callable[[], None], group=None, warm_calls: int = 3) -> torch.cuda.CUDAGraph:
+    """Warm `fn` up on a side stream, then capture one call into a CUDA graph (all ranks)."""
+    import gc
+
+    gc.collect()   # no stray frees of earlier contexts inside the capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warm_calls):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    if dist.is_initialized():
+        dist.barrier(group=group)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
 def time_windows(fn: Callable[[], None], graph: bool, group=None, warmup: int = WARMUP,
                  windows: int = WINDOWS, iters: int = ITERS) -> Timing:
     """Time `fn` per the guide's method. graph=True captures one call into a CUDA graph and
     replays it `iters` times per window (one capture keeps the graph's memory pool small)."""
     if graph:
-        import gc
-
-        gc.collect()   # no stray frees of earlier contexts inside the capture
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        if dist.is_initialized():
-            dist.barrier(group=group)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
+        g = capture_graph(fn, group)
 
         def run():
             for _ in range(iters):
@@ -95,22 +101,9 @@ def time_windows(fn: Callable[[], None], graph: bool, group=None, warmup: int = 
 
 def profile_graph(fn: Callable[[], None], path: str, replays: int = 5, group=None) -> None:
     """Per-kernel CUDA times of `fn` replayed from a CUDA graph (what the timings measure)."""
-    import gc
-
     from torch.profiler import ProfilerActivity, profile
 
-    gc.collect()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    if dist.is_initialized():
-        dist.barrier(group=group)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g = capture_graph(fn, group, warm_calls=1)
     g.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
