@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -92,14 +91,9 @@ def _parse_shape(s: str):
 
 
 def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True,
-                               cwd=Path(__file__).resolve().parent).stdout.strip()
-        return out + ("-dirty" if dirty else "")
-    except (subprocess.CalledProcessError, FileNotFoundError):
-        return "unknown"
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from common import git_commit   # one rule for every benchmark ($DIST_MOE_COMMIT, else git)
+    return git_commit()
 
 
 def _rel(a, b) -> float:
