@@ -3,6 +3,9 @@
 
 Same contract as routed_experts (x [T,D] bf16, ids/scores [T,K], w13 [E_local,2F,D],
 w2 [E_local,D,F]) so the benchmark can check it against our path before timing it.
+
+Baseline (b), Megatron-Core's alltoall dispatcher with its own experts fed the same routes and
+weights, is in megatron_baseline.py (it needs megatron-core).
 """
 
 from __future__ import annotations

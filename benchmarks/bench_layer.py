@@ -1,12 +1,23 @@
-"""Routed-expert layer benchmark on EP GPUs: our CUDA backend vs the all-to-all baseline.
+"""Routed-expert layer benchmark on EP GPUs: our CUDA backend vs the all-to-all baselines.
 
     torchrun --nproc-per-node=2 benchmarks/bench_layer.py --out OUTDIR [--cases guide,dsv3,...]
-             [--paths dist_moe,dist_moe_torchgemm,a2a] [--modes fwd,fwdbwd] [--profile]
+             [--paths dist_moe,dist_moe_staged,dist_moe_torchgemm,a2a,megatron_a2a]
+             [--modes fwd,fwdbwd] [--profile]
 
-For every case it first checks correctness (our output and input gradient against the baseline,
-both bf16 paths of the same function: norm-wise relative difference < 2e-2, else exit 1), then
-times each path with the guide's method (benchmarks/common.py), and writes CSV rows
-(commit, GPU, shape, ms, useful TFLOP/s, ratio to the a2a baseline) plus a plot to OUTDIR.
+Paths:
+    dist_moe, dist_moe_staged, dist_moe_torchgemm   ours (standard / staged pipeline / torch GEMMs)
+    a2a            baseline (a): NCCL all-to-all + torch._grouped_mm experts (baselines.py)
+    megatron_a2a   baseline (b): Megatron-Core's alltoall dispatcher + its experts
+                   (TEGroupedMLP with TransformerEngine, else SequentialMLP; the CSV note says
+                   which), fed the same routes and weights (megatron_baseline.py). In the
+                   default --paths only when megatron.core imports; skipped with a message
+                   otherwise.
+
+For every case it first checks correctness (every path's output and input gradient against
+baseline (a), all bf16 paths of the same function: norm-wise relative difference < 2e-2, else
+MISMATCH and exit 1), then times each path with the guide's method (benchmarks/common.py), and
+writes CSV rows (commit, GPU, shape, ms, useful TFLOP/s, ratio to the a2a baseline) plus a plot
+to OUTDIR. Both baselines are timed eagerly (their host syncs prevent graph capture).
 Useful FLOPs per GPU: 6·T·K·D·F forward, 3x that for forward+backward.
 """
 
@@ -23,6 +34,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 import megatron_dist_moe as dm  # noqa: E402
 from baselines import a2a_grouped_mm_experts  # noqa: E402
 from common import append_csv, git_commit, plot_rows, profile_graph, time_windows  # noqa: E402
+from megatron_baseline import (  # noqa: E402  (imports megatron.core only when used)
+    MegatronA2AExperts,
+    destroy_megatron_state,
+    megatron_available,
+)
+
+DEFAULT_PATHS = "dist_moe,dist_moe_staged,dist_moe_torchgemm,a2a"
 
 CASES = {
     "guide": dict(T=2048, D=7168, F=3072, K=6, E_local=6, imbalance=1.0),
@@ -65,11 +83,53 @@ def useful_flops(T, K, D, F, mode):
     return f if mode == "fwd" else 3 * f
 
 
+def resolve_paths(paths_arg: str | None, rank: int) -> list[str]:
+    """--paths as a list; megatron_a2a joins the default list when megatron.core imports and is
+    dropped (with a message saying why) when it does not."""
+    paths = (paths_arg or DEFAULT_PATHS).split(",")
+    if paths_arg is not None and "megatron_a2a" not in paths:
+        return paths   # not asked for: do not pay for importing megatron.core
+    ok, why = megatron_available()
+    if ok and paths_arg is None:
+        paths.append("megatron_a2a")
+    if not ok and "megatron_a2a" in paths:
+        paths.remove("megatron_a2a")
+    if rank == 0:
+        if ok:
+            print("megatron_a2a (baseline b): " + ("on" if "megatron_a2a" in paths else
+                                                   "available, not in --paths"), flush=True)
+        else:
+            print(f"megatron_a2a (baseline b): SKIPPED, megatron.core does not import ({why}); "
+                  "put megatron-core on PYTHONPATH to measure it", flush=True)
+    return paths
+
+
+def check_against_reference(path, y, gx, ref_y, ref_gx, rank) -> bool:
+    """y and grad_x of `path` vs baseline (a) (norm-wise < 2e-2, worst rank: every rank takes
+    the same decision, so none goes on to time a path the others skipped); True without a
+    reference."""
+    if ref_y is None:
+        return True
+    e = torch.stack([(y.float() - ref_y.float()).norm() / ref_y.float().norm(),
+                     (gx.float() - ref_gx.float()).norm() / ref_gx.float().norm()])
+    if dist.is_initialized():
+        dist.all_reduce(e, op=dist.ReduceOp.MAX)
+    e_y, e_g = e.tolist()
+    ok = e_y < 2e-2 and e_g < 2e-2
+    if rank == 0:
+        print(f"  check {path}: rel diff vs a2a y={e_y:.2e} grad_x={e_g:.2e} "
+              f"{'OK' if ok else 'MISMATCH'}", flush=True)
+    return ok
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--cases", default="guide,dsv3,imb1.5,imb_all,F1024,F2048,F4096")
-    ap.add_argument("--paths", default="dist_moe,dist_moe_staged,dist_moe_torchgemm,a2a")
+    ap.add_argument("--paths", default=None,
+                    help=f"default: {DEFAULT_PATHS}, plus megatron_a2a when megatron.core imports")
+    ap.add_argument("--megatron-swiglu-fusion", action="store_true",
+                    help="megatron_a2a: Megatron's fused weighted SwiGLU (bias_activation_fusion)")
     ap.add_argument("--modes", default="fwd,fwdbwd")
     ap.add_argument("--profile", action="store_true", help="write per-kernel times of our path")
     args = ap.parse_args()
@@ -78,6 +138,7 @@ def main():
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dev = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("nccl", device_id=dev)
+    paths = resolve_paths(args.paths, rank)
     os.makedirs(args.out, exist_ok=True)
     csv_path = os.path.join(args.out, "bench_layer.csv")
     gpu = torch.cuda.get_device_name()
@@ -105,12 +166,14 @@ def main():
 
         results = {}
         ref_y = ref_gx = None
-        if "a2a" in args.paths:
+        if "a2a" in paths or "megatron_a2a" in paths:   # the reference of every check
             y = a2a_grouped_mm_experts(x, ids, s, w13, w2)
             ref_gx, = torch.autograd.grad(y, (x,), gy)
             ref_y = y.detach()
             del y
-        for path in args.paths.split(","):
+        for path in paths:
+            mega = None
+            row_note = note
             if path == "a2a":
                 fwd = lambda: a2a_grouped_mm_experts(x, ids, s, w13, w2)  # noqa: E731
 
@@ -119,6 +182,30 @@ def main():
                     torch.autograd.grad(y, (x, s, w13, w2), gy)
                 graph = False
                 ctx = None
+            elif path == "megatron_a2a":
+                ctx = None
+                mega = MegatronA2AExperts(T, D, F, K, E_local, dtype=torch.bfloat16, device=dev,
+                                          swiglu_fusion=args.megatron_swiglu_fusion)
+                mega.load_weights(w13.detach(), w2.detach())
+                row_note = f"{note}; {mega.note}"
+                if rank == 0:
+                    print(f"  {path}: {mega.note}", flush=True)
+                mparams = (x, s, *mega.expert_params())
+                y = mega(x, ids, s)   # validate=True: every route active, IDs distinct
+                gx, = torch.autograd.grad(y, (x,), gy)
+                y = y.detach()
+                if not check_against_reference(path, y, gx, ref_y, ref_gx, rank):
+                    failed = True
+                    mega = mparams = None
+                    continue
+
+                def fwd(mega=mega):
+                    mega(x, ids, s, validate=False)
+
+                def fwdbwd(mega=mega, mparams=mparams):
+                    y = mega(x, ids, s, validate=False)
+                    torch.autograd.grad(y, mparams, gy)
+                graph = False
             else:
                 os.environ["DIST_MOE_GEMM"] = "torch" if path == "dist_moe_torchgemm" else "triton"
                 cfg = dm.Config(pipeline="staged" if path == "dist_moe_staged" else "standard",
@@ -131,17 +218,10 @@ def main():
                 y = dm.routed_experts(x, ids, s, w13, w2, ctx)
                 gx, = torch.autograd.grad(y, (x,), gy)
                 y = y.detach()   # drop the autograd graph before any capture
-                if ref_y is not None:
-                    e_y = float((y.float() - ref_y.float()).norm() / ref_y.float().norm())
-                    e_g = float((gx.float() - ref_gx.float()).norm() / ref_gx.float().norm())
-                    ok = e_y < 2e-2 and e_g < 2e-2
-                    if rank == 0:
-                        print(f"  check {path}: rel diff vs a2a y={e_y:.2e} grad_x={e_g:.2e} "
-                              f"{'OK' if ok else 'MISMATCH'}", flush=True)
-                    if not ok:
-                        failed = True
-                        ctx.close()
-                        continue
+                if not check_against_reference(path, y, gx, ref_y, ref_gx, rank):
+                    failed = True
+                    ctx.close()
+                    continue
 
                 def fwd(ctx=ctx):
                     with torch.no_grad():
@@ -165,7 +245,7 @@ def main():
                                  E_local=E_local, imbalance=c["imbalance"], path=path, mode=mode,
                                  ms=round(t.median_ms, 4), ms_min=round(t.min_ms, 4),
                                  ms_max=round(t.max_ms, 4), useful_tflops=round(tf, 1),
-                                 ratio_to_baseline="", note=note))
+                                 ratio_to_baseline="", note=row_note))
                 if rank == 0:
                     print(f"  {path:<20} {mode:<7} {t.median_ms:8.3f} ms "
                           f"[{t.min_ms:.3f}-{t.max_ms:.3f}]  {tf:7.1f} TFLOP/s", flush=True)
@@ -175,6 +255,7 @@ def main():
                     profile_graph(f, out if rank == 0 else "")
             if ctx is not None:
                 ctx.close()
+            mega = mparams = fwd = fwdbwd = None   # free the Megatron layer before the next path
         for r in rows:
             if r["case"] == case and ("a2a", r["mode"]) in results:
                 r["ratio_to_baseline"] = round(results[("a2a", r["mode"])].median_ms / r["ms"], 3)
@@ -185,6 +266,7 @@ def main():
         for r in rows:
             print(f"{r['case']:<8} {r['path']:<20} {r['mode']:<7} {r['ms']:8.3f} "
                   f"{r['useful_tflops']:8.1f} {r['ratio_to_baseline']!s:>7}")
+    destroy_megatron_state()
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)
 
