@@ -48,6 +48,27 @@ PRESETS = {   # model shape and batch; any field can be overridden by its flag
 PHRASE_LEN = 16
 
 
+def plot_losses(rows, kinds, path):
+    """Loss curves of the dispatchers side by side (PNG next to the CSV)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for kind in kinds:
+        ax.plot([r["step"] for r in rows], [r[f"loss_{kind}"] for r in rows], label=kind)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -273,6 +294,10 @@ def run(rank: int, world: int, args) -> None:
               f"te={use_te(args)} dispatchers={kinds} tokens/step={tokens_per_step}", flush=True)
 
     rows, times = [], {k: [] for k in kinds}
+    csv_file = writer = None
+    if rank == 0 and args.csv:   # written row by row: a run cut short still leaves its data
+        os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
+        csv_file = open(args.csv, "w", newline="")
     for step in range(args.steps):
         row = {"step": step}
         for kind, trainer in trainers.items():
@@ -282,6 +307,12 @@ def run(rank: int, world: int, args) -> None:
             if step >= args.warmup_steps:
                 times[kind].append(seconds)
         rows.append(row)
+        if csv_file is not None:
+            if writer is None:
+                writer = csv.DictWriter(csv_file, fieldnames=list(row))
+                writer.writeheader()
+            writer.writerow(row)
+            csv_file.flush()
         if rank == 0 and (step % args.log_interval == 0 or step == args.steps - 1):
             print("step {:5d}  ".format(step) + "  ".join(
                 f"{k}: loss {row[f'loss_{k}']:.4f} {row[f'tokens_per_s_{k}']:,.0f} tok/s"
@@ -296,13 +327,11 @@ def run(rank: int, world: int, args) -> None:
             diffs = [abs(r["loss_alltoall"] - r["loss_dist_moe"]) for r in rows]
             print(f"max |loss_alltoall - loss_dist_moe| = {max(diffs):.4g}; final losses "
                   f"{rows[-1]['loss_alltoall']:.4f} / {rows[-1]['loss_dist_moe']:.4f}")
-        if args.csv:
-            os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
-            with open(args.csv, "w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-                writer.writeheader()
-                writer.writerows(rows)
+        if csv_file is not None:
+            csv_file.close()
             print(f"wrote {args.csv}")
+            if args.compare:
+                plot_losses(rows, kinds, os.path.splitext(args.csv)[0] + ".png")
         if not all(math.isfinite(r[f"loss_{k}"]) for r in rows for k in kinds):
             raise SystemExit("non-finite loss")
     dmm.uninstall()
