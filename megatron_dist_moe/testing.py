@@ -25,7 +25,7 @@ import torch
 __all__ = [
     "routed_experts_oracle", "random_routing", "imbalanced_routing", "make_weights",
     "relative_error", "Problem", "make_problem", "run_rank", "oracle_results", "rank_errors",
-    "spawn", "RESULT_NAMES",
+    "spawn", "SpawnedRankDied", "RESULT_NAMES",
 ]
 
 RESULT_NAMES = ("y", "grad_x", "grad_scores", "grad_w13", "grad_w2")
@@ -274,9 +274,21 @@ def rank_errors(results: dict[str, torch.Tensor], oracle: dict[str, torch.Tensor
 
 
 # -- processes ---------------------------------------------------------------------------------
+class SpawnedRankDied(RuntimeError):
+    """A spawned rank was killed by a signal; the message carries what each rank printed last."""
+
+
 def _spawn_entry(rank: int, fn: Callable, world_size: int, args: tuple, backend: str,
                  workdir: str, timeout_s: float, num_threads: int) -> None:
+    import faulthandler
+
     import torch.distributed as dist
+
+    # C-level stderr goes to a file so that an abort's own words (a C++ `terminate called ...`
+    # from gloo or torch, a fatal signal's Python stack) reach the parent's error message.
+    log = open(os.path.join(workdir, f"stderr_{rank}.log"), "ab", buffering=0)
+    os.dup2(log.fileno(), 2)
+    faulthandler.enable(file=log, all_threads=True)
 
     torch.set_num_threads(num_threads)
     if backend == "nccl":
@@ -284,29 +296,64 @@ def _spawn_entry(rank: int, fn: Callable, world_size: int, args: tuple, backend:
     store = dist.FileStore(os.path.join(workdir, "store"), world_size)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    try:
-        result = fn(rank, world_size, *args)
-        torch.save(result, os.path.join(workdir, f"result_{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    result = fn(rank, world_size, *args)
+    torch.save(result, os.path.join(workdir, f"result_{rank}.pt"))
+    # No rank tears its connections down while a peer may still be reading from them.
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _stderr_tails(workdir: str, world_size: int, max_chars: int = 4000) -> str:
+    parts = []
+    for r in range(world_size):
+        path = os.path.join(workdir, f"stderr_{r}.log")
+        try:
+            with open(path, errors="replace") as f:
+                text = f.read()
+        except OSError:
+            text = "(no stderr file)"
+        parts.append(f"--- rank {r} stderr (last {max_chars} chars) ---\n{text[-max_chars:]}")
+    return "\n".join(parts)
 
 
 def spawn(fn: Callable, world_size: int = 2, args: tuple = (), *, backend: str = "gloo",
-          timeout_s: float = 120.0, num_threads: int = 1) -> list[Any]:
+          timeout_s: float = 120.0, num_threads: int = 1, signal_retries: int = 1) -> list[Any]:
     """Run fn(rank, world_size, *args) on `world_size` fresh processes with a process group.
 
     fn must be importable (a module-level function). Ranks rendezvous through a FileStore in a
     new temporary directory, so parallel runs never collide on a port. Returns each rank's return
-    value (round-tripped through torch.save). A failing rank raises here with its traceback and
-    the other ranks are terminated; `timeout_s` bounds every collective.
+    value (round-tripped through torch.save). A rank that raises makes this raise with its
+    traceback; the other ranks are terminated. `timeout_s` bounds every collective.
+
+    A rank killed by a signal (an abort inside gloo's transport threads, not a Python error) is
+    reported with every rank's stderr, and the whole group is started again up to
+    `signal_retries` times, with a warning that carries the first failure's stderr. A Python
+    exception is never retried: it is a result.
     """
+    import warnings
+
     import torch.multiprocessing as mp
 
-    workdir = tempfile.mkdtemp(prefix="dm_spawn_")
-    try:
-        mp.spawn(_spawn_entry, nprocs=world_size, join=True,
-                 args=(fn, world_size, tuple(args), backend, workdir, timeout_s, num_threads))
-        return [torch.load(os.path.join(workdir, f"result_{r}.pt"), weights_only=False)
-                for r in range(world_size)]
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    for attempt in range(signal_retries + 1):
+        workdir = tempfile.mkdtemp(prefix="dm_spawn_")
+        try:
+            try:
+                mp.spawn(_spawn_entry, nprocs=world_size, join=True,
+                         args=(fn, world_size, tuple(args), backend, workdir, timeout_s,
+                               num_threads))
+            except mp.ProcessExitedException as e:
+                msg = f"{e}\n{_stderr_tails(workdir, world_size)}"
+                if e.signal_name is not None and attempt < signal_retries:
+                    warnings.warn(f"spawned rank died by a signal; starting the group again. "
+                                  f"{msg}", RuntimeWarning, stacklevel=2)
+                    continue
+                raise SpawnedRankDied(msg) from e
+            except mp.ProcessRaisedException as e:
+                raise mp.ProcessRaisedException(
+                    f"{e}\n{_stderr_tails(workdir, world_size, 1500)}", e.error_index,
+                    e.error_pid) from None
+            return [torch.load(os.path.join(workdir, f"result_{r}.pt"), weights_only=False)
+                    for r in range(world_size)]
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+    raise AssertionError("unreachable")
