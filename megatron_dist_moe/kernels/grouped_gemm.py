@@ -84,6 +84,10 @@ class GroupedGemmConfig:
     claim_ahead iterations later, so most copies happen about claim_ahead waves before use;
     0 claims on demand only. The launcher lowers copy_k to a divisor of Kd and to at most 128
     elements per thread (BLOCK_M x copy_k / (32 num_warps)): 256 for 128-row tiles, 8 warps.
+    claim_slice_k: claim mode only. 0: one program copies a whole m-tile (BLOCK_M x Kd). > 0:
+    the m-tile is cut into column slices of this width (lowered to a divisor of Kd, at least
+    copy_k) that the programs reaching the m-tile claim one at a time, so the copy is spread
+    over them instead of stalling one (see `_claim_slices_phase`).
     """
 
     block_m: int = 128
@@ -95,11 +99,15 @@ class GroupedGemmConfig:
     tma: bool = False
     copy_k: int = 256
     claim_ahead: int = 1
+    claim_slice_k: int = 0
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k", "copy_k"):
             v = getattr(self, name)
             assert v >= 16 and v & (v - 1) == 0, f"{name}={v}: tiles must be powers of two >= 16"
+        assert self.claim_slice_k == 0 or (
+            self.claim_slice_k >= 16 and self.claim_slice_k & (self.claim_slice_k - 1) == 0), (
+            f"claim_slice_k={self.claim_slice_k}: 0 (whole m-tiles) or a power of two >= 16")
         assert self.group_m >= 1, f"group_m={self.group_m} must be >= 1"
         assert self.claim_ahead >= 0, f"claim_ahead={self.claim_ahead} must be >= 0"
         assert not self.tma or _HAS_TMA, "tma=True needs tl.make_tensor_descriptor (Triton >= 3.4)"
@@ -194,9 +202,16 @@ class ClaimFlags:
     earlier launch's, or the initial 0), i.e. "not yet copied in this launch". int64, so the
     encoding cannot wrap (2^62 launches) and a stale value can never equal a current one.
 
+    Sliced claims (config.claim_slice_k > 0) use two more int64 [capacity] arrays instead of
+    `ready`: `claimed` counts the slices handed out, `copied` the slices whose rows are stored.
+    Both hold (p << SLICE_SHIFT) + count in the launch that reads epoch p; a value below
+    p << SLICE_SHIFT is stale and counts as 0 (`atomic_max` with the base lifts it first).
+
     Launches that may run concurrently (different streams) need separate ClaimFlags; launches
     ordered on one stream may share one (e.g. the W13 forward and the W2 DGRAD of every layer).
     """
+
+    SLICE_SHIFT = 20  # counts stay far below 2^20: slices + 2 claims per visiting program
 
     def __init__(self, max_rows: int, block_m: Optional[int] = None, num_experts: int = 1,
                  device=None):
@@ -205,6 +220,8 @@ class ClaimFlags:
         self.max_rows, self.block_m, self.num_experts = max_rows, block_m, num_experts
         self.capacity = triton.cdiv(max_rows, block_m) + num_experts
         self.ready = torch.zeros(self.capacity, dtype=torch.int64, device=device)
+        self.claimed = torch.zeros(self.capacity, dtype=torch.int64, device=device)
+        self.copied = torch.zeros(self.capacity, dtype=torch.int64, device=device)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
 
     def next_epoch(self) -> None:
@@ -216,7 +233,8 @@ class ClaimFlags:
         assert self.capacity >= need, (
             f"ClaimFlags holds {self.capacity} flags, this launch may touch {need} m-tiles "
             f"(max_rows={max_rows}, block_m={block_m}, E={num_experts}): build it with these")
-        assert self.ready.device == device and self.epoch.device == device, (
+        assert self.ready.device == device and self.epoch.device == device \
+            and self.claimed.device == device and self.copied.device == device, (
             "ClaimFlags must live on the weights' device")
 
 
@@ -402,15 +420,23 @@ def _copy_mtile(a_rows_ptr, dst_base, row0, row_end, Kd, DT: tl.constexpr,
                 BLOCK_M: tl.constexpr, COPY_K: tl.constexpr):
     """dst[r, :] = row at address a_rows[r] (zeros for address 0) for r in [row0, min(row0 +
     BLOCK_M, row_end)); the whole Kd width (a multiple of COPY_K), 16-byte vectors."""
+    _copy_mtile_cols(a_rows_ptr, dst_base, row0, row_end, Kd, 0, Kd, DT, BLOCK_M, COPY_K)
+
+
+@triton.jit
+def _copy_mtile_cols(a_rows_ptr, dst_base, row0, row_end, Kd, col0, width, DT: tl.constexpr,
+                     BLOCK_M: tl.constexpr, COPY_K: tl.constexpr):
+    """`_copy_mtile` restricted to columns [col0, col0 + width) (both multiples of COPY_K)."""
     rows = row0 + tl.arange(0, BLOCK_M)
     ok = rows < row_end
     src = tl.load(a_rows_ptr + rows, mask=ok, other=0)
     load_ok = (ok & (src != 0))[:, None]
-    src_ptrs = tl.multiple_of(src.to(tl.pointer_type(DT)), [16])[:, None] + tl.arange(0, COPY_K)[None, :]
-    dst_ptrs = dst_base + rows.to(tl.int64)[:, None] * Kd + tl.arange(0, COPY_K)[None, :]
+    cols = col0 + tl.arange(0, COPY_K)
+    src_ptrs = tl.multiple_of(src.to(tl.pointer_type(DT)), [16])[:, None] + cols[None, :]
+    dst_ptrs = dst_base + rows.to(tl.int64)[:, None] * Kd + cols[None, :]
     # num_stages=1: a plain register copy; pipelining it would stage it through shared memory,
     # which the GEMM's own stages already fill.
-    for _k in tl.range(0, Kd, COPY_K, num_stages=1):
+    for _k in tl.range(0, width, COPY_K, num_stages=1):
         v = tl.load(src_ptrs, mask=load_ok, other=0.0)
         tl.store(dst_ptrs, v, mask=ok[:, None])
         src_ptrs += COPY_K
@@ -488,6 +514,86 @@ def _claim_phase(t, nprog, total, e_idx, cum, tiles, starts, ends, m_tiles, num_
 
 
 @triton.jit
+def _claim_slice(claimed_ptr, base, num_slices):
+    """Hand out the next slice of an m-tile: its index, or >= num_slices when none is left.
+    atomic_max lifts a stale counter to this launch's base (count 0) and leaves a current one
+    alone; the add then hands out distinct counts. Counts past num_slices are harmless."""
+    tl.atomic_max(claimed_ptr, base, sem="relaxed", scope="gpu")
+    return tl.atomic_add(claimed_ptr, 1, sem="relaxed", scope="gpu") - base
+
+
+@triton.jit
+def _count_copied(copied_ptr, base, PROXY_FENCE: tl.constexpr):
+    """Release one copied slice: every thread's row stores, then one release increment."""
+    if PROXY_FENCE:
+        _fence_proxy_async()
+    tl.debug_barrier()
+    tl.atomic_max(copied_ptr, base, sem="relaxed", scope="gpu")
+    tl.atomic_add(copied_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _copy_claimed_slices(claimed_ptr, copied_ptr, base, num_slices, max_slices, a_rows_ptr,
+                         a_copy_base, row0, row_end, Kd, SLICE_K: tl.constexpr, DT: tl.constexpr,
+                         BLOCK_M: tl.constexpr, COPY_K: tl.constexpr,
+                         PROXY_FENCE: tl.constexpr):
+    """Claim and copy up to max_slices slices of one m-tile; stops early when none is left."""
+    n = 0
+    c = _claim_slice(claimed_ptr, base, num_slices)
+    while c < num_slices:
+        _copy_mtile_cols(a_rows_ptr, a_copy_base, row0, row_end, Kd, c * SLICE_K, SLICE_K, DT,
+                         BLOCK_M, COPY_K)
+        _count_copied(copied_ptr, base, PROXY_FENCE)
+        n += 1
+        if n < max_slices:
+            c = _claim_slice(claimed_ptr, base, num_slices)
+        else:
+            c = c - c + num_slices  # stop (same dtype as the claimed index)
+
+
+@triton.jit
+def _claim_slices_phase(t, nprog, total, e_idx, cum, tiles, starts, ends, m_tiles, num_n,
+                        row0, row_end, m_index, claimed_ptr, copied_ptr, base, a_rows_ptr,
+                        a_copy_base, Kd, DT: tl.constexpr, BLOCK_M: tl.constexpr,
+                        GROUP_M: tl.constexpr, COPY_K: tl.constexpr, SLICE_K: tl.constexpr,
+                        CLAIM_AHEAD: tl.constexpr, PROXY_FENCE: tl.constexpr):
+    """Sliced claims: make rows [row0, row0 + BLOCK_M) of a_copy_out valid before tile t.
+
+    The m-tile is cut into S = Kd / SLICE_K column slices. Every program that reaches it
+    1. (CLAIM_AHEAD > 0) claims and copies ONE slice of the m-tile of its tile CLAIM_AHEAD
+       iterations later: the ~num_n programs that will read that m-tile share its copy, one
+       slice each, a wave before they need it;
+    2. claims and copies slices of its own m-tile until none is left (helping any straggler);
+    3. spins (acquire) until all S slices are counted as copied.
+
+    NOTE deadlock freedom as in `_claim_phase`: a program waits only in step 3, after every
+    slice it claimed is copied and counted, and only once every slice of that m-tile has been
+    claimed, i.e. is being copied by a running program that waits for nothing. In the CPU
+    interpreter a program copies every slice that nobody copied before it and never spins.
+    Memory ordering as in `_claim_phase`, with the release increment of `copied` in place of
+    the release store of the ready flag.
+    """
+    num_slices = Kd // SLICE_K
+    if CLAIM_AHEAD > 0:
+        t2 = t + CLAIM_AHEAD * nprog
+        if t2 < total:
+            _e2, row_start2, row_end2, m_first2, pid_m2, _n2 = _tile_coords(
+                t2, e_idx, cum, tiles, starts, ends, m_tiles, num_n, GROUP_M)
+            m2 = m_first2 + pid_m2
+            _copy_claimed_slices(claimed_ptr + m2, copied_ptr + m2, base, num_slices, 1,
+                                 a_rows_ptr, a_copy_base, row_start2 + pid_m2 * BLOCK_M,
+                                 row_end2, Kd, SLICE_K, DT, BLOCK_M, COPY_K, PROXY_FENCE)
+    _copy_claimed_slices(claimed_ptr + m_index, copied_ptr + m_index, base, num_slices,
+                         num_slices, a_rows_ptr, a_copy_base, row0, row_end, Kd, SLICE_K, DT,
+                         BLOCK_M, COPY_K, PROXY_FENCE)
+    done = tl.atomic_add(copied_ptr + m_index, 0, sem="acquire", scope="gpu")
+    while done < base + num_slices:
+        done = tl.atomic_add(copied_ptr + m_index, 0, sem="acquire", scope="gpu")
+    if PROXY_FENCE:
+        _fence_proxy_async()  # the acquire above, before this tile's TMA reads of the rows
+
+
+@triton.jit
 def _dot(a, b, acc, IEEE: tl.constexpr):
     if IEEE:  # fp32 operands (interpreter tests): no tf32 rounding
         return tl.dot(a, b, acc, input_precision="ieee")
@@ -498,7 +604,7 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 @triton.jit
 def _grouped_mm_kernel(
     a_addr_ptr, a_rows_ptr, a_copy_addr_ptr, w_ptr, offsets_ptr,
-    out_addr_ptr, out2_addr_ptr, out_rows_ptr, ready_ptr, epoch_ptr,
+    out_addr_ptr, out2_addr_ptr, out_rows_ptr, ready_ptr, epoch_ptr, claimed_ptr, copied_ptr,
     N, Kd, alpha, limit,
     E: tl.constexpr, E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -506,7 +612,7 @@ def _grouped_mm_kernel(
     STORE_H1: tl.constexpr, ACT: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
     COPY_RELOAD: tl.constexpr = False,
     A_CLAIM: tl.constexpr = False, CLAIM_AHEAD: tl.constexpr = 0, COPY_K: tl.constexpr = 64,
-    PROXY_FENCE: tl.constexpr = False,
+    PROXY_FENCE: tl.constexpr = False, SLICE_K: tl.constexpr = 0,
 ):
     # A_CLAIM: a_addr_ptr is a_copy_out, read as a dense A once `_claim_phase` made the tile's
     # rows valid; a_rows_ptr gives the rows to copy there; ready_ptr/epoch_ptr: `ClaimFlags`.
@@ -531,6 +637,7 @@ def _grouped_mm_kernel(
         epoch = tl.load(epoch_ptr)
         claimed_v = 2 * epoch + 1
         ready_v = 2 * epoch + 2
+        slice_base = epoch << 20  # ClaimFlags.SLICE_SHIFT
 
     if not A_GATHER:
         a_base = _load_ptr(a_addr_ptr, DT)
@@ -554,10 +661,16 @@ def _grouped_mm_kernel(
 
         row0 = row_start + pid_m * BLOCK_M
         if A_CLAIM:
-            _claim_phase(t, nprog, total, e_idx, cum, tiles, starts, ends, m_tiles, num_n,
-                         row0, row_end, ready_ptr + m_first + pid_m, ready_ptr, claimed_v,
-                         ready_v, a_rows_ptr, a_base, Kd, DT, BLOCK_M, GROUP_M, COPY_K,
-                         CLAIM_AHEAD, PROXY_FENCE)
+            if SLICE_K > 0:
+                _claim_slices_phase(t, nprog, total, e_idx, cum, tiles, starts, ends, m_tiles,
+                                    num_n, row0, row_end, m_first + pid_m, claimed_ptr,
+                                    copied_ptr, slice_base, a_rows_ptr, a_base, Kd, DT, BLOCK_M,
+                                    GROUP_M, COPY_K, SLICE_K, CLAIM_AHEAD, PROXY_FENCE)
+            else:
+                _claim_phase(t, nprog, total, e_idx, cum, tiles, starts, ends, m_tiles, num_n,
+                             row0, row_end, ready_ptr + m_first + pid_m, ready_ptr, claimed_v,
+                             ready_v, a_rows_ptr, a_base, Kd, DT, BLOCK_M, GROUP_M, COPY_K,
+                             CLAIM_AHEAD, PROXY_FENCE)
         rows = row0 + tl.arange(0, BLOCK_M)
         row_ok = rows < row_end
         cols = pid_n * BN + tl.arange(0, BN)
@@ -739,8 +852,9 @@ def _launch_mm(args: _MMArgs, config: GroupedGemmConfig, num_programs: Optional[
     grid = (max(1, min(progs, tile_bound)),)
     if config.tma and w.device.type == "cuda":
         _ensure_tma_allocator()
-    ready = epoch = args.offsets  # dummies unless claiming
+    ready = epoch = claimed = copied = args.offsets  # dummies unless claiming
     copy_k = config.copy_k
+    slice_k = 0
     if args.claim is not None:
         args.claim.check(max_rows=args.max_rows, block_m=config.block_m,
                          num_experts=args.num_experts, device=w.device)
@@ -751,12 +865,19 @@ def _launch_mm(args: _MMArgs, config: GroupedGemmConfig, num_programs: Optional[
         copy_k = min(copy_k, max(16, 128 * 32 * config.num_warps // config.block_m))
         while args.kd % copy_k:
             copy_k //= 2
+        if config.claim_slice_k:
+            claimed, copied = args.claim.claimed, args.claim.copied
+            slice_k = min(config.claim_slice_k, args.kd)
+            while args.kd % slice_k:
+                slice_k //= 2
+            copy_k = min(copy_k, slice_k)
+            assert args.kd // slice_k < 2 ** (ClaimFlags.SLICE_SHIFT - 2)
         args.claim.next_epoch()  # stream-ordered before the kernel; captured by CUDA graphs
     _grouped_mm_kernel[grid](
         a_addr_ptr=args.a_addr, a_rows_ptr=args.a_rows, a_copy_addr_ptr=args.a_copy_addr,
         w_ptr=w, offsets_ptr=args.offsets, out_addr_ptr=args.out_addr,
         out2_addr_ptr=args.out2_addr, out_rows_ptr=args.out_rows, ready_ptr=ready,
-        epoch_ptr=epoch,
+        epoch_ptr=epoch, claimed_ptr=claimed, copied_ptr=copied,
         N=args.n, Kd=args.kd, alpha=args.alpha, limit=args.limit,
         E=args.num_experts, E_PAD=max(2, triton.next_power_of_2(args.num_experts)),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
@@ -765,6 +886,7 @@ def _launch_mm(args: _MMArgs, config: GroupedGemmConfig, num_programs: Optional[
         USE_TMA=config.tma, IEEE=w.dtype == torch.float32, COPY_RELOAD=COPY_RELOAD,
         A_CLAIM=args.claim is not None, CLAIM_AHEAD=config.claim_ahead, COPY_K=copy_k,
         PROXY_FENCE=args.claim is not None and config.tma and not _interpreting(),
+        SLICE_K=slice_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 

@@ -261,11 +261,13 @@ def check_empty_and_persistent():
 
 
 # ----------------------------------------------------------------------------- claim mode
-def _claim_case(flags, *, lens, d, f, dt, progs, tma, ahead, seed_rows, n_src=50, x_poison=None):
+def _claim_case(flags, *, lens, d, f, dt, progs, tma, ahead, seed_rows, n_src=50, x_poison=None,
+                slice_k=0):
     """One claim-mode W13+SwiGLU call; checks h1, h2, a_copy_out and the flags afterwards.
 
     x_poison: rows of a_copy_out to pre-fill with these values (a dict row -> tensor) and whose
-    m-tiles are pre-published as ready for this launch (tests the no-copy fast path)."""
+    m-tiles are pre-published as ready for this launch (tests the no-copy fast path).
+    slice_k > 0: sliced claims (d / slice_k slices per m-tile; counters instead of flags)."""
     import torch
     from megatron_dist_moe.kernels.grouped_gemm import grouped_mm_fwd, device_ptr
     from megatron_dist_moe.kernels.grouped_gemm_ref import grouped_mm_fwd_swiglu_ref, gather_rows_ref
@@ -279,21 +281,31 @@ def _claim_case(flags, *, lens, d, f, dt, progs, tma, ahead, seed_rows, n_src=50
     x = gather_rows_ref(src, idx[:r])
     copy = torch.full((max_rows, d), NAN).to(dt)
     h1, h2 = torch.full((max_rows, 2 * f), NAN).to(dt), torch.full((max_rows, f), NAN).to(dt)
-    before = flags.ready.clone()
+    before = [t.clone() for t in (flags.ready, flags.claimed, flags.copied)]
     ep = int(flags.epoch) + 1  # the epoch this launch will run in
+    eff_k = min(slice_k, d)  # the launcher's slice width: lowered to a divisor of d
+    while slice_k and d % eff_k:
+        eff_k //= 2
+    base, n_slices = ep << flags.SLICE_SHIFT, (d // eff_k if slice_k else 0)
     if x_poison is not None:
         for flag_idx, (row0, rows) in x_poison.items():
             copy[row0:row0 + rows.shape[0]] = rows
-            flags.ready[flag_idx] = 2 * ep + 2
+            if slice_k:
+                flags.claimed[flag_idx] = base + n_slices
+                flags.copied[flag_idx] = base + n_slices
+            else:
+                flags.ready[flag_idx] = 2 * ep + 2
+        before = [t.clone() for t in (flags.ready, flags.claimed, flags.copied)]
         x = x.clone()
         for flag_idx, (row0, rows) in x_poison.items():
             x[row0:row0 + rows.shape[0]] = rows[: max(0, min(rows.shape[0], r - row0))]
     grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=max_rows, a_row_ptrs=_row_ptrs(src, idx, d),
                    a_copy_out=device_ptr(copy), claim_flags=flags, epilogue="swiglu",
                    h1=device_ptr(h1), h2=device_ptr(h2), activation="swiglu_clamped",
-                   swiglu_alpha=1.702, swiglu_limit=1.5, config=_cfg(tma=tma, claim_ahead=ahead),
+                   swiglu_alpha=1.702, swiglu_limit=1.5,
+                   config=_cfg(tma=tma, claim_ahead=ahead, claim_slice_k=slice_k),
                    num_programs=progs)
-    tag = f"lens={lens} progs={progs} tma={tma} ahead={ahead} {dt}"
+    tag = f"lens={lens} progs={progs} tma={tma} ahead={ahead} slice_k={slice_k} {dt}"
     assert int(flags.epoch) == ep, f"{tag}: the launcher must advance the epoch once"
     assert torch.equal(copy[:r], x), f"{tag}: a_copy_out must hold the gathered rows"
     _untouched(f"{tag}: a_copy_out rows past R", copy[r:])
@@ -306,8 +318,19 @@ def _claim_case(flags, *, lens, d, f, dt, progs, tma, ahead, seed_rows, n_src=50
     # every m-tile of the launch ends "ready" (none left claimed), no other flag is touched
     bm = _cfg().block_m
     n_mt = sum((ln + bm - 1) // bm for ln in lens)
-    assert (flags.ready[:n_mt] == 2 * ep + 2).all(), f"{tag}: flags {flags.ready[:n_mt].tolist()} != ready"
-    assert torch.equal(flags.ready[n_mt:], before[n_mt:]), f"{tag}: flags past the launch's m-tiles changed"
+    if slice_k:
+        # every slice of every m-tile handed out and counted copied exactly once
+        assert (flags.copied[:n_mt] == base + n_slices).all(), (
+            f"{tag}: copied counters {(flags.copied[:n_mt] - base).tolist()} != {n_slices}")
+        assert (flags.claimed[:n_mt] >= base + n_slices).all(), f"{tag}: claimed counters short"
+        changed = (flags.ready, before[0]), (flags.claimed[n_mt:], before[1][n_mt:]), (
+            flags.copied[n_mt:], before[2][n_mt:])
+    else:
+        assert (flags.ready[:n_mt] == 2 * ep + 2).all(), f"{tag}: flags {flags.ready[:n_mt].tolist()} != ready"
+        changed = (flags.ready[n_mt:], before[0][n_mt:]), (flags.claimed, before[1]), (
+            flags.copied, before[2])
+    for now, then in changed:
+        assert torch.equal(now, then), f"{tag}: flags outside the launch's m-tiles (or mode) changed"
 
 
 def check_claim_fwd_swiglu_grids():
@@ -322,6 +345,40 @@ def check_claim_fwd_swiglu_grids():
             seed += 1
             _claim_case(flags, lens=lens, d=64, f=64, dt=torch.float32, progs=progs, tma=False,
                         ahead=ahead, seed_rows=seed)
+
+
+def check_claim_slices_fwd_swiglu_grids():
+    """Sliced claims: slice widths 16 and 32 of d=64 (4 and 2 slices per m-tile, copy_k lowered
+    to the slice), grids 1/2/3/7, look-ahead 0/1/2, consecutive calls on the same counters, a
+    slice width above d (one slice), and TMA loads of the copy."""
+    import torch
+    from megatron_dist_moe.kernels.grouped_gemm import ClaimFlags
+    flags = ClaimFlags(64, None, 3, "cpu")
+    seed = 200
+    for progs, ahead, sk, tma in ((1, 1, 16, False), (2, 0, 32, False), (3, 1, 16, True),
+                                  (7, 2, 16, False), (7, 1, 128, False), (3, 2, 32, True)):
+        for lens in ([0, 5, 37], [16, 0, 17]):
+            seed += 1
+            _claim_case(flags, lens=lens, d=64, f=64, dt=torch.float32, progs=progs, tma=tma,
+                        ahead=ahead, seed_rows=seed, slice_k=sk)
+
+
+def check_claim_slices_stale_and_prepublished():
+    """Counters of an old epoch (any count, garbage) are stale; an m-tile already fully copied
+    in this epoch is trusted (its rows are not copied again)."""
+    import torch
+    from megatron_dist_moe.kernels.grouped_gemm import ClaimFlags
+    flags = ClaimFlags(64, None, 3, "cpu")
+    flags.epoch.fill_(41)
+    old = 41 << flags.SLICE_SHIFT
+    junk = torch.tensor([old + 3, old + 1, old - 5, -7, 0, 5, old + 99, 1, 3])[: flags.capacity]
+    flags.claimed.copy_(junk)
+    flags.copied.copy_(junk.flip(0))
+    _claim_case(flags, lens=[0, 5, 37], d=64, f=64, dt=torch.float32, progs=3, tma=False, ahead=1,
+                seed_rows=17, slice_k=16)
+    pre = torch.randn(16, 64)
+    _claim_case(flags, lens=[0, 5, 37], d=64, f=64, dt=torch.float32, progs=2, tma=False, ahead=1,
+                seed_rows=18, x_poison={2: (21, pre)}, slice_k=32)
 
 
 def check_claim_fwd_swiglu_tma_fp16():
@@ -365,15 +422,16 @@ def check_claim_dgrad_and_scatter():
     idx = torch.randperm(60)[:max_rows]
     idx[[2, 25]] = -1
     w2 = torch.randn(e, d, f) / 4
-    for progs, tma, ahead in ((1, False, 1), (3, True, 0), (7, False, 2)):
+    for progs, tma, ahead, sk in ((1, False, 1, 0), (3, True, 0, 0), (7, False, 2, 0),
+                                  (3, False, 1, 16), (7, True, 2, 32)):
         g3 = torch.full((max_rows, d), NAN)
         g2 = torch.full((max_rows, f), NAN)
         grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=max_rows,
                          a_row_ptrs=_row_ptrs(g3_src, idx, d), a_copy_out=device_ptr(g3),
                          claim_flags=flags, out=device_ptr(g2), num_programs=progs,
-                         config=_cfg(tma=tma, claim_ahead=ahead))
+                         config=_cfg(tma=tma, claim_ahead=ahead, claim_slice_k=sk))
         x = gather_rows_ref(g3_src, idx[:r])
-        tag = f"dgrad progs={progs} tma={tma} ahead={ahead}"
+        tag = f"dgrad progs={progs} tma={tma} ahead={ahead} slice_k={sk}"
         assert torch.equal(g3[:r], x), f"{tag}: saved grad_h3 rows"
         _untouched(f"{tag}: saved rows past R", g3[r:])
         _close(tag, g2[:r], grouped_mm_dgrad_ref(x, w2, offs, compute_dtype=torch.float64), dt)
@@ -394,7 +452,7 @@ def check_claim_dgrad_and_scatter():
     ok = dst_idx[:r] >= 0
     _close("claim scatter", dst[dst_idx[:r][ok]],
            grouped_mm_fwd_ref(x, w2, offs, compute_dtype=torch.float64)[ok], dt)
-    assert int(flags.epoch) == 4
+    assert int(flags.epoch) == 6
 
 
 def check_claim_argument_errors():

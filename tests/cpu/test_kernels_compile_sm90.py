@@ -1,0 +1,185 @@
+"""Every GPU kernel variant compiles for sm_90 (Hopper) on this CPU-only machine.
+
+The launchers are called with CPU tensors while their `kernel[grid](...)` call is recorded
+instead of run; each recorded call is then compiled with `triton.compile(..., target=
+GPUTarget("cuda", 90, 32))` down to a cubin (Triton's bundled ptxas). This catches type and
+lowering errors in code paths that only the GPU machine runs, and checks the PTX for the
+memory-ordering instructions the claim protocols rely on. It says nothing about speed.
+
+Runs in a child process with a fresh TRITON_CACHE_DIR so every variant really compiles.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+CHILD = r'''
+import json, re, sys, time
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dataclasses import replace
+from megatron_dist_moe.kernels import grouped_gemm as G
+from megatron_dist_moe.kernels import rows as K_rows
+
+_TT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
+       torch.int32: "i32", torch.int16: "i16", torch.uint8: "u8", torch.bool: "i1"}
+
+
+class Recorder:
+    def __init__(self, jit):
+        self.jit, self.calls = jit, []
+    def __getitem__(self, grid):
+        def record(*args, num_warps=4, num_stages=3, **kw):
+            names = [p.name for p in self.jit.params]
+            kw.update(dict(zip(names, args)))
+            self.calls.append((kw, num_warps, num_stages))
+        return record
+
+
+def compile_call(jit, kw, num_warps, num_stages):
+    sig, const = {}, {}
+    for i, p in enumerate(jit.params):
+        if p.name not in kw:           # a defaulted constexpr
+            sig[p.name] = "constexpr"
+            const[(i,)] = p.default
+            continue
+        v = kw[p.name]
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+            const[(i,)] = v
+        elif isinstance(v, torch.Tensor):
+            sig[p.name] = "*" + _TT[v.dtype]
+        elif isinstance(v, bool):
+            sig[p.name] = "i1"
+        elif isinstance(v, int):
+            sig[p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
+        elif isinstance(v, float):
+            sig[p.name] = "fp32"
+        else:
+            raise TypeError(f"{p.name}: {type(v)}")
+    src = ASTSource(fn=jit, signature=sig, constexprs=const)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def record(jit_name, module, fn):
+    jit = getattr(module, jit_name)
+    rec = Recorder(jit)
+    setattr(module, jit_name, rec)
+    try:
+        fn()
+    finally:
+        setattr(module, jit_name, jit)
+    assert rec.calls, f"{jit_name}: the launcher made no kernel call"
+    return jit, rec.calls
+
+
+bf = torch.bfloat16
+E, R, D, F = 6, 1024, 7168, 3072
+BIG = G.CONFIG_TABLE[("fwd", "large")]
+offs = torch.zeros(E + 1, dtype=torch.int32)
+rows_tab = torch.zeros(R, dtype=torch.int64)
+p = torch.zeros(1, dtype=torch.int64)
+w13, w2 = torch.empty(E, 2 * F, D, dtype=bf), torch.empty(E, D, F, dtype=bf)
+flags = G.ClaimFlags(R, None, E, "cpu")
+SLICED = replace(BIG, claim_slice_k=512)
+
+VARIANTS = {
+    "fwd_swiglu_tma": lambda: G.grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=R, a=p,
+        epilogue="swiglu", h1=p, h2=p, config=BIG),
+    "fwd_swiglu_gather_copy": lambda: G.grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=R,
+        a_row_ptrs=rows_tab, a_copy_out=p, epilogue="swiglu", h1=p, h2=p, config=BIG),
+    "fwd_swiglu_claim": lambda: G.grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=R,
+        a_row_ptrs=rows_tab, a_copy_out=p, claim_flags=flags, epilogue="swiglu", h1=p, h2=p,
+        config=BIG),
+    "fwd_swiglu_claim_sliced": lambda: G.grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=R,
+        a_row_ptrs=rows_tab, a_copy_out=p, claim_flags=flags, epilogue="swiglu", h1=p, h2=p,
+        config=SLICED),
+    "fwd_w2_scatter_clamped": lambda: G.grouped_mm_fwd(w=w2, expert_offsets=offs, max_rows=R,
+        a=p, epilogue="scatter", out_row_ptrs=rows_tab, config=BIG),
+    "dgrad_w2_claim_sliced": lambda: G.grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=R,
+        a_row_ptrs=rows_tab, a_copy_out=p, claim_flags=flags, out=p, config=SLICED),
+    "dgrad_w13_tma": lambda: G.grouped_mm_dgrad(w=w13, expert_offsets=offs, max_rows=R, a=p,
+        out=p, config=BIG),
+    "wgrad_tma_fp32": lambda: G.grouped_mm_wgrad(p, p, offs, torch.empty(E, 2 * F, D),
+        dtype=bf, config=G.CONFIG_TABLE[("wgrad", "large")]),
+    "wgrad_plain_bf16": lambda: G.grouped_mm_wgrad(p, p, offs, torch.empty(E, D, F, dtype=bf),
+        dtype=bf, config=replace(G.CONFIG_TABLE[("wgrad", "large")], tma=False)),
+}
+JIT = {"wgrad": "_grouped_mm_wgrad_kernel"}
+
+names = sys.argv[1:] or list(VARIANTS)
+for name in names:
+    t0 = time.time()
+    res = {"name": name}
+    try:
+        jit_name = JIT.get(name.split("_")[0], "_grouped_mm_kernel")
+        jit, calls = record(jit_name, G, VARIANTS[name])
+        kw, nw, ns = calls[-1]
+        ptx = compile_call(jit, kw, nw, ns).asm["ptx"]
+        res["ok"] = True
+        res["ptx"] = {k: len(re.findall(pat, ptx)) for k, pat in {
+            "wgmma": r"wgmma\.mma_async", "tma_load": r"cp\.async\.bulk\.tensor",
+            "ld_acquire": r"ld\.global[.\w]*\.acquire", "atom_release": r"atom\.global[.\w]*\.release",
+            "atom_max": r"atom\.global[.\w]*\.max\.s64", "cas": r"atom\.global[.\w]*\.acq_rel[.\w]*\.cas",
+            "proxy_fence": r"fence\.proxy\.async\.global"}.items()}
+    except Exception as ex:
+        import traceback
+        res.update(ok=False, error=f"{type(ex).__name__}: {str(ex)[:2000]}",
+                   trace=traceback.format_exc()[-3000:])
+    res["seconds"] = round(time.time() - t0, 1)
+    print("RESULT " + json.dumps(res), flush=True)
+'''
+
+VARIANTS = ["fwd_swiglu_tma", "fwd_swiglu_gather_copy", "fwd_swiglu_claim",
+            "fwd_swiglu_claim_sliced", "fwd_w2_scatter_clamped", "dgrad_w2_claim_sliced",
+            "dgrad_w13_tma", "wgrad_tma_fp32", "wgrad_plain_bf16"]
+
+# What each variant's PTX must contain (the orderings the docstrings of the claim phases rely on).
+EXPECT = {
+    "fwd_swiglu_tma": dict(wgmma=1, tma_load=1),
+    "fwd_swiglu_claim": dict(wgmma=1, tma_load=1, ld_acquire=1, cas=1, proxy_fence=2),
+    "fwd_swiglu_claim_sliced": dict(wgmma=1, tma_load=1, ld_acquire=1, atom_release=1,
+                                    atom_max=2, proxy_fence=2),
+    "dgrad_w2_claim_sliced": dict(wgmma=1, ld_acquire=1, atom_release=1, atom_max=2),
+    "wgrad_tma_fp32": dict(wgmma=1, tma_load=1),
+}
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget  # noqa: F401
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TRITON_CACHE_DIR=cache, PYTHONPATH=os.pathsep.join(
+            p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
+        env.pop("TRITON_INTERPRET", None)
+        proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
+                              text=True, timeout=900, cwd=REPO)
+    out = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            r = json.loads(line[len("RESULT "):])
+            out[r["name"]] = r
+    if not out:
+        pytest.fail(f"compile run gave no results (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+    return out
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_kernel_compiles_for_sm90(compiled, name):
+    res = compiled.get(name)
+    assert res is not None, f"{name}: no result (child crashed before it?)"
+    assert res["ok"], f"{name}: {res.get('error')}\n{res.get('trace', '')}"
+    for key, at_least in EXPECT.get(name, {}).items():
+        assert res["ptx"][key] >= at_least, f"{name}: PTX has {res['ptx'][key]} {key}, want >= {at_least}"
