@@ -65,6 +65,9 @@ CLAIM_SWEEP = (
     [replace(_CLAIM_BASE, claim_ahead=a, copy_k=k) for a in (0, 1, 2, 3) for k in (128, 256)]
     + [replace(_CLAIM_BASE, group_m=g) for g in (4, 16)]
     + [replace(_CLAIM_BASE, tma=False)]
+    # sliced claims: the m-tile copy shared by the programs that read it
+    + [replace(_CLAIM_BASE, claim_ahead=a, claim_slice_k=sk) for a in (0, 1, 2)
+       for sk in (256, 512, 1024)]
 )
 
 
@@ -72,6 +75,8 @@ def _cfg_name(cfg: GroupedGemmConfig, claim: bool = False) -> str:
     name = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}s{cfg.num_stages}w{cfg.num_warps}" + ("tma" if cfg.tma else "")
     if claim:
         name += f"-a{cfg.claim_ahead}k{cfg.copy_k}g{cfg.group_m}"
+        if cfg.claim_slice_k:
+            name += f"sl{cfg.claim_slice_k}"
     return name
 
 

@@ -836,6 +836,11 @@ def _grouped_mm_wgrad_kernel(
 # How the gathered A tile reaches a_copy_out: from the registers that feed the dot (False) or
 # through a second load (True). Set from the GPU checks; see tests/gpu/test_grouped_gemm_gpu.py.
 COPY_RELOAD = os.environ.get("DIST_MOE_COPY_RELOAD", "1") == "1"
+# Claim-mode slice width used when a config leaves claim_slice_k at 0 (0: whole m-tiles). Kept
+# at 0 until the GPU sweep (bench_grouped_gemm --claim-sweep) picks a width; see perf_notes.
+CLAIM_SLICE_K = int(os.environ.get("DIST_MOE_CLAIM_SLICE_K", "0"))
+if CLAIM_SLICE_K and (CLAIM_SLICE_K < 16 or CLAIM_SLICE_K & (CLAIM_SLICE_K - 1)):
+    raise ValueError(f"DIST_MOE_CLAIM_SLICE_K={CLAIM_SLICE_K}: 0 or a power of two >= 16")
 
 
 def _launch_mm(args: _MMArgs, config: GroupedGemmConfig, num_programs: Optional[int]) -> None:
@@ -865,9 +870,9 @@ def _launch_mm(args: _MMArgs, config: GroupedGemmConfig, num_programs: Optional[
         copy_k = min(copy_k, max(16, 128 * 32 * config.num_warps // config.block_m))
         while args.kd % copy_k:
             copy_k //= 2
-        if config.claim_slice_k:
+        if config.claim_slice_k or CLAIM_SLICE_K:
             claimed, copied = args.claim.claimed, args.claim.copied
-            slice_k = min(config.claim_slice_k, args.kd)
+            slice_k = min(config.claim_slice_k or CLAIM_SLICE_K, args.kd)
             while args.kd % slice_k:
                 slice_k //= 2
             copy_k = min(copy_k, slice_k)
