@@ -270,8 +270,8 @@ def test_cuda_graph_capture_and_replay(tma):
 
 
 # ----------------------------------------------------------------------------- claim mode
-def _claim_cfg(kind, tma, ahead=1):
-    return replace(CONFIG_TABLE[(kind, "large")], tma=tma, claim_ahead=ahead)
+def _claim_cfg(kind, tma, ahead=1, slice_k=0):
+    return replace(CONFIG_TABLE[(kind, "large")], tma=tma, claim_ahead=ahead, claim_slice_k=slice_k)
 
 
 def _claim_fwd_once(flags, src, src_idx, w13, lens, max_rows, cfg, num_programs=None, full_check=True):
@@ -283,7 +283,8 @@ def _claim_fwd_once(flags, src, src_idx, w13, lens, max_rows, cfg, num_programs=
                    a_copy_out=device_ptr(x_saved), claim_flags=flags, epilogue="swiglu", h1=h1,
                    h2=h2, config=cfg, num_programs=num_programs)
     x = gather_rows_ref(src, src_idx[:r].to(src.device)).to(DEV)  # src may live on a peer GPU
-    tag = f"lens={lens} progs={num_programs} ahead={cfg.claim_ahead} tma={cfg.tma}"
+    tag = (f"lens={lens} progs={num_programs} ahead={cfg.claim_ahead} tma={cfg.tma} "
+           f"slice_k={cfg.claim_slice_k}")
     assert torch.equal(x_saved[:r], x), f"{tag}: a_copy_out must hold exactly the gathered rows"
     assert torch.isnan(x_saved[r:]).all(), f"{tag}: a_copy_out rows past R were written"
     assert torch.isnan(h1[r:]).all() and torch.isnan(h2[r:]).all(), f"{tag}: rows past R written"
@@ -297,10 +298,11 @@ def _claim_fwd_once(flags, src, src_idx, w13, lens, max_rows, cfg, num_programs=
         assert _rel(h1[:r], r1_32) <= 1e-2, f"{tag}: h1 relative difference {_rel(h1[:r], r1_32):.2e}"
 
 
+@pytest.mark.parametrize("slice_k", [0, 128])
 @pytest.mark.parametrize("ahead", [0, 1, 2])
 @pytest.mark.parametrize("tma", TMA)
 @pytest.mark.parametrize("lens,d,f", SHAPES)
-def test_fwd_swiglu_claim(lens, d, f, tma, ahead):
+def test_fwd_swiglu_claim(lens, d, f, tma, ahead, slice_k):
     """W13 + SwiGLU, rows claimed and copied once per m-tile; two calls on the same flags."""
     torch.manual_seed(6)
     e, r, max_rows = len(lens), sum(lens), sum(lens) + 64
@@ -311,13 +313,15 @@ def test_fwd_swiglu_claim(lens, d, f, tma, ahead):
         src = torch.randn(tokens, d, device=DEV).to(BF16)
         src_idx = torch.randperm(tokens, device=DEV)[:max_rows]
         src_idx[torch.randperm(r, device=DEV)[:5]] = -1
-        _claim_fwd_once(flags, src, src_idx, w13, lens, max_rows, _claim_cfg("fwd", tma, ahead))
+        _claim_fwd_once(flags, src, src_idx, w13, lens, max_rows,
+                        _claim_cfg("fwd", tma, ahead, slice_k))
     assert int(flags.epoch) == 2
 
 
+@pytest.mark.parametrize("slice_k", [0, 256])
 @pytest.mark.parametrize("tma", TMA)
 @pytest.mark.parametrize("lens,d,f", SHAPES)
-def test_dgrad_w2_claim(lens, d, f, tma):
+def test_dgrad_w2_claim(lens, d, f, tma, slice_k):
     """W2 DGRAD with grad_h3 rows gathered by claim into the saved copy (WGRAD's operand)."""
     torch.manual_seed(7)
     e, r, max_rows = len(lens), sum(lens), sum(lens) + 32
@@ -332,7 +336,8 @@ def test_dgrad_w2_claim(lens, d, f, tma):
         g3, g2 = _poisoned(max_rows, d), _poisoned(max_rows, f)
         grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=max_rows,
                          a_row_ptrs=_row_ptrs(src, src_idx), a_copy_out=device_ptr(g3),
-                         claim_flags=flags, out=device_ptr(g2), config=_claim_cfg("dgrad", tma))
+                         claim_flags=flags, out=device_ptr(g2),
+                         config=_claim_cfg("dgrad", tma, slice_k=slice_k))
         x = gather_rows_ref(src, src_idx[:r])
         assert torch.equal(g3[:r], x), "saved grad_h3 must hold exactly the gathered rows"
         assert torch.isnan(g3[r:]).all() and torch.isnan(g2[r:]).all(), "rows past R were written"
@@ -364,15 +369,18 @@ def test_claim_many_launches(tma):
         src_idx = torch.randperm(tokens, device=DEV)[:max_rows]
         src_idx[torch.randperm(max_rows, device=DEV)[:9]] = -1
         progs, ahead = grids[it % len(grids)], it % 3
+        sk = (0, 64, 128, 512)[it % 4]  # whole m-tiles and slices mixed on the same flags
         if it % 2 == 0:
-            _claim_fwd_once(flags, src, src_idx, w13, lens, max_rows, _claim_cfg("fwd", tma, ahead),
-                            num_programs=progs, full_check=False)
+            _claim_fwd_once(flags, src, src_idx, w13, lens, max_rows,
+                            _claim_cfg("fwd", tma, ahead, sk), num_programs=progs,
+                            full_check=False)
         else:
             r, offs = sum(lens), _offsets(lens)
             g3, g2 = _poisoned(max_rows, d), _poisoned(max_rows, f)
             grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=max_rows,
                              a_row_ptrs=_row_ptrs(src, src_idx), a_copy_out=g3, claim_flags=flags,
-                             out=g2, config=_claim_cfg("dgrad", tma, ahead), num_programs=progs)
+                             out=g2, config=_claim_cfg("dgrad", tma, ahead, sk),
+                             num_programs=progs)
             x = gather_rows_ref(src, src_idx[:r])
             assert torch.equal(g3[:r], x), f"launch {it}: saved grad_h3 rows wrong (lens={lens})"
             assert torch.isnan(g3[r:]).all(), f"launch {it}: rows past R written"
