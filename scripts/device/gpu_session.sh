@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # One device-machine session: environment facts, GPU correctness checks, benchmarks.
 # Usage (on the GPU machine, repo root): bash scripts/device/gpu_session.sh [sections...]
-# Sections: env check packing kernels bench layer packbench   (default: env check)
+# Sections: env check packing kernels bench claimsweep staged layer packbench megatron pack
+#           (default: env check)
+# Knobs: CHECK_ARGS LAYER_ARGS PACK_ARGS (extra arguments), TMO (seconds per step),
+#        SLICE_K (claim slice width for 'staged'), SEEDS and STEPS (for 'megatron').
+# megatron-core travels as a wheel in .whl/ (carry it); it is installed into /tmp/site here.
 # Logs go to $OUT (or ./out) so the device tool brings them back.
 set -u
 OUT=${OUT:-./out}; mkdir -p "$OUT"
@@ -9,6 +13,10 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache}
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/megatron ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+fi
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PYTHONPATH
 sections=${*:-env check}
 run() { local name=$1; shift; local t0=$(date +%s)
   echo "=== $name: $*"; timeout "${TMO:-420}" "$@" 2>&1 | tee "$OUT/$name.log" | tail -n "${TAIL:-40}"
@@ -22,7 +30,21 @@ for s in $sections; do case $s in
          [ "$NGPU" -ge 2 ] && run check2 torchrun --nproc-per-node=2 tests/gpu/dist_check.py ${CHECK_ARGS:-} ;;
   kernels) run kernels python3 -m pytest -q -x tests/gpu -m gpu -k "not cuda_backend" ;;
   bench) run bench_gemm python3 benchmarks/bench_grouped_gemm.py --csv "$OUT/bench_gemm.csv" ;;
+  claimsweep) run claimsweep python3 benchmarks/bench_grouped_gemm.py --kernels fwd_swiglu_claim,dgrad_w2_claim \
+                 --peer --claim-sweep --csv "$OUT/claim_sweep.csv" ;;
+  staged) DIST_MOE_CLAIM_SLICE_K=${SLICE_K:-512} run staged_check torchrun --nproc-per-node="$NGPU" \
+              tests/gpu/dist_check.py --engines triton --pipelines staged
+          DIST_MOE_CLAIM_SLICE_K=${SLICE_K:-512} run staged_layer torchrun --nproc-per-node="$NGPU" \
+              benchmarks/bench_layer.py --out "$OUT/staged" --cases guide --paths dist_moe,dist_moe_staged,a2a ;;
+  megatron) for seed in ${SEEDS:-1234 4321}; do
+              run "megatron_$seed" torchrun --nproc-per-node="$NGPU" examples/tiny_gpt_dist_moe.py \
+                --preset small --steps "${STEPS:-300}" --compare --te off --seed "$seed" \
+                --csv "$OUT/megatron_cmp_$seed.csv"
+            done ;;
   layer) run layer torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py --out "$OUT" ${LAYER_ARGS:-} ;;
   packbench) run packbench torchrun --nproc-per-node="$NGPU" benchmarks/bench_packing.py --out "$OUT" ${PACK_ARGS:-} ;;
+  pack) # the device tool brings back few files: fold everything into one archive
+        tar czf /tmp/session.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/session.tgz "$OUT/" \
+          && ls -la "$OUT" ;;
   *) echo "unknown section $s" ;;
 esac; done
