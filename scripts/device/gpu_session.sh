@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One device-machine session: environment facts, GPU correctness checks, benchmarks.
 # Usage (on the GPU machine, repo root): bash scripts/device/gpu_session.sh [sections...]
-# Sections: env check packing kernels bench claimsweep staged layer packbench megatron pack
+# Sections: env check packing kernels bench claimsweep candidates layer packbench megatron pack
 #           (default: env check)
 # Knobs: CHECK_ARGS LAYER_ARGS PACK_ARGS (extra arguments), TMO (seconds per step),
-#        SLICE_K (claim slice width for 'staged'), SEEDS and STEPS (for 'megatron').
+#        SLICE_K (claim slice width for 'candidates'), SEEDS and STEPS (for 'megatron').
 # megatron-core travels as a wheel in .whl/ (carry it); it is installed into /tmp/site here.
 # Logs go to $OUT (or ./out) so the device tool brings them back.
 set -u
@@ -32,10 +32,12 @@ for s in $sections; do case $s in
   bench) run bench_gemm python3 benchmarks/bench_grouped_gemm.py --csv "$OUT/bench_gemm.csv" ;;
   claimsweep) run claimsweep python3 benchmarks/bench_grouped_gemm.py --kernels fwd_swiglu_claim,dgrad_w2_claim \
                  --peer --claim-sweep --csv "$OUT/claim_sweep.csv" ;;
-  staged) DIST_MOE_CLAIM_SLICE_K=${SLICE_K:-512} run staged_check torchrun --nproc-per-node="$NGPU" \
-              tests/gpu/dist_check.py --engines triton --pipelines staged
-          DIST_MOE_CLAIM_SLICE_K=${SLICE_K:-512} run staged_layer torchrun --nproc-per-node="$NGPU" \
-              benchmarks/bench_layer.py --out "$OUT/staged" --cases guide --paths dist_moe,dist_moe_staged,a2a ;;
+  candidates) # changes not yet default: Triton routing tables, sliced claims (staged)
+          export DIST_MOE_ROUTING=triton DIST_MOE_CLAIM_SLICE_K=${SLICE_K:-512}
+          run cand_check torchrun --nproc-per-node="$NGPU" tests/gpu/dist_check.py --engines triton
+          run cand_layer torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py \
+              --out "$OUT/candidates" --cases guide --paths dist_moe,dist_moe_staged,a2a --profile
+          unset DIST_MOE_ROUTING DIST_MOE_CLAIM_SLICE_K ;;
   megatron) for seed in ${SEEDS:-1234 4321}; do
               run "megatron_$seed" torchrun --nproc-per-node="$NGPU" examples/tiny_gpt_dist_moe.py \
                 --preset small --steps "${STEPS:-300}" --compare --te off --seed "$seed" \

@@ -30,6 +30,7 @@ from triton.compiler import ASTSource
 from dataclasses import replace
 from megatron_dist_moe.kernels import grouped_gemm as G
 from megatron_dist_moe.kernels import rows as K_rows
+from megatron_dist_moe.kernels import routing as KR
 
 _TT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
        torch.int32: "i32", torch.int16: "i16", torch.uint8: "u8", torch.bool: "i1"}
@@ -73,15 +74,18 @@ def compile_call(jit, kw, num_warps, num_stages):
 
 
 def record(jit_name, module, fn):
-    jit = getattr(module, jit_name)
-    rec = Recorder(jit)
-    setattr(module, jit_name, rec)
+    """Run fn with every Triton kernel of `module` recorded instead of launched."""
+    jits = {k: v for k, v in vars(module).items() if isinstance(v, triton.runtime.JITFunction)}
+    recs = {k: Recorder(v) for k, v in jits.items()}
+    for k, rec in recs.items():
+        setattr(module, k, rec)
     try:
         fn()
     finally:
-        setattr(module, jit_name, jit)
-    assert rec.calls, f"{jit_name}: the launcher made no kernel call"
-    return jit, rec.calls
+        for k, v in jits.items():
+            setattr(module, k, v)
+    assert recs[jit_name].calls, f"{jit_name}: the launcher made no kernel call"
+    return jits[jit_name], recs[jit_name].calls
 
 
 bf = torch.bfloat16
@@ -116,15 +120,21 @@ VARIANTS = {
     "wgrad_plain_bf16": lambda: G.grouped_mm_wgrad(p, p, offs, torch.empty(E, D, F, dtype=bf),
         dtype=bf, config=replace(G.CONFIG_TABLE[("wgrad", "large")], tma=False)),
 }
-JIT = {"wgrad": "_grouped_mm_wgrad_kernel"}
+ws = KR.RouteWorkspace(2, 2048, 6, 6, "cpu")
+route = lambda: KR.route_tables(ws, p.repeat(2), 2048, 6, 0, 12, 8192, p.repeat(2), p.repeat(2),
+                                14336, own_scores_TK=torch.empty(2048, 6), trap=True)
+VARIANTS["routing_count"] = route
+VARIANTS["routing_place"] = route
+JIT = {"wgrad": (G, "_grouped_mm_wgrad_kernel"), "routing_count": (KR, "_route_count_kernel"),
+       "routing_place": (KR, "_route_place_kernel")}
 
 names = sys.argv[1:] or list(VARIANTS)
 for name in names:
     t0 = time.time()
     res = {"name": name}
     try:
-        jit_name = JIT.get(name.split("_")[0], "_grouped_mm_kernel")
-        jit, calls = record(jit_name, G, VARIANTS[name])
+        module, jit_name = JIT.get(name, JIT.get(name.split("_")[0], (G, "_grouped_mm_kernel")))
+        jit, calls = record(jit_name, module, VARIANTS[name])
         kw, nw, ns = calls[-1]
         ptx = compile_call(jit, kw, nw, ns).asm["ptx"]
         res["ok"] = True
@@ -132,7 +142,8 @@ for name in names:
             "wgmma": r"wgmma\.mma_async", "tma_load": r"cp\.async\.bulk\.tensor",
             "ld_acquire": r"ld\.global[.\w]*\.acquire", "atom_release": r"atom\.global[.\w]*\.release",
             "atom_max": r"atom\.global[.\w]*\.max\.s64", "cas": r"atom\.global[.\w]*\.acq_rel[.\w]*\.cas",
-            "proxy_fence": r"fence\.proxy\.async\.global"}.items()}
+            "proxy_fence": r"fence\.proxy\.async\.global", "trap": r"\btrap;",
+            "printf": r"vprintf"}.items()}
     except Exception as ex:
         import traceback
         res.update(ok=False, error=f"{type(ex).__name__}: {str(ex)[:2000]}",
@@ -143,7 +154,8 @@ for name in names:
 
 VARIANTS = ["fwd_swiglu_tma", "fwd_swiglu_gather_copy", "fwd_swiglu_claim",
             "fwd_swiglu_claim_sliced", "fwd_w2_scatter_clamped", "dgrad_w2_claim_sliced",
-            "dgrad_w13_tma", "wgrad_tma_fp32", "wgrad_plain_bf16"]
+            "dgrad_w13_tma", "wgrad_tma_fp32", "wgrad_plain_bf16", "routing_count",
+            "routing_place"]
 
 # What each variant's PTX must contain (the orderings the docstrings of the claim phases rely on).
 EXPECT = {
@@ -153,6 +165,7 @@ EXPECT = {
                                     atom_max=2, proxy_fence=2),
     "dgrad_w2_claim_sliced": dict(wgmma=1, ld_acquire=1, atom_release=1, atom_max=2),
     "wgrad_tma_fp32": dict(wgmma=1, tma_load=1),
+    "routing_place": dict(trap=1, printf=4),
 }
 
 

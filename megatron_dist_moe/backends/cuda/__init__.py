@@ -21,7 +21,10 @@ from typing import Any
 
 import torch
 
+import os
+
 from ...kernels import rows as K_rows
+from ...memory_plan import ROUTING_HEADER_BYTES
 from ...planner import LayerRecord, plan_backward, plan_forward, saved_layout
 from .arena import make_arena
 from .experts import ExpertPipeline, ScratchPointers
@@ -68,6 +71,17 @@ class CudaBackend:
             self.experts = ExpertPipeline(cfg, ctx.num_local_experts, self.max_rows,
                                           self.arena.base + self.arena.nbytes, dev,
                                           pipeline=cfg.pipeline)
+            # Routing tables: "torch" (sort/scatter ops, the default until the two-launch Triton
+            # version has run on the GPU machine) or "triton" (kernels/routing.py).
+            self.routing_impl = os.environ.get("DIST_MOE_ROUTING", "torch")
+            if self.routing_impl not in ("torch", "triton"):
+                raise ValueError(f"DIST_MOE_ROUTING={self.routing_impl!r}: expected 'torch' or "
+                                 "'triton'")
+            self.route_ws = None
+            if self.routing_impl == "triton":
+                from ...kernels.routing import RouteWorkspace
+                self.route_ws = RouteWorkspace(self.sym.ep_size, cfg.num_local_input_tokens,
+                                               cfg.top_k, ctx.num_local_experts, dev)
             self.p_dispatch = K_rows.device_ptr(self.sym.dispatch)
             self.p_combine = K_rows.device_ptr(self.sym.combine)
             # Tests and benchmarks may set a list here: each training forward appends its 0-d
@@ -90,6 +104,16 @@ class CudaBackend:
         self.sym.dispatch[: T * D].view(T, D).copy_(x_TD)
 
     def _routing(self, T: int, scores_TK: torch.Tensor | None) -> RoutingTables:
+        if self.route_ws is not None:
+            from ...kernels.routing import route_tables
+            offs, nrows, rows_EP, fwd, comb, disp, _status = route_tables(
+                self.route_ws, self.sym.routing_base_EP, T, self.cfg.top_k, self.ctx.rank,
+                self.cfg.num_experts, self.max_rows, self.sym.dispatch_base_EP,
+                self.sym.combine_base_EP, row_bytes=self.cfg.hidden_dim * 2,
+                own_scores_TK=scores_TK, header_bytes=ROUTING_HEADER_BYTES)
+            return RoutingTables(expert_offsets=offs, num_rows=nrows, rows_EP=rows_EP,
+                                 fwd_gather_ptrs=fwd, combine_ptrs=comb, dispatch_route_ptrs=disp,
+                                 max_rows=self.max_rows)
         ids_all, T_all = self.sym.gather_routing(T)
         return build_routing_tables(
             ids_all, T_all, T, self.ctx.rank, self.ctx.num_local_experts, self.cfg.num_experts,

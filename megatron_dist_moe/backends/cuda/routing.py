@@ -75,8 +75,9 @@ def build_routing_tables(ids_all_EPTK: torch.Tensor, T_all_EP: torch.Tensor, T: 
         sel = torch.cat([order, torch.zeros(max_rows - N, dtype=torch.int64, device=dev)])
     i = torch.arange(max_rows, device=dev, dtype=torch.int64)
     live = i < num_rows.to(torch.int64)
-    src_rank = sel // (T * K)
-    tk = sel - src_rank * (T * K)
+    TK = max(T * K, 1)   # T = 0: no live row; keep the (unused) arithmetic defined
+    src_rank = sel // TK
+    tk = sel - src_rank * TK
     t = tk // K
     zero = torch.zeros((), dtype=torch.int64, device=dev)
     fwd = torch.where(live, dispatch_base_EP[src_rank] + t * row_bytes, zero)

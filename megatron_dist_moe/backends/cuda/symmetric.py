@@ -40,6 +40,7 @@ class SymmetricBuffers:
         self.ep_size = dist.get_world_size(group)
         bases = [int(p) for p in self.handle.buffer_ptrs]
         self.base_EP = torch.tensor(bases, dtype=torch.int64, device=device)
+        self.routing_base_EP = self.base_EP + self.routing_off
         self.dispatch_base_EP = self.base_EP + self.dispatch_off
         self.combine_base_EP = self.base_EP + self.combine_off
         # Local typed views.

@@ -1,0 +1,252 @@
+"""Routing tables in two Triton launches, read straight from every rank's routing header.
+
+Same result as the torch version (`backends/cuda/routing.py: build_routing_tables`, the oracle
+these kernels are tested against) without its ~40 small launches: expert-major rows (expert,
+then source rank, token, route) of the routes this rank's experts receive, and for each row the
+peer addresses the expert kernels read from and write to.
+
+    count  grid (EP, C): program (r, c) reads chunk c (CHUNK flat routes t*K + k) of rank r's
+           int16 IDs from rank r's header and counts its routes per local expert and per
+           owner rank; on this rank's own chunks it also finds the first out-of-range ID and the
+           first nonzero score on an inactive route.
+    place  grid (EP, C): every program reads all counts (small), so it knows the expert
+           offsets, R, and how many rows of each expert earlier chunks hold; it checks equal T
+           across ranks and R <= max_rows, then writes its chunk's rows in order (an in-block
+           scan per expert) and a share of the zero tail [R, max_rows). Program (0, 0) writes
+           expert_offsets, num_rows, rows_EP and the status word, and traps (TRAP) on a failed
+           check after printing the cause and the numbers.
+
+The status word [3] int64 = (code, a, b) uses the codes and numbers of `rows.device_check`
+(0 = all good). On a failed T or overflow check no table row is written.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import rows as _rows
+from .rows import _trap
+
+__all__ = ["RouteWorkspace", "route_tables"]
+
+_NONE = tl.constexpr(2 ** 63 - 1)   # "no failure" in a per-chunk first-failure slot
+_UNEQUAL_T = tl.constexpr(_rows.CHECK_UNEQUAL_T)
+_OVERFLOW = tl.constexpr(_rows.CHECK_SCRATCH_OVERFLOW)
+_BAD_ID = tl.constexpr(_rows.CHECK_BAD_EXPERT_ID)
+_BAD_SCORE = tl.constexpr(_rows.CHECK_INACTIVE_SCORE)
+CHUNK = 4096                        # flat routes per program
+
+
+@triton.jit
+def _peer_ptr(base_ptr, r, offset_bytes, DT: tl.constexpr):
+    return (tl.load(base_ptr + r) + offset_bytes).to(tl.pointer_type(DT))
+
+
+@triton.jit
+def _route_count_kernel(base_ptr, scores_ptr, counts_ptr, owners_ptr, bad_ptr,
+                        T, K, rank, E_local, num_experts, n_chunks,
+                        HEADER_BYTES: tl.constexpr, HAS_SCORES: tl.constexpr,
+                        CHUNK: tl.constexpr, BLOCK: tl.constexpr, E_PAD: tl.constexpr,
+                        EP_PAD: tl.constexpr):
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    n = T * K
+    ids_base = _peer_ptr(base_ptr, r, HEADER_BYTES, tl.int16)
+    e_idx = tl.arange(0, E_PAD)
+    p_idx = tl.arange(0, EP_PAD)
+    cnt = tl.zeros((E_PAD,), dtype=tl.int32)
+    own = tl.zeros((EP_PAD,), dtype=tl.int32)
+    first_bad_id = tl.full((), _NONE, tl.int64)
+    first_bad_score = tl.full((), _NONE, tl.int64)
+    lo = rank * E_local
+    for j0 in range(c * CHUNK, tl.minimum(n, (c + 1) * CHUNK), BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        ok = j < tl.minimum(n, (c + 1) * CHUNK)
+        g = tl.load(ids_base + j, mask=ok, other=-1).to(tl.int32)
+        local = g - lo
+        mine = ok & (local >= 0) & (local < E_local)
+        cnt += tl.sum(((local[:, None] == e_idx[None, :]) & mine[:, None]).to(tl.int32), 0)
+        active = ok & (g >= 0) & (g < num_experts)
+        owner = tl.where(active, g // E_local, -1)
+        own += tl.sum((owner[:, None] == p_idx[None, :]).to(tl.int32), 0)
+        if r == rank:
+            bad = ok & ((g < -1) | (g >= num_experts))
+            packed = j.to(tl.int64) * 65536 + (g + 32768).to(tl.int64)
+            first_bad_id = tl.minimum(first_bad_id, tl.min(tl.where(bad, packed, _NONE), 0))
+            if HAS_SCORES:
+                s = tl.load(scores_ptr + j, mask=ok, other=0.0).to(tl.float32)
+                bits = s.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+                bad_s = ok & (g == -1) & (s != 0.0)
+                packed_s = j.to(tl.int64) * 4294967296 + bits
+                first_bad_score = tl.minimum(first_bad_score,
+                                             tl.min(tl.where(bad_s, packed_s, _NONE), 0))
+    lin = r * n_chunks + c
+    tl.store(counts_ptr + lin * E_PAD + e_idx, cnt)
+    tl.store(owners_ptr + lin * EP_PAD + p_idx, own)
+    tl.store(bad_ptr + lin * 2, first_bad_id)
+    tl.store(bad_ptr + lin * 2 + 1, first_bad_score)
+
+
+@triton.jit
+def _route_place_kernel(base_ptr, dispatch_base_ptr, combine_base_ptr, counts_ptr, owners_ptr,
+                        bad_ptr, offsets_ptr, num_rows_ptr, rows_ep_ptr, fwd_ptr, comb_ptr,
+                        disp_ptr, status_ptr,
+                        T, K, rank, E_local, EP, max_rows, row_bytes, n_chunks,
+                        HEADER_BYTES: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                        TAIL_BLOCK: tl.constexpr, E_PAD: tl.constexpr, EP_PAD: tl.constexpr,
+                        NC_PAD: tl.constexpr, TRAP: tl.constexpr):
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    n = T * K
+    lin = r * n_chunks + c
+    e_idx = tl.arange(0, E_PAD)
+    p_idx = tl.arange(0, EP_PAD)
+    q = tl.arange(0, NC_PAD)
+    nq = EP * n_chunks
+    counts = tl.load(counts_ptr + q[:, None] * E_PAD + e_idx[None, :], mask=(q < nq)[:, None],
+                     other=0)
+    totals = tl.sum(counts, 0)                                   # rows per local expert
+    ends = tl.cumsum(totals, 0)
+    R = tl.sum(totals, 0)
+    base = ends - totals + tl.sum(tl.where((q < lin)[:, None], counts, 0), 0)
+
+    # checks every program takes the same way (so none writes a table row on failure)
+    T_peer = tl.load(_peer_ptr(base_ptr, p_idx % EP, 0, tl.int32), mask=p_idx < EP, other=0)
+    bad_T = (p_idx < EP) & (T_peer != T)
+    any_bad_T = tl.sum(bad_T.to(tl.int32), 0) > 0
+    overflow = R > max_rows
+    if (r == 0) & (c == 0):
+        code = tl.full((), 0, tl.int64)
+        a = tl.full((), 0, tl.int64)
+        b = tl.full((), 0, tl.int64)
+        own_q = (q >= rank * n_chunks) & (q < (rank + 1) * n_chunks)
+        bad_id = tl.min(tl.load(bad_ptr + q * 2, mask=own_q, other=_NONE), 0)
+        bad_s = tl.min(tl.load(bad_ptr + q * 2 + 1, mask=own_q, other=_NONE), 0)
+        first_T = tl.min(tl.where(bad_T, p_idx, EP_PAD), 0)
+        if bad_s != _NONE:
+            code = tl.full((), _BAD_SCORE, tl.int64)
+            a = bad_s // 4294967296
+            bits = bad_s & 0xFFFFFFFF
+            b = tl.where(bits >= 2147483648, bits - 4294967296, bits)
+        if bad_id != _NONE:
+            code = tl.full((), _BAD_ID, tl.int64)
+            a = bad_id // 65536
+            b = (bad_id & 0xFFFF) - 32768
+        if overflow:
+            code = tl.full((), _OVERFLOW, tl.int64)
+            a = R.to(tl.int64)
+            b = tl.full((), 0, tl.int64) + max_rows
+        if any_bad_T:
+            code = tl.full((), _UNEQUAL_T, tl.int64)
+            a = first_T.to(tl.int64)
+            b = tl.sum(tl.where(p_idx == first_T, T_peer, 0), 0).to(tl.int64)
+        tl.store(status_ptr + 0, code)
+        tl.store(status_ptr + 1, a)
+        tl.store(status_ptr + 2, b)
+        owners = tl.load(owners_ptr + q[:, None] * EP_PAD + p_idx[None, :],
+                         mask=(q < nq)[:, None], other=0)
+        tl.store(rows_ep_ptr + p_idx, tl.sum(owners, 0).to(tl.int64), mask=p_idx < EP)
+        tl.store(offsets_ptr + 1 + e_idx, ends, mask=e_idx < E_local)
+        tl.store(offsets_ptr + e_idx, tl.zeros((E_PAD,), tl.int32), mask=e_idx == 0)
+        tl.store(num_rows_ptr + e_idx, tl.zeros((E_PAD,), tl.int32) + R, mask=e_idx == 0)
+        if TRAP:
+            if code == _UNEQUAL_T:
+                tl.device_print("dist_moe TRAP: unequal token counts across EP ranks: peer rank, T:", a, b)
+            elif code == _OVERFLOW:
+                tl.device_print("dist_moe TRAP: scratch overflow: rows required, rows available:", a, b)
+            elif code == _BAD_ID:
+                tl.device_print("dist_moe TRAP: expert id out of range: flat route index, id:", a, b)
+            elif code == _BAD_SCORE:
+                tl.device_print("dist_moe TRAP: nonzero score on inactive route: flat route index, score bits:", a, b)
+            if code != 0:
+                _trap()
+    if any_bad_T | overflow:
+        return
+
+    ids_base = _peer_ptr(base_ptr, r, HEADER_BYTES, tl.int16)
+    d_base = tl.load(dispatch_base_ptr + r)
+    c_base = tl.load(combine_base_ptr + r)
+    lo = rank * E_local
+    end = tl.minimum(n, (c + 1) * CHUNK)
+    for j0 in range(c * CHUNK, end, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        ok = j < end
+        g = tl.load(ids_base + j, mask=ok, other=-1).to(tl.int32)
+        local = g - lo
+        mine = ok & (local >= 0) & (local < E_local)
+        hot = ((local[:, None] == e_idx[None, :]) & mine[:, None]).to(tl.int32)
+        rank_in_block = tl.cumsum(hot, 0) - hot                  # earlier same-expert routes
+        row = tl.sum(hot * (base[None, :] + rank_in_block), 1)   # only the expert's column
+        base += tl.sum(hot, 0)
+        t = (j // K).to(tl.int64)
+        tk = j.to(tl.int64)
+        tl.store(fwd_ptr + row, d_base + t * row_bytes, mask=mine)
+        tl.store(comb_ptr + row, c_base + tk * row_bytes, mask=mine)
+        tl.store(disp_ptr + row, d_base + tk * row_bytes, mask=mine)
+
+    # zero tail: rows [R, max_rows), shared by all programs
+    zero = tl.zeros((TAIL_BLOCK,), tl.int64)
+    for i0 in range(R + lin * TAIL_BLOCK, max_rows, nq * TAIL_BLOCK):
+        i = i0 + tl.arange(0, TAIL_BLOCK)
+        m = i < max_rows
+        tl.store(fwd_ptr + i, zero, mask=m)
+        tl.store(comb_ptr + i, zero, mask=m)
+        tl.store(disp_ptr + i, zero, mask=m)
+
+
+class RouteWorkspace:
+    """Per-context scratch of the two routing launches (counts per chunk, first failures)."""
+
+    def __init__(self, ep_size: int, max_tokens: int, top_k: int, num_local_experts: int,
+                 device):
+        self.ep_size, self.E_local = ep_size, num_local_experts
+        self.n_chunks = max(1, triton.cdiv(max_tokens * top_k, CHUNK))
+        self.E_PAD = max(2, triton.next_power_of_2(num_local_experts))
+        self.EP_PAD = max(2, triton.next_power_of_2(ep_size))
+        self.NC_PAD = max(2, triton.next_power_of_2(ep_size * self.n_chunks))
+        nq = ep_size * self.n_chunks
+        self.counts = torch.zeros(nq, self.E_PAD, dtype=torch.int32, device=device)
+        self.owners = torch.zeros(nq, self.EP_PAD, dtype=torch.int32, device=device)
+        self.bad = torch.zeros(nq, 2, dtype=torch.int64, device=device)
+        self.status = torch.zeros(3, dtype=torch.int64, device=device)
+
+
+def route_tables(ws: RouteWorkspace, base_EP: torch.Tensor, T: int, K: int, rank: int,
+                 num_experts: int, max_rows: int, dispatch_base_EP: torch.Tensor,
+                 combine_base_EP: torch.Tensor, row_bytes: int,
+                 own_scores_TK: torch.Tensor | None = None, header_bytes: int = 128,
+                 trap: bool = True):
+    """Build this rank's routing tables from the peers' routing headers (two launches).
+
+    base_EP   int64 [EP]: every rank's routing-region base (int32 T at byte 0, int16 IDs [T, K]
+              at `header_bytes`). Returns (expert_offsets int32 [E_local+1], num_rows int32 [1],
+              rows_EP int64 [EP], fwd_gather_ptrs, combine_ptrs, dispatch_route_ptrs (int64
+              [max_rows] each), status int64 [3]).
+    trap      trap on a failed check (GPU); False leaves the verdict in `status` only (tests,
+              the CPU interpreter, which has no trap).
+    """
+    dev = base_EP.device
+    E_local, EP = ws.E_local, ws.ep_size
+    assert base_EP.numel() == EP and dispatch_base_EP.numel() == EP and combine_base_EP.numel() == EP
+    assert T * K <= ws.n_chunks * CHUNK, "more routes than the workspace was sized for"
+    offsets = torch.empty(E_local + 1, dtype=torch.int32, device=dev)
+    num_rows = torch.empty(1, dtype=torch.int32, device=dev)
+    rows_EP = torch.empty(EP, dtype=torch.int64, device=dev)
+    fwd = torch.empty(max_rows, dtype=torch.int64, device=dev)
+    comb = torch.empty(max_rows, dtype=torch.int64, device=dev)
+    disp = torch.empty(max_rows, dtype=torch.int64, device=dev)
+    block = max(64, min(1024, 8192 // ws.E_PAD))
+    grid = (EP, ws.n_chunks)
+    scores = own_scores_TK.contiguous() if own_scores_TK is not None else ws.status
+    _route_count_kernel[grid](
+        base_EP, scores, ws.counts, ws.owners, ws.bad, T, K, rank, E_local, num_experts,
+        ws.n_chunks, HEADER_BYTES=header_bytes, HAS_SCORES=own_scores_TK is not None,
+        CHUNK=CHUNK, BLOCK=block, E_PAD=ws.E_PAD, EP_PAD=ws.EP_PAD, num_warps=4)
+    _route_place_kernel[grid](
+        base_EP, dispatch_base_EP, combine_base_EP, ws.counts, ws.owners, ws.bad, offsets,
+        num_rows, rows_EP, fwd, comb, disp, ws.status, T, K, rank, E_local, EP, max_rows,
+        row_bytes, ws.n_chunks, HEADER_BYTES=header_bytes, CHUNK=CHUNK, BLOCK=block, TAIL_BLOCK=1024, E_PAD=ws.E_PAD,
+        EP_PAD=ws.EP_PAD, NC_PAD=ws.NC_PAD, TRAP=trap, num_warps=4)
+    return offsets, num_rows, rows_EP, fwd, comb, disp, ws.status
