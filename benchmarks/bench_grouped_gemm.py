@@ -60,6 +60,17 @@ SWEEP = [
     GroupedGemmConfig(128, 128, 64, 8, 8, 5, tma=True),
     GroupedGemmConfig(256, 128, 64, 8, 8, 3, tma=True),
 ]
+# WGRAD-only candidates (its K loop runs over an expert's rows, ~2048: short, so the pipeline
+# fill and the epilogue weigh more): longer K steps, deeper or shallower pipelines, grouping.
+WGRAD_SWEEP = [
+    GroupedGemmConfig(128, 256, 128, 8, 8, 2, tma=True),
+    GroupedGemmConfig(128, 256, 64, 8, 8, 5, tma=True),
+    GroupedGemmConfig(128, 256, 64, 4, 8, 4, tma=True),
+    GroupedGemmConfig(128, 256, 64, 16, 8, 4, tma=True),
+    GroupedGemmConfig(256, 128, 64, 8, 8, 4, tma=True),
+    GroupedGemmConfig(128, 128, 128, 8, 8, 3, tma=True),
+    GroupedGemmConfig(128, 128, 64, 8, 4, 5, tma=True),
+]
 _CLAIM_BASE = GroupedGemmConfig(128, 256, 64, 8, 8, 4, tma=True)
 CLAIM_SWEEP = (
     [replace(_CLAIM_BASE, claim_ahead=a, copy_k=k) for a in (0, 1, 2, 3) for k in (128, 256)]
@@ -73,6 +84,8 @@ CLAIM_SWEEP = (
 
 def _cfg_name(cfg: GroupedGemmConfig, claim: bool = False) -> str:
     name = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}s{cfg.num_stages}w{cfg.num_warps}" + ("tma" if cfg.tma else "")
+    if not claim and cfg.group_m != 8:
+        name += f"g{cfg.group_m}"
     if claim:
         name += f"-a{cfg.claim_ahead}k{cfg.copy_k}g{cfg.group_m}"
         if cfg.claim_slice_k:
@@ -353,7 +366,7 @@ def main(argv=None) -> int:
                               f"(copy hidden {(t_gg - best[1]) / max(t_gg - t_dense, 1e-9):.0%})")
             if args.sweep:
                 best = None
-                for cfg in SWEEP:
+                for cfg in SWEEP + (WGRAD_SWEEP if kernel.startswith("wgrad") else []):
                     name = _cfg_name(cfg, claim=kernel in CLAIM_KERNELS)
                     try:
                         e_cfg = prob.check(kernel, cfg)

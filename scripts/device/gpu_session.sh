@@ -3,7 +3,7 @@
 # Usage (on the GPU machine, repo root): bash scripts/device/gpu_session.sh [sections...]
 # Sections: env check packing kernels bench claimsweep candidates layer packbench megatron pack
 #           (default: env check)
-# Knobs: CHECK_ARGS LAYER_ARGS PACK_ARGS (extra arguments), TMO (seconds per step),
+# Knobs: CHECK_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS (extra arguments), TMO (seconds per step),
 #        SLICE_K (claim slice width for 'candidates'), SEEDS and STEPS (for 'megatron').
 # megatron-core travels as a wheel in .whl/ (carry it); it is installed into /tmp/site here.
 # Logs go to $OUT (or ./out) so the device tool brings them back.
@@ -29,15 +29,18 @@ for s in $sections; do case $s in
   check) run check1 torchrun --nproc-per-node=1 tests/gpu/dist_check.py --quick ${CHECK_ARGS:-}
          [ "$NGPU" -ge 2 ] && run check2 torchrun --nproc-per-node=2 tests/gpu/dist_check.py ${CHECK_ARGS:-} ;;
   kernels) run kernels python3 -m pytest -q -x tests/gpu -m gpu -k "not cuda_backend" ;;
-  bench) run bench_gemm python3 benchmarks/bench_grouped_gemm.py --csv "$OUT/bench_gemm.csv" ;;
+  bench) run bench_gemm python3 benchmarks/bench_grouped_gemm.py --csv "$OUT/bench_gemm.csv" ${BENCH_ARGS:-} ;;
   claimsweep) run claimsweep python3 benchmarks/bench_grouped_gemm.py --kernels fwd_swiglu_claim,dgrad_w2_claim \
                  --peer --claim-sweep --csv "$OUT/claim_sweep.csv" ;;
-  candidates) # changes not yet default: Triton routing tables, sliced claims (staged)
-          export DIST_MOE_ROUTING=triton DIST_MOE_CLAIM_SLICE_K=${SLICE_K:-512}
-          run cand_check torchrun --nproc-per-node="$NGPU" tests/gpu/dist_check.py --engines triton
-          run cand_layer torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py \
-              --out "$OUT/candidates" --cases guide --paths dist_moe,dist_moe_staged,a2a --profile
-          unset DIST_MOE_ROUTING DIST_MOE_CLAIM_SLICE_K ;;
+  candidates) # changes not yet default: Triton routing tables, sliced claims (staged), W13
+          # WGRAD on a side stream. Correctness with all on, then each alone and all together.
+          ALL="DIST_MOE_ROUTING=triton DIST_MOE_CLAIM_SLICE_K=${SLICE_K:-512} DIST_MOE_WGRAD_OVERLAP=1"
+          run cand_check env $ALL torchrun --nproc-per-node="$NGPU" tests/gpu/dist_check.py --engines triton
+          for v in DIST_MOE_ROUTING=triton DIST_MOE_CLAIM_SLICE_K=${SLICE_K:-512} DIST_MOE_WGRAD_OVERLAP=1 all; do
+            [ "$v" = all ] && vars=$ALL || vars=$v
+            TAIL=12 run "cand_${v%%=*}" env $vars torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py \
+                --out "$OUT/cand_${v%%=*}" --cases guide --paths dist_moe,dist_moe_staged
+          done ;;
   megatron) for seed in ${SEEDS:-1234 4321}; do
               run "megatron_$seed" torchrun --nproc-per-node="$NGPU" examples/tiny_gpt_dist_moe.py \
                 --preset small --steps "${STEPS:-300}" --compare --te off --seed "$seed" \

@@ -201,6 +201,7 @@ class CudaBackend:
         self.sym.barrier(3)
         grad_x = torch.empty(T, D, dtype=grad_y_TD.dtype, device=grad_y_TD.device)
         K_rows.reduce_routes(self._routes_view(self.sym.dispatch, T), saved.ids_TK, grad_x)
+        self.experts.join_side_work()
         return grad_x, grad_scores, grad_w13, grad_w2
 
     def reset(self) -> None:

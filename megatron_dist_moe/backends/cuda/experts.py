@@ -91,6 +91,11 @@ class ExpertPipeline:
             raise ValueError(f"DIST_MOE_GEMM={self.gemm!r}: expected 'triton' or 'torch'")
         self.clamped = cfg.activation == "swiglu_clamped"
         self.arena_end = torch.tensor([arena_end], dtype=torch.int64, device=device)
+        # W13 WGRAD on a side stream, overlapping the final barrier and the owner-side route
+        # reduction; joined by `join_side_work` (opt-in until timed on the GPU machine).
+        self.wgrad_stream = None
+        if os.environ.get("DIST_MOE_WGRAD_OVERLAP", "0") == "1" and self.gemm == "triton":
+            self.wgrad_stream = torch.cuda.Stream(device=device)
         self.claim = None
         if pipeline == "staged" and self.gemm == "triton":
             from ...kernels.grouped_gemm import ClaimFlags
@@ -171,8 +176,20 @@ class ExpertPipeline:
         grouped_mm_dgrad(w=w13_E2FD, expert_offsets=offs, max_rows=Rm, a=sp.grad_h1,
                          epilogue="scatter", out_row_ptrs=scatter_ptrs)
         grad_w13 = torch.empty(self.E, 2 * F, D, dtype=out_dtype, device=self.device)
-        grouped_mm_wgrad(sp.grad_h1, xg_addr, offs, grad_w13, dtype=torch.bfloat16)
+        if self.wgrad_stream is not None:
+            # grad_w13 is allocated on the main stream and the caller joins (join_side_work)
+            # before returning it or touching scratch again, so no record_stream is needed.
+            self.wgrad_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.wgrad_stream):
+                grouped_mm_wgrad(sp.grad_h1, xg_addr, offs, grad_w13, dtype=torch.bfloat16)
+        else:
+            grouped_mm_wgrad(sp.grad_h1, xg_addr, offs, grad_w13, dtype=torch.bfloat16)
         return grad_w13, grad_w2
+
+    def join_side_work(self) -> None:
+        """Order the main stream after the side-stream WGRAD (no-op without it)."""
+        if self.wgrad_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.wgrad_stream)
 
     def _backward_torch(self, tabs, w13_E2FD, w2_EDF, gather_ptrs, scatter_ptrs, xg_addr,
                         h1_addr, out_dtype):
