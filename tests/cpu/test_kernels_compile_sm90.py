@@ -125,7 +125,26 @@ route = lambda: KR.route_tables(ws, p.repeat(2), 2048, 6, 0, 12, 8192, p.repeat(
                                 14336, own_scores_TK=torch.empty(2048, 6), trap=True)
 VARIANTS["routing_count"] = route
 VARIANTS["routing_place"] = route
-JIT = {"wgrad": (G, "_grouped_mm_wgrad_kernel"), "routing_count": (KR, "_route_count_kernel"),
+import megatron_dist_moe as dm
+from megatron_dist_moe.kernels import bookkeeping as KB
+from megatron_dist_moe.planner import PlannerState
+from megatron_dist_moe.backends.cuda.bookkeeping import TritonBookkeeping
+from megatron_dist_moe.backends.cuda.routing import RoutingTables
+_cfg = dm.Config(num_local_input_tokens=2048, hidden_dim=7168, intermediate_dim=3072, top_k=6,
+                 num_experts=12, backend="reference")
+_plan = dm.plan_memory(_cfg, ep_size=2)
+_bk = TritonBookkeeping(_plan, PlannerState.create(_plan, "cpu"), 0, p, p, p, num_local_experts=6)
+_tabs = RoutingTables(expert_offsets=offs, num_rows=torch.zeros(1, dtype=torch.int32),
+                      rows_EP=torch.zeros(2, dtype=torch.int64), fwd_gather_ptrs=rows_tab,
+                      combine_ptrs=rows_tab, dispatch_route_ptrs=rows_tab, max_rows=R)
+_rec = torch.zeros(KB.REC_FIXED + 2, dtype=torch.int64)
+VARIANTS["bookkeeping_fwd"] = lambda: _bk.forward(_tabs, 2048, True)
+VARIANTS["bookkeeping_fwd_inference"] = lambda: _bk.forward(_tabs, 2048, False)
+VARIANTS["bookkeeping_bwd"] = lambda: _bk.backward(None, _rec, _tabs, 2048)
+JIT = {"bookkeeping_fwd": (KB, "plan_forward_kernel"),
+       "bookkeeping_fwd_inference": (KB, "plan_forward_kernel"),
+       "bookkeeping_bwd": (KB, "plan_backward_kernel"),
+       "wgrad": (G, "_grouped_mm_wgrad_kernel"), "routing_count": (KR, "_route_count_kernel"),
        "routing_place": (KR, "_route_place_kernel")}
 
 names = sys.argv[1:] or list(VARIANTS)
@@ -155,7 +174,7 @@ for name in names:
 VARIANTS = ["fwd_swiglu_tma", "fwd_swiglu_gather_copy", "fwd_swiglu_claim",
             "fwd_swiglu_claim_sliced", "fwd_w2_scatter_clamped", "dgrad_w2_claim_sliced",
             "dgrad_w13_tma", "wgrad_tma_fp32", "wgrad_plain_bf16", "routing_count",
-            "routing_place"]
+            "routing_place", "bookkeeping_fwd", "bookkeeping_fwd_inference", "bookkeeping_bwd"]
 
 # What each variant's PTX must contain (the orderings the docstrings of the claim phases rely on).
 EXPECT = {

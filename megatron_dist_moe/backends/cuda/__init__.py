@@ -16,18 +16,17 @@ chose recompute. The expert-MLP step is delegated to `experts.ExpertPipeline`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-import os
-
 from ...kernels import rows as K_rows
 from ...memory_plan import ROUTING_HEADER_BYTES
-from ...planner import LayerRecord, plan_backward, plan_forward, saved_layout
+from ...planner import LayerRecord
 from .arena import make_arena
-from .experts import ExpertPipeline, ScratchPointers
+from .bookkeeping import make_bookkeeping
+from .experts import ExpertPipeline
 from .routing import RoutingTables, build_routing_tables
 from .symmetric import SymmetricBuffers
 
@@ -37,6 +36,7 @@ __all__ = ["CudaBackend"]
 @dataclass
 class _Saved:
     record: LayerRecord
+    rec_vec: torch.Tensor | None
     tables: RoutingTables
     ids_TK: torch.Tensor
     scores_TK: torch.Tensor
@@ -84,6 +84,9 @@ class CudaBackend:
                                                cfg.top_k, ctx.num_local_experts, dev)
             self.p_dispatch = K_rows.device_ptr(self.sym.dispatch)
             self.p_combine = K_rows.device_ptr(self.sym.combine)
+            self.bk = make_bookkeeping(ctx.plan, ctx.planner, ctx.rank, self.act_base,
+                                       self.experts.arena_end, self.p_combine,
+                                       ctx.num_local_experts)
             # Tests and benchmarks may set a list here: each training forward appends its 0-d
             # need_recompute tensor (graph outputs stay live, so replays update them).
             self.decision_trace: list[torch.Tensor] | None = None
@@ -125,29 +128,18 @@ class CudaBackend:
         return buf[: T * K * D].view(T, K, D)
 
     # -- forward ----------------------------------------------------------------------------
-    def _addresses(self, record: LayerRecord, R: torch.Tensor, sp: ScratchPointers):
-        """(layout, x_g address, h1 address): the slot when full state is kept, else scratch."""
-        lay = saved_layout(record, R[0], self.plan)
-        need = record.need_recompute
-        xg = torch.where(need, sp.xg, self.act_base + lay.x_gathered)
-        h1 = torch.where(need, sp.h1, self.act_base + lay.h1)
-        return lay, xg, h1
-
     def forward(self, x_TD, ids_TK, scores_TK, w13_E2FD, w2_EDF, training: bool):
         T = x_TD.shape[0]
-        K, D = self.cfg.top_k, self.cfg.hidden_dim
+        D = self.cfg.hidden_dim
         self._publish(x_TD, ids_TK)
         self.sym.barrier(0)
         tabs = self._routing(T, scores_TK)
-        sp = self.experts.scratch(tabs)
-        if training:
-            record = plan_forward(self.ctx.planner, tabs.rows_EP, self.ctx.rank, self.plan)
-            lay, xg_addr, h1_addr = self._addresses(record, tabs.num_rows, sp)
-            if self.decision_trace is not None:
-                self.decision_trace.append(record.need_recompute)
-        else:
-            xg_addr, h1_addr = sp.xg, sp.h1
-        self.experts.forward(tabs, w13_E2FD, w2_EDF, tabs.combine_ptrs, xg_addr, h1_addr, sp)
+        # training: planner decision; x_g and h1 then go straight into the selected activation
+        # slot (full save) or into scratch (replay), addresses chosen on the device
+        fa = self.bk.forward(tabs, T, training)
+        if training and self.decision_trace is not None:
+            self.decision_trace.append(fa.record.need_recompute)
+        self.experts.forward(tabs, w13_E2FD, w2_EDF, tabs.combine_ptrs, fa.xg, fa.h1, fa.sp)
         self.sym.barrier(1)
         y_TD = torch.empty_like(x_TD)
         routes = self._routes_view(self.sym.combine, T)
@@ -156,47 +148,37 @@ class CudaBackend:
             return y_TD, None
         # Keep the route outputs for the score gradients (full save; stored by the combine
         # kernel as it reads them) or the input x (replay); both device-predicated.
-        need = record.need_recompute
-        K_rows.combine_routes(routes, ids_TK, scores_TK, y_TD, save_addr=self.act_base + lay.routes,
-                              save_flag=(~need).to(torch.int32))
-        R = tabs.num_rows
-        K_rows.copy_rows(K_rows.device_ptr(x_TD), self.act_base + lay.x,
-                         torch.where(need, torch.full_like(R, T), torch.zeros_like(R)), D, T)
-        return y_TD, _Saved(record, tabs, ids_TK, scores_TK, w13_E2FD, w2_EDF, T)
+        K_rows.combine_routes(routes, ids_TK, scores_TK, y_TD, save_addr=fa.routes_save,
+                              save_flag=fa.save_flag)
+        K_rows.copy_rows(K_rows.device_ptr(x_TD), fa.x_slot, fa.x_rows, D, T)
+        return y_TD, _Saved(fa.record, fa.rec_vec, tabs, ids_TK, scores_TK, w13_E2FD, w2_EDF, T)
 
     # -- backward ---------------------------------------------------------------------------
     def backward(self, grad_y_TD, saved: _Saved):
         cfg = self.cfg
         D, K = cfg.hidden_dim, cfg.top_k
         T = saved.T
-        rec, tabs = saved.record, saved.tables
-        plan_backward(self.ctx.planner, rec)     # rewind before any kernel runs
-        need = rec.need_recompute
-        R = tabs.num_rows
-        zero = torch.zeros_like(R)
-        sp = self.experts.scratch(tabs)
-        lay, xg_addr, h1_addr = self._addresses(rec, R, sp)
+        tabs = saved.tables
+        ba = self.bk.backward(saved.record, saved.rec_vec, tabs, T)   # rewinds the slot first
 
         # Replay (device-predicated): republish x from the slot and rerun the forward experts,
         # rebuilding x_g / h1 in scratch and the route outputs in the owners' combine buffers.
-        K_rows.copy_rows(self.act_base + lay.x, self.p_dispatch,
-                         torch.where(need, torch.full_like(R, T), zero), D, T)
+        K_rows.copy_rows(ba.x_slot, self.p_dispatch, ba.x_rows, D, T)
         self.sym.barrier(0)
-        self.experts.forward(tabs, saved.w13, saved.w2, tabs.combine_ptrs, xg_addr, h1_addr, sp,
-                             predicate=need)
+        self.experts.forward(tabs, saved.w13, saved.w2, tabs.combine_ptrs, ba.xg, ba.h1, ba.sp,
+                             rows=(ba.replay_offsets, ba.replay_rows))
         self.sym.barrier(1)
 
         # Owner: score gradients from the route outputs (kept in the slot, or just replayed into
         # combine) and route output gradients written into combine.
-        routes_addr = torch.where(need, self.p_combine, self.act_base + lay.routes)
         grad_scores = torch.empty(T, K, dtype=torch.float32, device=grad_y_TD.device)
-        K_rows.publish_grad_routes(grad_y_TD, routes_addr, saved.ids_TK, saved.scores_TK,
+        K_rows.publish_grad_routes(grad_y_TD, ba.routes_read, saved.ids_TK, saved.scores_TK,
                                    self._routes_view(self.sym.combine, T), grad_scores)
         self.sym.barrier(2)
         grad_w13, grad_w2 = self.experts.backward(tabs, saved.w13, saved.w2,
                                                   gather_ptrs=tabs.combine_ptrs,
                                                   scatter_ptrs=tabs.dispatch_route_ptrs,
-                                                  xg_addr=xg_addr, h1_addr=h1_addr, sp=sp,
+                                                  xg_addr=ba.xg, h1_addr=ba.h1, sp=ba.sp,
                                                   wgrad_dtype=cfg.wgrad_dtype)
         self.sym.barrier(3)
         grad_x = torch.empty(T, D, dtype=grad_y_TD.dtype, device=grad_y_TD.device)

@@ -32,7 +32,7 @@ from ...kernels import rows as K_rows
 from ...memory_plan import align128
 from .routing import RoutingTables
 
-__all__ = ["ExpertPipeline", "ScratchLayout", "default_gemm_engine"]
+__all__ = ["ExpertPipeline", "ScratchPointers", "default_gemm_engine"]
 
 
 def default_gemm_engine() -> str:
@@ -110,13 +110,15 @@ class ExpertPipeline:
     # -- forward -----------------------------------------------------------------------------
     def forward(self, tabs: RoutingTables, w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor,
                 scatter_ptrs: torch.Tensor, xg_addr: torch.Tensor, h1_addr: torch.Tensor,
-                sp: ScratchPointers, predicate: torch.Tensor | None = None) -> None:
+                sp: ScratchPointers, predicate: torch.Tensor | None = None,
+                rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Expert MLP of the received rows; x_g and h1 land at xg_addr / h1_addr (device ptrs),
-        route outputs h3 at scatter_ptrs (peer combine rows)."""
+        route outputs h3 at scatter_ptrs (peer combine rows). A replay passes either its
+        predicate or its predicated (expert offsets, row count) as `rows`."""
         cfg = self.cfg
         D, F = cfg.hidden_dim, cfg.intermediate_dim
         Rm = self.max_rows
-        offs, nrows = _predicated(tabs, predicate)
+        offs, nrows = rows if rows is not None else _predicated(tabs, predicate)
         if self.gemm == "torch":
             xg = torch.empty(Rm, D, dtype=torch.bfloat16, device=self.device)
             K_rows.gather_rows(tabs.fwd_gather_ptrs, K_rows.device_ptr(xg), nrows, D,
