@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .rows import swiglu_grad
+
 __all__ = [
     "GroupedGemmConfig",
     "CONFIG_TABLE",
@@ -56,9 +58,9 @@ __all__ = [
     "ACTIVATIONS",
 ]
 
-EPILOGUES = ("store", "swiglu", "scatter")
+EPILOGUES = ("store", "swiglu", "scatter", "swiglu_bwd")
 ACTIVATIONS = ("swiglu", "swiglu_clamped")
-_EPI_STORE, _EPI_SWIGLU, _EPI_SCATTER = 0, 1, 2
+_EPI_STORE, _EPI_SWIGLU, _EPI_SCATTER, _EPI_SWIGLU_BWD = 0, 1, 2, 3
 _ACT_SWIGLU, _ACT_SWIGLU_CLAMPED = 0, 1
 
 _HAS_TMA = hasattr(tl, "make_tensor_descriptor")
@@ -334,6 +336,10 @@ def _prepare(*, w_kn, w, expert_offsets, max_rows, a, a_row_ptrs, a_copy_out, ep
         out2_addr = _as_device_ptr(h2, "h2", dt)
         if h1 is not None:
             out_addr, store_h1 = _as_device_ptr(h1, "h1", dt), True
+    elif epilogue == "swiglu_bwd":
+        assert w_kn, "the swiglu_bwd epilogue is a W2 DGRAD epilogue"
+        assert h1 is not None, "epilogue='swiglu_bwd' needs h1 (device pointer to [R, 2F])"
+        out_addr = _as_device_ptr(h1, "h1", dt)
     else:
         assert out_row_ptrs is not None, "epilogue='scatter' needs out_row_ptrs"
         _check_rows(out_row_ptrs, "out_row_ptrs", max_rows, dev)
@@ -765,6 +771,17 @@ def _grouped_mm_kernel(
                 h = gf * tl.sigmoid(alpha * gf) * (uf + 1.0)
             h2_base = _load_ptr(out2_addr_ptr, DT)
             tl.store(h2_base + rows64[:, None] * N + cols[None, :], h.to(DT), mask=mask)
+        elif EPILOGUE == 3:  # W2 DGRAD + SwiGLU backward: h1 [R, 2F] -> grad_h1, in place
+            # NOTE: acc is grad_h2; it is rounded to the dtype first, exactly what the unfused
+            # path stores and `rows.swiglu_bwd` reloads, so both paths give the same bits. Each
+            # h1 element is read and overwritten by the one program that owns its tile.
+            dh = acc.to(DT).to(tl.float32)
+            g_ptrs = _load_ptr(out_addr_ptr, DT) + rows64[:, None] * (2 * N) + cols[None, :]
+            g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(g_ptrs + N, mask=mask, other=0.0).to(tl.float32)
+            dg, du, _h2 = swiglu_grad(g, u, dh, ACT == 1, alpha, limit)
+            tl.store(g_ptrs, dg.to(DT), mask=mask)
+            tl.store(g_ptrs + N, du.to(DT), mask=mask)
         else:  # scatter: row i to address out_rows[i], skipped when 0
             o_addr = tl.load(out_rows_ptr + rows, mask=row_ok, other=0)
             o_row_base = tl.multiple_of(o_addr.to(tl.pointer_type(DT)), [16])
@@ -963,6 +980,10 @@ def grouped_mm_dgrad(
     epilogue: str = "store",
     out: Optional[torch.Tensor] = None,
     out_row_ptrs: Optional[torch.Tensor] = None,
+    h1: Optional[torch.Tensor] = None,
+    activation: str = "swiglu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
     config: Optional[GroupedGemmConfig] = None,
     num_programs: Optional[int] = None,
     claim_flags: Optional[ClaimFlags] = None,
@@ -971,14 +992,19 @@ def grouped_mm_dgrad(
 
     w  [E, Kd, N] contiguous: W2 [E, D, F] for grad_h2 [R, F] = grad_h3 [R, D] @ W2[e], or
        W13 [E, 2F, D] for grad_x [R, D] = grad_h1 [R, 2F] @ W13[e].
-    Other arguments as in `grouped_mm_fwd` (epilogues "store" and "scatter" only), claim mode
-    included: W2 DGRAD with a_row_ptrs = the grad_h3 rows, a_copy_out = the saved grad_h3
-    (WGRAD's operand), claim_flags = a `ClaimFlags`.
+    Other arguments as in `grouped_mm_fwd` (epilogues "store", "scatter" and "swiglu_bwd"),
+    claim mode included: W2 DGRAD with a_row_ptrs = the grad_h3 rows, a_copy_out = the saved
+    grad_h3 (WGRAD's operand), claim_flags = a `ClaimFlags`.
+    epilogue="swiglu_bwd" (W2 DGRAD only): the grad_h2 tile never leaves the kernel; with the
+    saved h1 = [g | u] rows at `h1` ([R, 2F]) it becomes grad_h1 = [dg | du] (the activation's
+    backward, `rows.swiglu_grad`), written over h1 in place. Rebuild h2 from h1 first if a
+    later WGRAD needs it.
     """
     args = _prepare(w_kn=True, w=w, expert_offsets=expert_offsets, max_rows=max_rows, a=a,
                     a_row_ptrs=a_row_ptrs, a_copy_out=a_copy_out, epilogue=epilogue, out=out,
-                    out_row_ptrs=out_row_ptrs, h1=None, h2=None, activation="swiglu",
-                    swiglu_alpha=1.0, swiglu_limit=1.0, claim_flags=claim_flags)
+                    out_row_ptrs=out_row_ptrs, h1=h1, h2=None, activation=activation,
+                    swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
+                    claim_flags=claim_flags)
     config = config or select_config("dgrad", n=args.n, kd=args.kd, device=w.device)
     _launch_mm(args, config, num_programs)
 

@@ -265,6 +265,29 @@ def swiglu_fwd(h1_addr: torch.Tensor, h2_addr: torch.Tensor, num_rows: torch.Ten
 
 
 @triton.jit
+def swiglu_grad(g, u, dh, CLAMPED: tl.constexpr, alpha, limit):
+    """(d act/dg * dh, d act/du * dh, act(g, u)) in fp32; shared by the row kernel below and
+    the fused DGRAD epilogue of grouped_gemm.py, so both give the same bits."""
+    if CLAMPED:
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        sg = tl.sigmoid(alpha * gc)
+        glu = gc * sg
+        dg = dh * (uc + 1.0) * (sg + alpha * gc * sg * (1.0 - sg))
+        dg = tl.where(g < limit, dg, 0.0)  # torch.clamp convention: 0 at the bound
+        du = dh * glu
+        du = tl.where((u > -limit) & (u < limit), du, 0.0)
+        h2v = glu * (uc + 1.0)
+    else:
+        sg = tl.sigmoid(g)
+        silu = g * sg
+        dg = dh * u * (sg + g * sg * (1.0 - sg))
+        du = dh * silu
+        h2v = silu * u
+    return dg, du, h2v
+
+
+@triton.jit
 def _swiglu_bwd_kernel(h1_addr, gh2_addr, gh1_addr, h2_addr, num_rows_ptr, F: tl.constexpr,
                        CLAMPED: tl.constexpr, alpha, limit, STORE_H2: tl.constexpr,
                        BLOCK: tl.constexpr):
@@ -280,22 +303,7 @@ def _swiglu_bwd_kernel(h1_addr, gh2_addr, gh1_addr, h2_addr, num_rows_ptr, F: tl
         g = tl.load(h1 + row * 2 * F + c, mask=m, other=0.0).to(tl.float32)
         u = tl.load(h1 + row * 2 * F + F + c, mask=m, other=0.0).to(tl.float32)
         dh = tl.load(gh2 + row * F + c, mask=m, other=0.0).to(tl.float32)
-        if CLAMPED:
-            gc = tl.minimum(g, limit)
-            uc = tl.minimum(tl.maximum(u, -limit), limit)
-            sg = tl.sigmoid(alpha * gc)
-            glu = gc * sg
-            dg = dh * (uc + 1.0) * (sg + alpha * gc * sg * (1.0 - sg))
-            dg = tl.where(g < limit, dg, 0.0)  # torch.clamp convention: 0 at the bound
-            du = dh * glu
-            du = tl.where((u > -limit) & (u < limit), du, 0.0)
-            h2v = glu * (uc + 1.0)
-        else:
-            sg = tl.sigmoid(g)
-            silu = g * sg
-            dg = dh * u * (sg + g * sg * (1.0 - sg))
-            du = dh * silu
-            h2v = silu * u
+        dg, du, h2v = swiglu_grad(g, u, dh, CLAMPED, alpha, limit)
         tl.store(gh1 + row * 2 * F + c, dg.to(tl.bfloat16), mask=m)
         tl.store(gh1 + row * 2 * F + F + c, du.to(tl.bfloat16), mask=m)
         if STORE_H2:

@@ -34,9 +34,9 @@ for s in $sections; do case $s in
                  --peer --claim-sweep --csv "$OUT/claim_sweep.csv" ;;
   candidates) # changes not yet default: Triton routing tables and bookkeeping, sliced claims (staged), W13
           # WGRAD on a side stream. Correctness with all on, then each alone and all together.
-          ALL="DIST_MOE_ROUTING=triton DIST_MOE_BOOKKEEPING=triton DIST_MOE_CLAIM_SLICE_K=${SLICE_K:-512} DIST_MOE_WGRAD_OVERLAP=1"
+          ALL="DIST_MOE_ROUTING=triton DIST_MOE_BOOKKEEPING=triton DIST_MOE_CLAIM_SLICE_K=${SLICE_K:-512} DIST_MOE_WGRAD_OVERLAP=1 DIST_MOE_FUSE_SWIGLU_BWD=1"
           run cand_check env $ALL torchrun --nproc-per-node="$NGPU" tests/gpu/dist_check.py --engines triton
-          for v in DIST_MOE_ROUTING=triton DIST_MOE_BOOKKEEPING=triton DIST_MOE_CLAIM_SLICE_K=${SLICE_K:-512} DIST_MOE_WGRAD_OVERLAP=1 all; do
+          for v in DIST_MOE_ROUTING=triton DIST_MOE_BOOKKEEPING=triton DIST_MOE_CLAIM_SLICE_K=${SLICE_K:-512} DIST_MOE_WGRAD_OVERLAP=1 DIST_MOE_FUSE_SWIGLU_BWD=1 all; do
             [ "$v" = all ] && vars=$ALL || vars=$v
             TAIL=12 run "cand_${v%%=*}" env $vars torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py \
                 --out "$OUT/cand_${v%%=*}" --cases guide --paths dist_moe,dist_moe_staged

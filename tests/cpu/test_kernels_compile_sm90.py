@@ -113,6 +113,11 @@ VARIANTS = {
         a=p, epilogue="scatter", out_row_ptrs=rows_tab, config=BIG),
     "dgrad_w2_claim_sliced": lambda: G.grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=R,
         a_row_ptrs=rows_tab, a_copy_out=p, claim_flags=flags, out=p, config=SLICED),
+    "dgrad_w2_swiglu_bwd_tma": lambda: G.grouped_mm_dgrad(w=w2, expert_offsets=offs,
+        max_rows=R, a=p, epilogue="swiglu_bwd", h1=p, activation="swiglu_clamped", config=BIG),
+    "dgrad_w2_swiglu_bwd_claim_sliced": lambda: G.grouped_mm_dgrad(w=w2, expert_offsets=offs,
+        max_rows=R, a_row_ptrs=rows_tab, a_copy_out=p, claim_flags=flags, epilogue="swiglu_bwd",
+        h1=p, config=SLICED),
     "dgrad_w13_tma": lambda: G.grouped_mm_dgrad(w=w13, expert_offsets=offs, max_rows=R, a=p,
         out=p, config=BIG),
     "wgrad_tma_fp32": lambda: G.grouped_mm_wgrad(p, p, offs, torch.empty(E, 2 * F, D),
@@ -173,6 +178,7 @@ for name in names:
 
 VARIANTS = ["fwd_swiglu_tma", "fwd_swiglu_gather_copy", "fwd_swiglu_claim",
             "fwd_swiglu_claim_sliced", "fwd_w2_scatter_clamped", "dgrad_w2_claim_sliced",
+            "dgrad_w2_swiglu_bwd_tma", "dgrad_w2_swiglu_bwd_claim_sliced",
             "dgrad_w13_tma", "wgrad_tma_fp32", "wgrad_plain_bf16", "routing_count",
             "routing_place", "bookkeeping_fwd", "bookkeeping_fwd_inference", "bookkeeping_bwd"]
 

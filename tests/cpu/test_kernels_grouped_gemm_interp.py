@@ -455,6 +455,39 @@ def check_claim_dgrad_and_scatter():
     assert int(flags.epoch) == 6
 
 
+def check_dgrad_swiglu_bwd_epilogue():
+    """W2 DGRAD whose epilogue turns grad_h2 into grad_h1 over h1 in place (dense A, gathered A
+    by claim, TMA or not, both activations); rows past R of h1 stay untouched."""
+    import torch
+    from megatron_dist_moe.kernels.grouped_gemm import ClaimFlags, device_ptr, grouped_mm_dgrad
+    from megatron_dist_moe.kernels.grouped_gemm_ref import gather_rows_ref, grouped_mm_dgrad_ref
+    from megatron_dist_moe.kernels.rows_ref import act_bwd_ref
+    lens, d, f = [6, 0, 21, 13], 64, 48
+    e, offs, r, max_rows = len(lens), _offsets(lens), sum(lens), sum(lens) + 3
+    w2 = torch.randn(e, d, f) / 4
+    src = torch.randn(60, d)
+    idx = torch.randperm(60)[:max_rows]
+    idx[[2, 25]] = -1
+    flags = ClaimFlags(max_rows, None, e, "cpu")
+    for progs, tma, clamped, claim in ((1, False, False, False), (3, True, True, False),
+                                       (7, False, True, True), (2, True, False, True)):
+        act = "swiglu_clamped" if clamped else "swiglu"
+        h1 = torch.randn(max_rows, 2 * f) * 2
+        h1[r:] = NAN
+        h1_in = h1.clone()
+        x = gather_rows_ref(src, idx[:r])
+        kw = dict(a_row_ptrs=_row_ptrs(src, idx, d), a_copy_out=torch.full((max_rows, d), NAN),
+                  claim_flags=flags) if claim else dict(a=x)
+        grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=max_rows, epilogue="swiglu_bwd",
+                         h1=device_ptr(h1), activation=act, swiglu_alpha=1.702, swiglu_limit=1.5,
+                         num_programs=progs, config=_cfg(tma=tma), **kw)
+        gh2 = grouped_mm_dgrad_ref(x, w2, offs, compute_dtype=torch.float64)
+        ref = act_bwd_ref(h1_in[:r].double(), gh2, f, clamped, 1.702, 1.5)
+        tag = f"swiglu_bwd progs={progs} tma={tma} {act} claim={claim}"
+        _close(tag, h1[:r], ref, torch.float32)
+        _untouched(f"{tag}: h1 rows past R", h1[r:])
+
+
 def check_claim_argument_errors():
     import torch
     from megatron_dist_moe.kernels.grouped_gemm import ClaimFlags, grouped_mm_fwd

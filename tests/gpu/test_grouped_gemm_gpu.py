@@ -177,6 +177,39 @@ def test_dgrad(lens, d, f, tma):
            grouped_mm_dgrad_ref(g1, w13, offs, compute_dtype=F32, out_dtype=BF16))
 
 
+@pytest.mark.parametrize("clamped", [False, True])
+@pytest.mark.parametrize("tma", TMA)
+@pytest.mark.parametrize("lens,d,f", SHAPES)
+def test_dgrad_swiglu_bwd_epilogue_matches_unfused(lens, d, f, tma, clamped):
+    """W2 DGRAD with the SwiGLU backward in its epilogue (grad_h1 over h1 in place) gives the
+    same bits as DGRAD -> bf16 grad_h2 -> rows.swiglu_bwd."""
+    from megatron_dist_moe.kernels import rows as K_rows
+    torch.manual_seed(12)
+    e, r = len(lens), sum(lens)
+    max_rows = r + 16
+    offs = _offsets(lens)
+    w2 = _weights(e, d, f, f ** -0.5)
+    g3 = torch.randn(max_rows, d, device=DEV).to(BF16)
+    h1 = (torch.randn(max_rows, 2 * f, device=DEV) * 2).to(BF16)
+    act = "swiglu_clamped" if clamped else "swiglu"
+    cfg = replace(CONFIG_TABLE[("dgrad", "large")], tma=tma)
+    gh2 = _poisoned(max_rows, f)
+    grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=max_rows, a=g3, out=gh2, config=cfg)
+    gh1_ref = _poisoned(max_rows, 2 * f)
+    nrows = offs[-1:].clone()
+    K_rows.swiglu_bwd(device_ptr(h1), device_ptr(gh2), device_ptr(gh1_ref), nrows, f, max_rows,
+                      clamped, 1.702, 7.0)
+    h1_fused = h1.clone()
+    h1_fused[r:] = float("nan")
+    grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=max_rows, a=g3, epilogue="swiglu_bwd",
+                     h1=device_ptr(h1_fused), activation=act, swiglu_alpha=1.702,
+                     swiglu_limit=7.0, config=cfg)
+    assert torch.equal(h1_fused[:r], gh1_ref[:r]), (
+        f"fused grad_h1 differs from the unfused path in "
+        f"{int((h1_fused[:r] != gh1_ref[:r]).sum())} of {r * 2 * f} values")
+    assert torch.isnan(h1_fused[r:]).all(), "rows past R written"
+
+
 @pytest.mark.parametrize("tma", TMA)
 @pytest.mark.parametrize("lens,d,f", SHAPES)
 def test_wgrad(lens, d, f, tma):

@@ -96,6 +96,9 @@ class ExpertPipeline:
         self.wgrad_stream = None
         if os.environ.get("DIST_MOE_WGRAD_OVERLAP", "0") == "1" and self.gemm == "triton":
             self.wgrad_stream = torch.cuda.Stream(device=device)
+        # SwiGLU backward fused into the W2 DGRAD epilogue (grad_h2 never stored; grad_h1
+        # written over h1 in place); opt-in until timed on the GPU machine.
+        self.fuse_swiglu_bwd = os.environ.get("DIST_MOE_FUSE_SWIGLU_BWD", "0") == "1"
         self.claim = None
         if pipeline == "staged" and self.gemm == "triton":
             from ...kernels.grouped_gemm import ClaimFlags
@@ -164,18 +167,27 @@ class ExpertPipeline:
         from ...kernels.grouped_gemm import grouped_mm_dgrad, grouped_mm_wgrad
         # h2 is rebuilt from h1 (BF16 full-save keeps h1, not h2).
         K_rows.swiglu_fwd(h1_addr, sp.h2, nrows, *act)
+        if self.fuse_swiglu_bwd:
+            # W2 DGRAD's epilogue turns grad_h2 into grad_h1 over h1 in place (h2 is rebuilt
+            # above, and nothing reads h1 after this backward)
+            w2_out = dict(epilogue="swiglu_bwd", h1=h1_addr, activation=cfg.activation,
+                          swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit)
+            grad_h1 = h1_addr
+        else:
+            w2_out = dict(epilogue="store", out=sp.grad_h2)
+            grad_h1 = sp.grad_h1
         if self.pipeline == "staged":
             grouped_mm_dgrad(w=w2_EDF, expert_offsets=offs, max_rows=Rm, a_row_ptrs=gather_ptrs,
-                             a_copy_out=sp.g3, claim_flags=self.claim, epilogue="store",
-                             out=sp.grad_h2)
+                             a_copy_out=sp.g3, claim_flags=self.claim, **w2_out)
         else:
             K_rows.gather_rows(gather_ptrs, sp.g3, nrows, D, torch.bfloat16, Rm)
-            grouped_mm_dgrad(w=w2_EDF, expert_offsets=offs, max_rows=Rm, a=sp.g3,
-                             epilogue="store", out=sp.grad_h2)
+            grouped_mm_dgrad(w=w2_EDF, expert_offsets=offs, max_rows=Rm, a=sp.g3, **w2_out)
         grad_w2 = torch.empty(self.E, D, F, dtype=out_dtype, device=self.device)
         grouped_mm_wgrad(sp.g3, sp.h2, offs, grad_w2, dtype=torch.bfloat16)
-        K_rows.swiglu_bwd(h1_addr, sp.grad_h2, sp.grad_h1, nrows, *act)
-        grouped_mm_dgrad(w=w13_E2FD, expert_offsets=offs, max_rows=Rm, a=sp.grad_h1,
+        if not self.fuse_swiglu_bwd:
+            # grad_h1 overwrites h2 and g3 (scratch reuse), after WGRAD W2 read them
+            K_rows.swiglu_bwd(h1_addr, sp.grad_h2, sp.grad_h1, nrows, *act)
+        grouped_mm_dgrad(w=w13_E2FD, expert_offsets=offs, max_rows=Rm, a=grad_h1,
                          epilogue="scatter", out_row_ptrs=scatter_ptrs)
         grad_w13 = torch.empty(self.E, 2 * F, D, dtype=out_dtype, device=self.device)
         if self.wgrad_stream is not None:
@@ -183,9 +195,9 @@ class ExpertPipeline:
             # before returning it or touching scratch again, so no record_stream is needed.
             self.wgrad_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.wgrad_stream):
-                grouped_mm_wgrad(sp.grad_h1, xg_addr, offs, grad_w13, dtype=torch.bfloat16)
+                grouped_mm_wgrad(grad_h1, xg_addr, offs, grad_w13, dtype=torch.bfloat16)
         else:
-            grouped_mm_wgrad(sp.grad_h1, xg_addr, offs, grad_w13, dtype=torch.bfloat16)
+            grouped_mm_wgrad(grad_h1, xg_addr, offs, grad_w13, dtype=torch.bfloat16)
         return grad_w13, grad_w2
 
     def join_side_work(self) -> None:
