@@ -264,7 +264,7 @@ class _MMArgs:
     claim: Optional["ClaimFlags"]  # claim mode: A is read densely from a_copy_out (a_addr)
     w_kn: bool  # DGRAD orientation w [E, Kd, N]
     epilogue: int
-    store_h1: bool
+    store_aux: bool  # swiglu: also store h1 (pre-activation); swiglu_bwd: also store h2
     activation: int
     alpha: float
     limit: float
@@ -327,7 +327,7 @@ def _prepare(*, w_kn, w, expert_offsets, max_rows, a, a_row_ptrs, a_copy_out, ep
         a_addr = a_copy_addr  # the K loop reads the claimed copy as a dense A
 
     out_addr = out2_addr = out_rows = dummy
-    store_h1 = False
+    store_aux = False
     if epilogue == "store":
         assert out is not None, "epilogue='store' needs out (device pointer to [R, N])"
         out_addr = _as_device_ptr(out, "out", dt)
@@ -335,11 +335,13 @@ def _prepare(*, w_kn, w, expert_offsets, max_rows, a, a_row_ptrs, a_copy_out, ep
         assert h2 is not None, "epilogue='swiglu' needs h2 (device pointer to [R, F])"
         out2_addr = _as_device_ptr(h2, "h2", dt)
         if h1 is not None:
-            out_addr, store_h1 = _as_device_ptr(h1, "h1", dt), True
+            out_addr, store_aux = _as_device_ptr(h1, "h1", dt), True
     elif epilogue == "swiglu_bwd":
         assert w_kn, "the swiglu_bwd epilogue is a W2 DGRAD epilogue"
         assert h1 is not None, "epilogue='swiglu_bwd' needs h1 (device pointer to [R, 2F])"
         out_addr = _as_device_ptr(h1, "h1", dt)
+        if h2 is not None:  # also rebuild h2 = act(h1) for the W2 WGRAD
+            out2_addr, store_aux = _as_device_ptr(h2, "h2", dt), True
     else:
         assert out_row_ptrs is not None, "epilogue='scatter' needs out_row_ptrs"
         _check_rows(out_row_ptrs, "out_row_ptrs", max_rows, dev)
@@ -350,7 +352,7 @@ def _prepare(*, w_kn, w, expert_offsets, max_rows, a, a_row_ptrs, a_copy_out, ep
         out2_addr=out2_addr, out_rows=out_rows, n=n, kd=kd, num_experts=num_experts,
         max_rows=max_rows, a_gather=a_row_ptrs is not None and claim_flags is None,
         a_copy=a_copy_out is not None and claim_flags is None, claim=claim_flags, w_kn=w_kn,
-        epilogue=EPILOGUES.index(epilogue), store_h1=store_h1,
+        epilogue=EPILOGUES.index(epilogue), store_aux=store_aux,
         activation=ACTIVATIONS.index(activation), alpha=float(swiglu_alpha),
         limit=float(swiglu_limit))
 
@@ -615,7 +617,7 @@ def _grouped_mm_kernel(
     E: tl.constexpr, E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     A_GATHER: tl.constexpr, A_COPY: tl.constexpr, W_KN: tl.constexpr, EPILOGUE: tl.constexpr,
-    STORE_H1: tl.constexpr, ACT: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
+    STORE_AUX: tl.constexpr, ACT: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
     COPY_RELOAD: tl.constexpr = False,
     A_CLAIM: tl.constexpr = False, CLAIM_AHEAD: tl.constexpr = 0, COPY_K: tl.constexpr = 64,
     PROXY_FENCE: tl.constexpr = False, SLICE_K: tl.constexpr = 0,
@@ -755,7 +757,7 @@ def _grouped_mm_kernel(
         elif EPILOGUE == 1:  # h1 [R, 2F] (gate | up), h2 [R, F]
             g = acc.to(DT)
             u = acc2.to(DT)
-            if STORE_H1:
+            if STORE_AUX:
                 h1_ptrs = (_load_ptr(out_addr_ptr, DT)
                            + rows64[:, None] * (2 * N) + cols[None, :])
                 tl.store(h1_ptrs, g, mask=mask)
@@ -779,9 +781,12 @@ def _grouped_mm_kernel(
             g_ptrs = _load_ptr(out_addr_ptr, DT) + rows64[:, None] * (2 * N) + cols[None, :]
             g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
             u = tl.load(g_ptrs + N, mask=mask, other=0.0).to(tl.float32)
-            dg, du, _h2 = swiglu_grad(g, u, dh, ACT == 1, alpha, limit)
+            dg, du, h2v = swiglu_grad(g, u, dh, ACT == 1, alpha, limit)
             tl.store(g_ptrs, dg.to(DT), mask=mask)
             tl.store(g_ptrs + N, du.to(DT), mask=mask)
+            if STORE_AUX:  # also store h2 = act(g, u): the same bits as rows.swiglu_fwd
+                h2_base = _load_ptr(out2_addr_ptr, DT)
+                tl.store(h2_base + rows64[:, None] * N + cols[None, :], h2v.to(DT), mask=mask)
         else:  # scatter: row i to address out_rows[i], skipped when 0
             o_addr = tl.load(out_rows_ptr + rows, mask=row_ok, other=0)
             o_row_base = tl.multiple_of(o_addr.to(tl.pointer_type(DT)), [16])
@@ -904,7 +909,7 @@ def _launch_mm(args: _MMArgs, config: GroupedGemmConfig, num_programs: Optional[
         E=args.num_experts, E_PAD=max(2, triton.next_power_of_2(args.num_experts)),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, A_GATHER=args.a_gather, A_COPY=args.a_copy, W_KN=args.w_kn,
-        EPILOGUE=args.epilogue, STORE_H1=args.store_h1, ACT=args.activation,
+        EPILOGUE=args.epilogue, STORE_AUX=args.store_aux, ACT=args.activation,
         USE_TMA=config.tma, IEEE=w.dtype == torch.float32, COPY_RELOAD=COPY_RELOAD,
         A_CLAIM=args.claim is not None, CLAIM_AHEAD=config.claim_ahead, COPY_K=copy_k,
         PROXY_FENCE=args.claim is not None and config.tma and not _interpreting(),
@@ -981,6 +986,7 @@ def grouped_mm_dgrad(
     out: Optional[torch.Tensor] = None,
     out_row_ptrs: Optional[torch.Tensor] = None,
     h1: Optional[torch.Tensor] = None,
+    h2: Optional[torch.Tensor] = None,
     activation: str = "swiglu",
     swiglu_alpha: float = 1.702,
     swiglu_limit: float = 7.0,
@@ -997,12 +1003,12 @@ def grouped_mm_dgrad(
     grad_h3 (WGRAD's operand), claim_flags = a `ClaimFlags`.
     epilogue="swiglu_bwd" (W2 DGRAD only): the grad_h2 tile never leaves the kernel; with the
     saved h1 = [g | u] rows at `h1` ([R, 2F]) it becomes grad_h1 = [dg | du] (the activation's
-    backward, `rows.swiglu_grad`), written over h1 in place. Rebuild h2 from h1 first if a
-    later WGRAD needs it.
+    backward, `rows.swiglu_grad`), written over h1 in place; with `h2` ([R, F]) the epilogue
+    also stores h2 = act(g, u) there (the W2 WGRAD operand), so no separate SwiGLU pass runs.
     """
     args = _prepare(w_kn=True, w=w, expert_offsets=expert_offsets, max_rows=max_rows, a=a,
                     a_row_ptrs=a_row_ptrs, a_copy_out=a_copy_out, epilogue=epilogue, out=out,
-                    out_row_ptrs=out_row_ptrs, h1=h1, h2=None, activation=activation,
+                    out_row_ptrs=out_row_ptrs, h1=h1, h2=h2, activation=activation,
                     swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
                     claim_flags=claim_flags)
     config = config or select_config("dgrad", n=args.n, kd=args.kd, device=w.device)

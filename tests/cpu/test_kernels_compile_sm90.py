@@ -117,7 +117,7 @@ VARIANTS = {
         max_rows=R, a=p, epilogue="swiglu_bwd", h1=p, activation="swiglu_clamped", config=BIG),
     "dgrad_w2_swiglu_bwd_claim_sliced": lambda: G.grouped_mm_dgrad(w=w2, expert_offsets=offs,
         max_rows=R, a_row_ptrs=rows_tab, a_copy_out=p, claim_flags=flags, epilogue="swiglu_bwd",
-        h1=p, config=SLICED),
+        h1=p, h2=p, config=SLICED),
     "dgrad_w13_tma": lambda: G.grouped_mm_dgrad(w=w13, expert_offsets=offs, max_rows=R, a=p,
         out=p, config=BIG),
     "wgrad_tma_fp32": lambda: G.grouped_mm_wgrad(p, p, offs, torch.empty(E, 2 * F, D),

@@ -461,7 +461,7 @@ def check_dgrad_swiglu_bwd_epilogue():
     import torch
     from megatron_dist_moe.kernels.grouped_gemm import ClaimFlags, device_ptr, grouped_mm_dgrad
     from megatron_dist_moe.kernels.grouped_gemm_ref import gather_rows_ref, grouped_mm_dgrad_ref
-    from megatron_dist_moe.kernels.rows_ref import act_bwd_ref
+    from megatron_dist_moe.kernels.rows_ref import act_bwd_ref, act_ref
     lens, d, f = [6, 0, 21, 13], 64, 48
     e, offs, r, max_rows = len(lens), _offsets(lens), sum(lens), sum(lens) + 3
     w2 = torch.randn(e, d, f) / 4
@@ -478,14 +478,19 @@ def check_dgrad_swiglu_bwd_epilogue():
         x = gather_rows_ref(src, idx[:r])
         kw = dict(a_row_ptrs=_row_ptrs(src, idx, d), a_copy_out=torch.full((max_rows, d), NAN),
                   claim_flags=flags) if claim else dict(a=x)
+        h2 = torch.full((max_rows, f), NAN) if progs != 1 else None
         grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=max_rows, epilogue="swiglu_bwd",
-                         h1=device_ptr(h1), activation=act, swiglu_alpha=1.702, swiglu_limit=1.5,
-                         num_programs=progs, config=_cfg(tma=tma), **kw)
+                         h1=device_ptr(h1), h2=h2, activation=act, swiglu_alpha=1.702,
+                         swiglu_limit=1.5, num_programs=progs, config=_cfg(tma=tma), **kw)
         gh2 = grouped_mm_dgrad_ref(x, w2, offs, compute_dtype=torch.float64)
         ref = act_bwd_ref(h1_in[:r].double(), gh2, f, clamped, 1.702, 1.5)
         tag = f"swiglu_bwd progs={progs} tma={tma} {act} claim={claim}"
         _close(tag, h1[:r], ref, torch.float32)
         _untouched(f"{tag}: h1 rows past R", h1[r:])
+        if h2 is not None:  # rebuilt h2 = act(h1) from the same tile
+            _close(f"{tag}: h2", h2[:r], act_ref(h1_in[:r].double(), f, clamped, 1.702, 1.5),
+                   torch.float32)
+            _untouched(f"{tag}: h2 rows past R", h2[r:])
 
 
 def check_claim_argument_errors():

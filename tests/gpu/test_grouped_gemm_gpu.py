@@ -199,11 +199,16 @@ def test_dgrad_swiglu_bwd_epilogue_matches_unfused(lens, d, f, tma, clamped):
     nrows = offs[-1:].clone()
     K_rows.swiglu_bwd(device_ptr(h1), device_ptr(gh2), device_ptr(gh1_ref), nrows, f, max_rows,
                       clamped, 1.702, 7.0)
+    h2_ref = _poisoned(max_rows, f)
+    K_rows.swiglu_fwd(device_ptr(h1), device_ptr(h2_ref), nrows, f, max_rows, clamped, 1.702, 7.0)
     h1_fused = h1.clone()
     h1_fused[r:] = float("nan")
+    h2 = _poisoned(max_rows, f)
     grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=max_rows, a=g3, epilogue="swiglu_bwd",
-                     h1=device_ptr(h1_fused), activation=act, swiglu_alpha=1.702,
-                     swiglu_limit=7.0, config=cfg)
+                     h1=device_ptr(h1_fused), h2=device_ptr(h2), activation=act,
+                     swiglu_alpha=1.702, swiglu_limit=7.0, config=cfg)
+    assert torch.equal(h2[:r], h2_ref[:r]), "rebuilt h2 differs from rows.swiglu_fwd"
+    assert torch.isnan(h2[r:]).all(), "h2 rows past R written"
     assert torch.equal(h1_fused[:r], gh1_ref[:r]), (
         f"fused grad_h1 differs from the unfused path in "
         f"{int((h1_fused[:r] != gh1_ref[:r]).sum())} of {r * 2 * f} values")

@@ -166,14 +166,15 @@ class ExpertPipeline:
                                         xg_addr, h1_addr, out_dtype)
         from ...kernels.grouped_gemm import grouped_mm_dgrad, grouped_mm_wgrad
         # h2 is rebuilt from h1 (BF16 full-save keeps h1, not h2).
-        K_rows.swiglu_fwd(h1_addr, sp.h2, nrows, *act)
         if self.fuse_swiglu_bwd:
-            # W2 DGRAD's epilogue turns grad_h2 into grad_h1 over h1 in place (h2 is rebuilt
-            # above, and nothing reads h1 after this backward)
-            w2_out = dict(epilogue="swiglu_bwd", h1=h1_addr, activation=cfg.activation,
-                          swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit)
+            # W2 DGRAD's epilogue turns grad_h2 into grad_h1 over h1 in place and rebuilds h2
+            # from the same h1 tile (nothing reads h1 after this backward)
+            w2_out = dict(epilogue="swiglu_bwd", h1=h1_addr, h2=sp.h2,
+                          activation=cfg.activation, swiglu_alpha=cfg.swiglu_alpha,
+                          swiglu_limit=cfg.swiglu_limit)
             grad_h1 = h1_addr
         else:
+            K_rows.swiglu_fwd(h1_addr, sp.h2, nrows, *act)
             w2_out = dict(epilogue="store", out=sp.grad_h2)
             grad_h1 = sp.grad_h1
         if self.pipeline == "staged":
