@@ -4,7 +4,8 @@
 # Sections: env check packing kernels bench claimsweep candidates layer packbench megatron pack
 #           (default: env check)
 # Knobs: CHECK_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS (extra arguments), TMO (seconds per step),
-#        SLICE_K (claim slice width for 'candidates'), SEEDS and STEPS (for 'megatron').
+#        SLICE_K (claim slice width for 'candidates'), SEEDS, STEPS and MB (microbatches)
+#        for 'megatron'.
 # megatron-core travels as a wheel in .whl/ (carry it); it is installed into /tmp/site here.
 # Logs go to $OUT (or ./out) so the device tool brings them back.
 set -u
@@ -41,9 +42,11 @@ for s in $sections; do case $s in
             TAIL=12 run "cand_${v%%=*}" env $vars torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py \
                 --out "$OUT/cand_${v%%=*}" --cases guide --paths dist_moe,dist_moe_staged
           done ;;
-  megatron) for seed in ${SEEDS:-1234 4321}; do
-              run "megatron_$seed" torchrun --nproc-per-node="$NGPU" examples/tiny_gpt_dist_moe.py \
-                --preset small --steps "${STEPS:-300}" --compare --te off --seed "$seed" \
+  megatron) # ~0.3 s per step per dispatcher at 2 microbatches: one seed of 300 steps fits a call
+            for seed in ${SEEDS:-1234}; do
+              TMO=${TMO:-590} run "megatron_$seed" torchrun --nproc-per-node="$NGPU" \
+                examples/tiny_gpt_dist_moe.py --preset small --num-microbatches "${MB:-2}" \
+                --steps "${STEPS:-300}" --compare --te off --seed "$seed" \
                 --csv "$OUT/megatron_cmp_$seed.csv"
             done ;;
   layer) run layer torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py --out "$OUT" ${LAYER_ARGS:-} ;;
