@@ -79,6 +79,8 @@ CLAIM_SWEEP = (
     # sliced claims: the m-tile copy shared by the programs that read it
     + [replace(_CLAIM_BASE, claim_ahead=a, claim_slice_k=sk) for a in (0, 1, 2)
        for sk in (256, 512, 1024)]
+    + [replace(_CLAIM_BASE, claim_ahead=1, claim_slice_k=512, claim_ahead_slices=n)
+       for n in (1, 4)]
 )
 
 
@@ -89,7 +91,7 @@ def _cfg_name(cfg: GroupedGemmConfig, claim: bool = False) -> str:
     if claim:
         name += f"-a{cfg.claim_ahead}k{cfg.copy_k}g{cfg.group_m}"
         if cfg.claim_slice_k:
-            name += f"sl{cfg.claim_slice_k}"
+            name += f"sl{cfg.claim_slice_k}x{cfg.claim_ahead_slices}"
     return name
 
 

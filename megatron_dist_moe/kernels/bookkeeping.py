@@ -4,7 +4,8 @@ The torch version of the same arithmetic (`backends/cuda/bookkeeping.py: torch_f
 torch_backward`, built from the shared planner functions `plan_forward`, `plan_backward`,
 `saved_layout` and `ScratchPointers.for_rows`) takes ~75 small launches per forward and ~45 per
 backward; these kernels take one each (single program, a handful of scalars). They are checked
-bit-equal against that torch version in the interpreter (tests/cpu/test_kernels_bookkeeping_interp.py).
+bit-equal against that torch version in the interpreter
+(tests/cpu/test_kernels_bookkeeping_interp.py).
 
 Outputs, one int64 vector `addr` and one int32 vector `i32` per call (kernel arguments of the
 downstream kernels are views of single entries):

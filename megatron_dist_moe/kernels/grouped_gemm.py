@@ -89,7 +89,9 @@ class GroupedGemmConfig:
     claim_slice_k: claim mode only. 0: one program copies a whole m-tile (BLOCK_M x Kd). > 0:
     the m-tile is cut into column slices of this width (lowered to a divisor of Kd, at least
     copy_k) that the programs reaching the m-tile claim one at a time, so the copy is spread
-    over them instead of stalling one (see `_claim_slices_phase`).
+    over them instead of stalling one (see `_claim_slices_phase`). claim_ahead_slices: how many
+    slices of its next m-tile a program copies ahead (about num_n programs visit an m-tile and
+    roughly half of them in the wave before; 2 each covers the ~14 slices of a 7168-wide row).
     """
 
     block_m: int = 128
@@ -102,6 +104,7 @@ class GroupedGemmConfig:
     copy_k: int = 256
     claim_ahead: int = 1
     claim_slice_k: int = 0
+    claim_ahead_slices: int = 2
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k", "copy_k"):
@@ -112,6 +115,8 @@ class GroupedGemmConfig:
             f"claim_slice_k={self.claim_slice_k}: 0 (whole m-tiles) or a power of two >= 16")
         assert self.group_m >= 1, f"group_m={self.group_m} must be >= 1"
         assert self.claim_ahead >= 0, f"claim_ahead={self.claim_ahead} must be >= 0"
+        assert self.claim_ahead_slices >= 1, (
+            f"claim_ahead_slices={self.claim_ahead_slices} must be >= 1")
         assert not self.tma or _HAS_TMA, "tma=True needs tl.make_tensor_descriptor (Triton >= 3.4)"
 
 
@@ -564,13 +569,14 @@ def _claim_slices_phase(t, nprog, total, e_idx, cum, tiles, starts, ends, m_tile
                         row0, row_end, m_index, claimed_ptr, copied_ptr, base, a_rows_ptr,
                         a_copy_base, Kd, DT: tl.constexpr, BLOCK_M: tl.constexpr,
                         GROUP_M: tl.constexpr, COPY_K: tl.constexpr, SLICE_K: tl.constexpr,
-                        CLAIM_AHEAD: tl.constexpr, PROXY_FENCE: tl.constexpr):
+                        CLAIM_AHEAD: tl.constexpr, AHEAD_SLICES: tl.constexpr,
+                        PROXY_FENCE: tl.constexpr):
     """Sliced claims: make rows [row0, row0 + BLOCK_M) of a_copy_out valid before tile t.
 
     The m-tile is cut into S = Kd / SLICE_K column slices. Every program that reaches it
-    1. (CLAIM_AHEAD > 0) claims and copies ONE slice of the m-tile of its tile CLAIM_AHEAD
-       iterations later: the ~num_n programs that will read that m-tile share its copy, one
-       slice each, a wave before they need it;
+    1. (CLAIM_AHEAD > 0) claims and copies up to AHEAD_SLICES slices of the m-tile of its tile
+       CLAIM_AHEAD iterations later: the programs that will read that m-tile share its copy,
+       a few slices each, a wave before they need it;
     2. claims and copies slices of its own m-tile until none is left (helping any straggler);
     3. spins (acquire) until all S slices are counted as copied.
 
@@ -588,9 +594,10 @@ def _claim_slices_phase(t, nprog, total, e_idx, cum, tiles, starts, ends, m_tile
             _e2, row_start2, row_end2, m_first2, pid_m2, _n2 = _tile_coords(
                 t2, e_idx, cum, tiles, starts, ends, m_tiles, num_n, GROUP_M)
             m2 = m_first2 + pid_m2
-            _copy_claimed_slices(claimed_ptr + m2, copied_ptr + m2, base, num_slices, 1,
-                                 a_rows_ptr, a_copy_base, row_start2 + pid_m2 * BLOCK_M,
-                                 row_end2, Kd, SLICE_K, DT, BLOCK_M, COPY_K, PROXY_FENCE)
+            _copy_claimed_slices(claimed_ptr + m2, copied_ptr + m2, base, num_slices,
+                                 AHEAD_SLICES, a_rows_ptr, a_copy_base,
+                                 row_start2 + pid_m2 * BLOCK_M, row_end2, Kd, SLICE_K, DT,
+                                 BLOCK_M, COPY_K, PROXY_FENCE)
     _copy_claimed_slices(claimed_ptr + m_index, copied_ptr + m_index, base, num_slices,
                          num_slices, a_rows_ptr, a_copy_base, row0, row_end, Kd, SLICE_K, DT,
                          BLOCK_M, COPY_K, PROXY_FENCE)
@@ -621,6 +628,7 @@ def _grouped_mm_kernel(
     COPY_RELOAD: tl.constexpr = False,
     A_CLAIM: tl.constexpr = False, CLAIM_AHEAD: tl.constexpr = 0, COPY_K: tl.constexpr = 64,
     PROXY_FENCE: tl.constexpr = False, SLICE_K: tl.constexpr = 0,
+    AHEAD_SLICES: tl.constexpr = 1,
 ):
     # A_CLAIM: a_addr_ptr is a_copy_out, read as a dense A once `_claim_phase` made the tile's
     # rows valid; a_rows_ptr gives the rows to copy there; ready_ptr/epoch_ptr: `ClaimFlags`.
@@ -673,7 +681,8 @@ def _grouped_mm_kernel(
                 _claim_slices_phase(t, nprog, total, e_idx, cum, tiles, starts, ends, m_tiles,
                                     num_n, row0, row_end, m_first + pid_m, claimed_ptr,
                                     copied_ptr, slice_base, a_rows_ptr, a_base, Kd, DT, BLOCK_M,
-                                    GROUP_M, COPY_K, SLICE_K, CLAIM_AHEAD, PROXY_FENCE)
+                                    GROUP_M, COPY_K, SLICE_K, CLAIM_AHEAD, AHEAD_SLICES,
+                                    PROXY_FENCE)
             else:
                 _claim_phase(t, nprog, total, e_idx, cum, tiles, starts, ends, m_tiles, num_n,
                              row0, row_end, ready_ptr + m_first + pid_m, ready_ptr, claimed_v,
@@ -913,7 +922,7 @@ def _launch_mm(args: _MMArgs, config: GroupedGemmConfig, num_programs: Optional[
         USE_TMA=config.tma, IEEE=w.dtype == torch.float32, COPY_RELOAD=COPY_RELOAD,
         A_CLAIM=args.claim is not None, CLAIM_AHEAD=config.claim_ahead, COPY_K=copy_k,
         PROXY_FENCE=args.claim is not None and config.tma and not _interpreting(),
-        SLICE_K=slice_k,
+        SLICE_K=slice_k, AHEAD_SLICES=config.claim_ahead_slices,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 

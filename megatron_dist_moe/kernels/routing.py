@@ -153,13 +153,17 @@ def _route_place_kernel(base_ptr, dispatch_base_ptr, combine_base_ptr, counts_pt
         tl.store(num_rows_ptr + e_idx, tl.zeros((E_PAD,), tl.int32) + R, mask=e_idx == 0)
         if TRAP:
             if code == _UNEQUAL_T:
-                tl.device_print("dist_moe TRAP: unequal token counts across EP ranks: peer rank, T:", a, b)
+                tl.device_print("dist_moe TRAP: unequal token counts across EP ranks: "
+                                "peer rank, T:", a, b)
             elif code == _OVERFLOW:
-                tl.device_print("dist_moe TRAP: scratch overflow: rows required, rows available:", a, b)
+                tl.device_print("dist_moe TRAP: scratch overflow: "
+                                "rows required, rows available:", a, b)
             elif code == _BAD_ID:
-                tl.device_print("dist_moe TRAP: expert id out of range: flat route index, id:", a, b)
+                tl.device_print("dist_moe TRAP: expert id out of range: "
+                                "flat route index, id:", a, b)
             elif code == _BAD_SCORE:
-                tl.device_print("dist_moe TRAP: nonzero score on inactive route: flat route index, score bits:", a, b)
+                tl.device_print("dist_moe TRAP: nonzero score on inactive route: "
+                                "flat route index, score bits:", a, b)
             if code != 0:
                 _trap()
     if any_bad_T | overflow:
@@ -229,7 +233,9 @@ def route_tables(ws: RouteWorkspace, base_EP: torch.Tensor, T: int, K: int, rank
     """
     dev = base_EP.device
     E_local, EP = ws.E_local, ws.ep_size
-    assert base_EP.numel() == EP and dispatch_base_EP.numel() == EP and combine_base_EP.numel() == EP
+    for name, t in (("base_EP", base_EP), ("dispatch_base_EP", dispatch_base_EP),
+                    ("combine_base_EP", combine_base_EP)):
+        assert t.numel() == EP, f"{name}: {t.numel()} entries for EP={EP}"
     assert T * K <= ws.n_chunks * CHUNK, "more routes than the workspace was sized for"
     offsets = torch.empty(E_local + 1, dtype=torch.int32, device=dev)
     num_rows = torch.empty(1, dtype=torch.int32, device=dev)

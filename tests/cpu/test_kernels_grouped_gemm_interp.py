@@ -262,7 +262,7 @@ def check_empty_and_persistent():
 
 # ----------------------------------------------------------------------------- claim mode
 def _claim_case(flags, *, lens, d, f, dt, progs, tma, ahead, seed_rows, n_src=50, x_poison=None,
-                slice_k=0):
+                slice_k=0, ahead_slices=2):
     """One claim-mode W13+SwiGLU call; checks h1, h2, a_copy_out and the flags afterwards.
 
     x_poison: rows of a_copy_out to pre-fill with these values (a dict row -> tensor) and whose
@@ -303,7 +303,8 @@ def _claim_case(flags, *, lens, d, f, dt, progs, tma, ahead, seed_rows, n_src=50
                    a_copy_out=device_ptr(copy), claim_flags=flags, epilogue="swiglu",
                    h1=device_ptr(h1), h2=device_ptr(h2), activation="swiglu_clamped",
                    swiglu_alpha=1.702, swiglu_limit=1.5,
-                   config=_cfg(tma=tma, claim_ahead=ahead, claim_slice_k=slice_k),
+                   config=_cfg(tma=tma, claim_ahead=ahead, claim_slice_k=slice_k,
+                               claim_ahead_slices=ahead_slices),
                    num_programs=progs)
     tag = f"lens={lens} progs={progs} tma={tma} ahead={ahead} slice_k={slice_k} {dt}"
     assert int(flags.epoch) == ep, f"{tag}: the launcher must advance the epoch once"
@@ -355,12 +356,13 @@ def check_claim_slices_fwd_swiglu_grids():
     from megatron_dist_moe.kernels.grouped_gemm import ClaimFlags
     flags = ClaimFlags(64, None, 3, "cpu")
     seed = 200
-    for progs, ahead, sk, tma in ((1, 1, 16, False), (2, 0, 32, False), (3, 1, 16, True),
-                                  (7, 2, 16, False), (7, 1, 128, False), (3, 2, 32, True)):
+    for progs, ahead, sk, tma, n_ahead in ((1, 1, 16, False, 2), (2, 0, 32, False, 2),
+                                           (3, 1, 16, True, 1), (7, 2, 16, False, 3),
+                                           (7, 1, 128, False, 2), (3, 2, 32, True, 1)):
         for lens in ([0, 5, 37], [16, 0, 17]):
             seed += 1
             _claim_case(flags, lens=lens, d=64, f=64, dt=torch.float32, progs=progs, tma=tma,
-                        ahead=ahead, seed_rows=seed, slice_k=sk)
+                        ahead=ahead, seed_rows=seed, slice_k=sk, ahead_slices=n_ahead)
 
 
 def check_claim_slices_stale_and_prepublished():
