@@ -344,6 +344,7 @@ def _cpu_entry(rank: int, world: int, store_path: str, args) -> None:
                             timeout=datetime.timedelta(seconds=300))
     try:
         run(rank, world, args)
+        dist.barrier()   # no rank tears its gloo connections down while a peer still reads
     finally:
         dist.destroy_process_group()
 
