@@ -37,6 +37,7 @@ for s in $sections; do case $s in
           # WGRAD on a side stream. Correctness with all on, then each alone and all together.
           ALL="DIST_MOE_ROUTING=triton DIST_MOE_BOOKKEEPING=triton DIST_MOE_CLAIM_SLICE_K=${SLICE_K:-512} DIST_MOE_WGRAD_OVERLAP=1 DIST_MOE_FUSE_SWIGLU_BWD=1"
           run cand_check env $ALL torchrun --nproc-per-node="$NGPU" tests/gpu/dist_check.py --engines triton
+          run cand_packing env $ALL torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py
           for v in DIST_MOE_ROUTING=triton DIST_MOE_BOOKKEEPING=triton DIST_MOE_CLAIM_SLICE_K=${SLICE_K:-512} DIST_MOE_WGRAD_OVERLAP=1 DIST_MOE_FUSE_SWIGLU_BWD=1 all; do
             [ "$v" = all ] && vars=$ALL || vars=$v
             TAIL=12 run "cand_${v%%=*}" env $vars torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py \
