@@ -609,6 +609,23 @@ def _claim_slices_phase(t, nprog, total, e_idx, cum, tiles, starts, ends, m_tile
 
 
 @triton.jit
+def _swiglu_bwd_tile(dh, rows64, row_ok, cols, h1_base, h2_addr_ptr, N, alpha, limit,
+                     DT: tl.constexpr, CLAMPED: tl.constexpr, STORE_H2: tl.constexpr):
+    """grad_h1 = [dg | du] over h1 = [g | u] in place for one column block of a grad_h2 tile
+    (dh, already rounded to DT); optionally h2 = act(g, u) too (`rows.swiglu_grad` math)."""
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    g_ptrs = h1_base + rows64[:, None] * (2 * N) + cols[None, :]
+    g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(g_ptrs + N, mask=mask, other=0.0).to(tl.float32)
+    dg, du, h2v = swiglu_grad(g, u, dh.to(tl.float32), CLAMPED, alpha, limit)
+    tl.store(g_ptrs, dg.to(DT), mask=mask)
+    tl.store(g_ptrs + N, du.to(DT), mask=mask)
+    if STORE_H2:  # the same bits as rows.swiglu_fwd
+        h2_base = _load_ptr(h2_addr_ptr, DT)
+        tl.store(h2_base + rows64[:, None] * N + cols[None, :], h2v.to(DT), mask=mask)
+
+
+@triton.jit
 def _dot(a, b, acc, IEEE: tl.constexpr):
     if IEEE:  # fp32 operands (interpreter tests): no tf32 rounding
         return tl.dot(a, b, acc, input_precision="ieee")
@@ -785,17 +802,24 @@ def _grouped_mm_kernel(
         elif EPILOGUE == 3:  # W2 DGRAD + SwiGLU backward: h1 [R, 2F] -> grad_h1, in place
             # NOTE: acc is grad_h2; it is rounded to the dtype first, exactly what the unfused
             # path stores and `rows.swiglu_bwd` reloads, so both paths give the same bits. Each
-            # h1 element is read and overwritten by the one program that owns its tile.
-            dh = acc.to(DT).to(tl.float32)
-            g_ptrs = _load_ptr(out_addr_ptr, DT) + rows64[:, None] * (2 * N) + cols[None, :]
-            g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(g_ptrs + N, mask=mask, other=0.0).to(tl.float32)
-            dg, du, h2v = swiglu_grad(g, u, dh, ACT == 1, alpha, limit)
-            tl.store(g_ptrs, dg.to(DT), mask=mask)
-            tl.store(g_ptrs + N, du.to(DT), mask=mask)
-            if STORE_AUX:  # also store h2 = act(g, u): the same bits as rows.swiglu_fwd
-                h2_base = _load_ptr(out2_addr_ptr, DT)
-                tl.store(h2_base + rows64[:, None] * N + cols[None, :], h2v.to(DT), mask=mask)
+            # h1 element is read and overwritten by the one program that owns its tile. The
+            # tile is processed in two column halves: a whole 128x256 tile's g, u, dg, du (fp32)
+            # do not fit in registers next to each other (ptxas: ~6.5 KB of spills).
+            Q: tl.constexpr = BN // 4
+            dh = tl.reshape(acc.to(DT), (BLOCK_M, 2, 2, Q))
+            dh_lo, dh_hi = tl.split(tl.permute(dh, (0, 2, 3, 1)))     # column halves
+            dh_0, dh_1 = tl.split(tl.permute(dh_lo, (0, 2, 1)))      # quarters of each
+            dh_2, dh_3 = tl.split(tl.permute(dh_hi, (0, 2, 1)))
+            h1_base = _load_ptr(out_addr_ptr, DT)
+            c0 = pid_n * BN + tl.arange(0, Q)
+            _swiglu_bwd_tile(dh_0, rows64, row_ok, c0, h1_base, out2_addr_ptr, N, alpha, limit,
+                             DT, ACT == 1, STORE_AUX)
+            _swiglu_bwd_tile(dh_1, rows64, row_ok, c0 + Q, h1_base, out2_addr_ptr, N, alpha,
+                             limit, DT, ACT == 1, STORE_AUX)
+            _swiglu_bwd_tile(dh_2, rows64, row_ok, c0 + 2 * Q, h1_base, out2_addr_ptr, N, alpha,
+                             limit, DT, ACT == 1, STORE_AUX)
+            _swiglu_bwd_tile(dh_3, rows64, row_ok, c0 + 3 * Q, h1_base, out2_addr_ptr, N, alpha,
+                             limit, DT, ACT == 1, STORE_AUX)
         else:  # scatter: row i to address out_rows[i], skipped when 0
             o_addr = tl.load(out_rows_ptr + rows, mask=row_ok, other=0)
             o_row_base = tl.multiple_of(o_addr.to(tl.pointer_type(DT)), [16])

@@ -17,7 +17,8 @@ peer addresses the expert kernels read from and write to.
            check after printing the cause and the numbers.
 
 The status word [3] int64 = (code, a, b) uses the codes and numbers of `rows.device_check`
-(0 = all good). On a failed T or overflow check no table row is written.
+(0 = all good). On a failed T or overflow check no table row is written and the published
+row counts and offsets are zero (what a context that did not trap would then read).
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ CHUNK = 4096                        # flat routes per program
 
 @triton.jit
 def _peer_ptr(base_ptr, r, offset_bytes, DT: tl.constexpr):
-    return (tl.load(base_ptr + r) + offset_bytes).to(tl.pointer_type(DT))
+    """Typed pointer into rank r's routing region; the region and both offsets used (0 and the
+    128-byte header) are 16-byte aligned, which the hint tells the compiler (vector loads)."""
+    return tl.multiple_of((tl.load(base_ptr + r) + offset_bytes).to(tl.pointer_type(DT)), 16)
 
 
 @triton.jit
@@ -147,10 +150,15 @@ def _route_place_kernel(base_ptr, dispatch_base_ptr, combine_base_ptr, counts_pt
         tl.store(status_ptr + 2, b)
         owners = tl.load(owners_ptr + q[:, None] * EP_PAD + p_idx[None, :],
                          mask=(q < nq)[:, None], other=0)
-        tl.store(rows_ep_ptr + p_idx, tl.sum(owners, 0).to(tl.int64), mask=p_idx < EP)
-        tl.store(offsets_ptr + 1 + e_idx, ends, mask=e_idx < E_local)
+        # On a failed T or overflow check no table row is written: publish zero rows, so that
+        # nothing downstream reads the unwritten tables even where no trap stops the stream.
+        ok = ~(any_bad_T | overflow)
+        tl.store(rows_ep_ptr + p_idx, tl.where(ok, tl.sum(owners, 0).to(tl.int64), 0),
+                 mask=p_idx < EP)
+        tl.store(offsets_ptr + 1 + e_idx, tl.where(ok, ends, 0), mask=e_idx < E_local)
         tl.store(offsets_ptr + e_idx, tl.zeros((E_PAD,), tl.int32), mask=e_idx == 0)
-        tl.store(num_rows_ptr + e_idx, tl.zeros((E_PAD,), tl.int32) + R, mask=e_idx == 0)
+        tl.store(num_rows_ptr + e_idx, tl.zeros((E_PAD,), tl.int32) + tl.where(ok, R, 0),
+                 mask=e_idx == 0)
         if TRAP:
             if code == _UNEQUAL_T:
                 tl.device_print("dist_moe TRAP: unequal token counts across EP ranks: "
@@ -243,7 +251,8 @@ def route_tables(ws: RouteWorkspace, base_EP: torch.Tensor, T: int, K: int, rank
     fwd = torch.empty(max_rows, dtype=torch.int64, device=dev)
     comb = torch.empty(max_rows, dtype=torch.int64, device=dev)
     disp = torch.empty(max_rows, dtype=torch.int64, device=dev)
-    block = max(64, min(1024, 8192 // ws.E_PAD))
+    # one-hot tiles are [BLOCK, E_PAD] and [BLOCK, EP_PAD]: keep each at <= 8192 elements
+    block = max(16, min(1024, 8192 // max(ws.E_PAD, ws.EP_PAD)))
     grid = (EP, ws.n_chunks)
     scores = own_scores_TK.contiguous() if own_scores_TK is not None else ws.status
     _route_count_kernel[grid](

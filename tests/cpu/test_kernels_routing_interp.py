@@ -74,6 +74,10 @@ def case(name, *, EP, T, K, E_local, rank, max_rows, T_max=None, seed=0, inactiv
     if code != expect:
         out["error"] = f"status {(code, a, b)}, expected code {expect}"
         return out
+    if expect in (1, 2):   # no table written: zero rows published
+        if int(nrows) != 0 or bool(offs.any()) or bool(rows_EP.any()):
+            out["error"] = f"failed check published rows: num_rows={nrows.tolist()}, " \
+                           f"offsets={offs.tolist()}, rows_EP={rows_EP.tolist()}"
     if expect:
         return out
     # the torch oracle (its checks pass on this input)

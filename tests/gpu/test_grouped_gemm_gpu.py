@@ -177,10 +177,11 @@ def test_dgrad(lens, d, f, tma):
            grouped_mm_dgrad_ref(g1, w13, offs, compute_dtype=F32, out_dtype=BF16))
 
 
+@pytest.mark.parametrize("claim_slice_k", [None, 0, 512])
 @pytest.mark.parametrize("clamped", [False, True])
 @pytest.mark.parametrize("tma", TMA)
 @pytest.mark.parametrize("lens,d,f", SHAPES)
-def test_dgrad_swiglu_bwd_epilogue_matches_unfused(lens, d, f, tma, clamped):
+def test_dgrad_swiglu_bwd_epilogue_matches_unfused(lens, d, f, tma, clamped, claim_slice_k):
     """W2 DGRAD with the SwiGLU backward in its epilogue (grad_h1 over h1 in place) gives the
     same bits as DGRAD -> bf16 grad_h2 -> rows.swiglu_bwd."""
     from megatron_dist_moe.kernels import rows as K_rows
@@ -204,9 +205,16 @@ def test_dgrad_swiglu_bwd_epilogue_matches_unfused(lens, d, f, tma, clamped):
     h1_fused = h1.clone()
     h1_fused[r:] = float("nan")
     h2 = _poisoned(max_rows, f)
-    grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=max_rows, a=g3, epilogue="swiglu_bwd",
+    if claim_slice_k is None:   # dense A
+        a_kw = dict(a=g3)
+    else:                       # A rows gathered by claims (whole m-tiles or slices)
+        cfg = replace(cfg, claim_slice_k=claim_slice_k)
+        idx = torch.arange(max_rows, device=DEV)
+        a_kw = dict(a_row_ptrs=_row_ptrs(g3, idx), a_copy_out=_poisoned(max_rows, d),
+                    claim_flags=ClaimFlags(max_rows, None, e, DEV))
+    grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=max_rows, epilogue="swiglu_bwd",
                      h1=device_ptr(h1_fused), h2=device_ptr(h2), activation=act,
-                     swiglu_alpha=1.702, swiglu_limit=7.0, config=cfg)
+                     swiglu_alpha=1.702, swiglu_limit=7.0, config=cfg, **a_kw)
     assert torch.equal(h2[:r], h2_ref[:r]), "rebuilt h2 differs from rows.swiglu_fwd"
     assert torch.isnan(h2[r:]).all(), "h2 rows past R written"
     assert torch.equal(h1_fused[:r], gh1_ref[:r]), (

@@ -48,6 +48,10 @@ class ScratchPointers:
     even when a VMM arena backs lower addresses with host memory. Backward reuse (guide §04):
     grad_h1 overwrites h2 and g3 after both were read; grad_h2 stays disjoint.
         [x_g R*D | h1 R*2F | h2 R*F, g3 R*D (grad_h1 R*2F reuses) | grad_h2 R*F] -> end
+    With DIST_MOE_FUSE_SWIGLU_BWD the W2 DGRAD epilogue writes grad_h1 over h1 itself (slot or
+    scratch) and grad_h2 is never stored: the grad_h1 / grad_h2 regions stay unused. A layer's
+    saved state is consumed by its one backward (a second backward call raises), so
+    overwriting h1 there is safe.
     """
 
     xg: torch.Tensor
