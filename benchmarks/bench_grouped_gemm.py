@@ -50,7 +50,7 @@ BF16 = torch.bfloat16
 # name -> (experts, rows per expert, D, F); both have R = 12288 rows
 SHAPES = {"e6_f3072": (6, 2048, 7168, 3072), "e8_f2048": (8, 1536, 7168, 2048)}
 KERNELS = ("fwd_swiglu", "fwd_swiglu_gather", "fwd_swiglu_claim", "fwd_w2_scatter", "dgrad_w2",
-           "dgrad_w2_claim", "dgrad_w13", "wgrad_w13", "wgrad_w2")
+           "dgrad_w2_claim", "dgrad_w2_swiglu_bwd", "dgrad_w13", "wgrad_w13", "wgrad_w2")
 CLAIM_KERNELS = {"fwd_swiglu_claim": "fwd_swiglu", "dgrad_w2_claim": "dgrad_w2"}  # -> dense twin
 SWEEP = [
     GroupedGemmConfig(128, 256, 64, 8, 8, 3, tma=False),
@@ -155,9 +155,13 @@ class Problem:
         self.g3_rows = self.src_g3.data_ptr() + self.g_idx.to(torch.int64) * d * 2
         self.y_rows = self.y.data_ptr() + self.dst_idx.to(torch.int64) * d * 2
         self.g3_saved = torch.empty(r, d, dtype=BF16, device=dev)
+        # fused SwiGLU backward: h1_src is the saved h1; h1_work is overwritten in place
+        self.h1_src = rnd(r, 2 * f, scale=2.0)
+        self.h1_work = self.h1_src.clone()
         self.flags = ClaimFlags(r, None, e, dev)  # one flag set, all launches in stream order
         self.p = {k: device_ptr(getattr(self, k)) for k in
-                  ("x", "g3", "g1", "h1", "h2", "y", "g2", "gx", "x_saved", "g3_saved")}
+                  ("x", "g3", "g1", "h1", "h2", "y", "g2", "gx", "x_saved", "g3_saved",
+                   "h1_work", "h1_src")}
         # torch-side outputs
         self.t = {}
 
@@ -180,6 +184,10 @@ class Problem:
             return lambda: grouped_mm_fwd(w=self.w2, a=p["h2"], epilogue="scatter", out_row_ptrs=self.y_rows, **kw)
         if kernel == "dgrad_w2":
             return lambda: grouped_mm_dgrad(w=self.w2, a=p["g3"], out=p["g2"], **kw)
+        if kernel == "dgrad_w2_swiglu_bwd":
+            # times the kernel alone: h1_work drifts over repeats (values do not change timing)
+            return lambda: grouped_mm_dgrad(w=self.w2, a=p["g3"], epilogue="swiglu_bwd",
+                                            h1=p["h1_work"], h2=p["h2"], **kw)
         if kernel == "dgrad_w13":
             return lambda: grouped_mm_dgrad(w=self.w13, a=p["g1"], out=p["gx"], **kw)
         if kernel == "wgrad_w13":
@@ -204,10 +212,24 @@ class Problem:
             grouped_mm_dgrad(w=self.w2, a=p["g3_saved"], out=p["g2"], **kw)
         return fn
 
+    def ours_unfused(self):
+        """What DIST_MOE_FUSE_SWIGLU_BWD replaces: DGRAD to grad_h2, then the row kernels that
+        rebuild h2 and compute grad_h1 (reads h1_src, writes g1)."""
+        from megatron_dist_moe.kernels import rows as K_rows
+        p, n = self.p, self.offs[-1:]
+        kw = dict(expert_offsets=self.offs, max_rows=self.r)
+
+        def fn():
+            K_rows.swiglu_fwd(p["h1_src"], p["h2"], n, self.f, self.r, False, 1.702, 7.0)
+            grouped_mm_dgrad(w=self.w2, a=p["g3"], out=p["g2"], **kw)
+            K_rows.swiglu_bwd(p["h1_src"], p["g2"], p["g1"], n, self.f, self.r, False, 1.702, 7.0)
+        return fn
+
     def ours_output(self, kernel):
         return {"fwd_swiglu": (self.h1, self.h2), "fwd_swiglu_gather": (self.h1, self.h2),
                 "fwd_swiglu_claim": (self.h1, self.h2), "dgrad_w2_claim": (self.g2,),
                 "fwd_w2_scatter": (self.y,), "dgrad_w2": (self.g2,), "dgrad_w13": (self.gx,),
+                "dgrad_w2_swiglu_bwd": (self.h1_work,),
                 "wgrad_w13": (self.dw13,), "wgrad_w2": (self.dw2,)}[kernel]
 
     # ---- torch
@@ -249,6 +271,16 @@ class Problem:
             def full():
                 return (gm(self.g3.index_select(0, self.g_idx), self.w2, offs=offs),)
             return full, gemm
+        if kernel == "dgrad_w2_swiglu_bwd":
+            from megatron_dist_moe.kernels.rows_ref import act_bwd_ref
+
+            def gemm():
+                return (gm(self.g3, self.w2, offs=offs),)
+
+            def full():
+                gh2 = gm(self.g3, self.w2, offs=offs)
+                return (act_bwd_ref(self.h1_src, gh2, f, False, 1.702, 7.0).to(BF16),)
+            return full, gemm
         if kernel == "dgrad_w13":
             fn = lambda: (gm(self.g1, self.w13, offs=offs),)  # noqa: E731
             return fn, fn
@@ -269,6 +301,8 @@ class Problem:
         """Max relative (norm-wise) difference of our outputs to torch's."""
         for t in self.ours_output(kernel) + (self.x_saved, self.g3_saved):
             t.fill_(float("nan"))
+        if kernel == "dgrad_w2_swiglu_bwd":
+            self.h1_work.copy_(self.h1_src)
         self.ours(kernel, cfg)()
         ref = self.torch_fns(kernel)[0]()
         if kernel in ("fwd_swiglu_gather", "fwd_swiglu_claim"):
@@ -339,6 +373,11 @@ def main(argv=None) -> int:
                 results.append(("torch_gemm", "-", t_gemm))
             t_ours = _time_ms(prob.ours(kernel), args.timer, args.rep)
             results.append(("ours", "default", t_ours))
+            if kernel == "dgrad_w2_swiglu_bwd":
+                t_unf = _time_ms(prob.ours_unfused(), args.timer, args.rep)
+                results.append(("ours_unfused", "default", t_unf))
+                print(f"  {kernel}: fused {t_ours:.3f} ms, unfused (dgrad + 2 row kernels) "
+                      f"{t_unf:.3f} ms")
             if kernel in CLAIM_KERNELS:
                 t_gg = _time_ms(prob.ours_gather_gemm(kernel), args.timer, args.rep)
                 t_dense = _time_ms(prob.ours(CLAIM_KERNELS[kernel]), args.timer, args.rep)
