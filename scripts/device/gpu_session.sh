@@ -4,8 +4,8 @@
 # Sections: env check packing kernels bench claimsweep candidates layer packbench megatron pack
 #           (default: env check)
 # Knobs: CHECK_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS (extra arguments), TMO (seconds per step),
-#        SLICE_K (claim slice width for 'candidates'), SEEDS, STEPS and MB (microbatches)
-#        for 'megatron'.
+#        SLICE_K (claim slice width for 'candidates'), SEEDS, STEPS, MB (microbatches) and
+#        MOE_BACKEND (cuda | reference: isolates the CUDA backend's numerics) for 'megatron'.
 # megatron-core travels as a wheel in .whl/ (carry it); it is installed into /tmp/site here.
 # Logs go to $OUT (or ./out) so the device tool brings them back.
 set -u
@@ -48,7 +48,7 @@ for s in $sections; do case $s in
               TMO=${TMO:-590} run "megatron_$seed" torchrun --nproc-per-node="$NGPU" \
                 examples/tiny_gpt_dist_moe.py --preset small --num-microbatches "${MB:-2}" \
                 --steps "${STEPS:-300}" --compare --te off --seed "$seed" \
-                --csv "$OUT/megatron_cmp_$seed.csv"
+                --dist-moe-backend "${MOE_BACKEND:-cuda}" --csv "$OUT/megatron_cmp_$seed.csv"
             done ;;
   layer) run layer torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py --out "$OUT" ${LAYER_ARGS:-} ;;
   packbench) run packbench torchrun --nproc-per-node="$NGPU" benchmarks/bench_packing.py --out "$OUT" ${PACK_ARGS:-} ;;

@@ -1,8 +1,10 @@
 """Smoke run of examples/tiny_gpt_dist_moe.py on CPU (2 gloo ranks, reference backend).
 
 --compare trains Megatron's alltoall model and the dist_moe model (loaded from the alltoall
-weights) on the same batches: after an optimizer step the fp32 losses still agree to ~1e-6, far
-inside the 1e-4 relative bound checked here, while a wrong expert mapping would differ at O(1).
+weights) on the same batches with Megatron's DDP and optimizer. Over 30 optimizer steps the fp32
+losses agree to ~1e-7 (100 steps: max difference 4.8e-7), inside the 1e-5 relative bound checked
+here, while a wrong expert mapping, or expert gradients averaged across EP ranks by DDP, would
+drift apart by orders of magnitude more.
 """
 
 from __future__ import annotations
@@ -23,18 +25,20 @@ def test_example_compare_smoke_run(tmp_path):
     out_csv = tmp_path / "cmp.csv"
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "examples", "tiny_gpt_dist_moe.py"), "--device", "cpu",
-         "--nproc", "2", "--steps", "3", "--warmup-steps", "1", "--log-interval", "1",
+         "--nproc", "2", "--steps", "30", "--warmup-steps", "1", "--log-interval", "10",
          "--compare", "--csv", str(out_csv)],
         capture_output=True, text=True, timeout=240, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "dist_moe: mean" in proc.stdout and "tokens/s" in proc.stdout
     rows = list(csv.DictReader(open(out_csv)))
-    assert [int(r["step"]) for r in rows] == [0, 1, 2]
+    assert [int(r["step"]) for r in rows] == list(range(30))
     assert set(rows[0]) == {"step", "loss_alltoall", "tokens_per_s_alltoall", "loss_dist_moe",
                             "tokens_per_s_dist_moe"}
     for r in rows:
         a, d = float(r["loss_alltoall"]), float(r["loss_dist_moe"])
-        assert abs(a - d) <= 1e-4 * a, r
+        assert abs(a - d) <= 1e-5 * a, r
         assert float(r["tokens_per_s_dist_moe"]) > 0
     # ln(vocab=512) = 6.24 at initialisation: the loss is a real per-token cross entropy
     assert 5.5 < float(rows[0]["loss_dist_moe"]) < 7.0
+    # and the model trains: 30 steps bring it down by a visible margin
+    assert float(rows[-1]["loss_dist_moe"]) < float(rows[0]["loss_dist_moe"]) - 0.05
