@@ -38,11 +38,12 @@ for s in $sections; do case $s in
           ALL="DIST_MOE_ROUTING=triton DIST_MOE_BOOKKEEPING=triton DIST_MOE_CLAIM_SLICE_K=${SLICE_K:-512} DIST_MOE_WGRAD_OVERLAP=1 DIST_MOE_FUSE_SWIGLU_BWD=1"
           run cand_check env $ALL torchrun --nproc-per-node="$NGPU" tests/gpu/dist_check.py --engines triton
           run cand_packing env $ALL torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py
-          for v in DIST_MOE_ROUTING=triton DIST_MOE_BOOKKEEPING=triton DIST_MOE_CLAIM_SLICE_K=${SLICE_K:-512} DIST_MOE_WGRAD_OVERLAP=1 DIST_MOE_FUSE_SWIGLU_BWD=1 all; do
-            [ "$v" = all ] && vars=$ALL || vars=$v
+          for v in default DIST_MOE_ROUTING=triton DIST_MOE_BOOKKEEPING=triton DIST_MOE_CLAIM_SLICE_K=${SLICE_K:-512} DIST_MOE_WGRAD_OVERLAP=1 DIST_MOE_FUSE_SWIGLU_BWD=1 all; do
+            case $v in all) vars=$ALL ;; default) vars="" ;; *) vars=$v ;; esac
             TAIL=12 run "cand_${v%%=*}" env $vars torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py \
                 --out "$OUT/cand_${v%%=*}" --cases guide --paths dist_moe,dist_moe_staged
-          done ;;
+          done
+          python3 benchmarks/compare_candidates.py "$OUT" ;;
   megatron) # ~0.3 s per step per dispatcher at 2 microbatches: one seed of 300 steps fits a call
             for seed in ${SEEDS:-1234}; do
               TMO=${TMO:-590} run "megatron_$seed" torchrun --nproc-per-node="$NGPU" \
