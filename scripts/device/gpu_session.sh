@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One device-machine session: environment facts, GPU correctness checks, benchmarks.
 # Usage (on the GPU machine, repo root): bash scripts/device/gpu_session.sh [sections...]
-# Sections: env check packing kernels bench claimsweep candidates layer packbench megatron pack
+# Sections: env check packing kernels bench claimsweep candcheck candbench layer packbench
+#           megatron pack
 #           (default: env check)
 # Knobs: CHECK_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS (extra arguments), TMO (seconds per step),
-#        SLICE_K (claim slice width for 'candidates'), SEEDS, STEPS, MB (microbatches) and
+#        SLICE_K (claim slice width for 'candcheck' / 'candbench'), SEEDS, STEPS, MB (microbatches) and
 #        MOE_BACKEND (cuda | reference: isolates the CUDA backend's numerics) for 'megatron'.
 # megatron-core travels as a wheel in .whl/ (carry it); it is installed into /tmp/site here.
 # Logs go to $OUT (or ./out) so the device tool brings them back.
@@ -33,17 +34,20 @@ for s in $sections; do case $s in
   bench) run bench_gemm python3 benchmarks/bench_grouped_gemm.py --csv "$OUT/bench_gemm.csv" ${BENCH_ARGS:-} ;;
   claimsweep) run claimsweep python3 benchmarks/bench_grouped_gemm.py --kernels fwd_swiglu_claim,dgrad_w2_claim \
                  --peer --claim-sweep --csv "$OUT/claim_sweep.csv" ;;
-  candidates) # changes not yet default: Triton routing tables and bookkeeping, sliced claims (staged), W13
-          # WGRAD on a side stream. Correctness with all on, then each alone and all together.
+  candcheck|candbench) # changes not yet default: Triton routing tables and bookkeeping, sliced
+          # claims (staged), W13 WGRAD on a side stream, fused SwiGLU backward.
           ALL="DIST_MOE_ROUTING=triton DIST_MOE_BOOKKEEPING=triton DIST_MOE_CLAIM_SLICE_K=${SLICE_K:-512} DIST_MOE_WGRAD_OVERLAP=1 DIST_MOE_FUSE_SWIGLU_BWD=1"
-          run cand_check env $ALL torchrun --nproc-per-node="$NGPU" tests/gpu/dist_check.py --engines triton
-          run cand_packing env $ALL torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py
-          for v in default DIST_MOE_ROUTING=triton DIST_MOE_BOOKKEEPING=triton DIST_MOE_CLAIM_SLICE_K=${SLICE_K:-512} DIST_MOE_WGRAD_OVERLAP=1 DIST_MOE_FUSE_SWIGLU_BWD=1 all; do
-            case $v in all) vars=$ALL ;; default) vars="" ;; *) vars=$v ;; esac
-            TAIL=12 run "cand_${v%%=*}" env $vars torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py \
-                --out "$OUT/cand_${v%%=*}" --cases guide --paths dist_moe,dist_moe_staged
-          done
-          python3 benchmarks/compare_candidates.py "$OUT" ;;
+          if [ "$s" = candcheck ]; then   # correctness with every candidate on
+            run cand_check env $ALL torchrun --nproc-per-node="$NGPU" tests/gpu/dist_check.py --engines triton
+            run cand_packing env $ALL torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py
+          else                             # guide bench: defaults, each knob alone, all together
+            for v in default DIST_MOE_ROUTING=triton DIST_MOE_BOOKKEEPING=triton DIST_MOE_CLAIM_SLICE_K=${SLICE_K:-512} DIST_MOE_WGRAD_OVERLAP=1 DIST_MOE_FUSE_SWIGLU_BWD=1 all; do
+              case $v in all) vars=$ALL ;; default) vars="" ;; *) vars=$v ;; esac
+              TAIL=12 run "cand_${v%%=*}" env $vars torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py \
+                  --out "$OUT/cand_${v%%=*}" --cases guide --paths dist_moe,dist_moe_staged
+            done
+            python3 benchmarks/compare_candidates.py "$OUT"
+          fi ;;
   megatron) # ~0.3 s per step per dispatcher at 2 microbatches: one seed of 300 steps fits a call
             for seed in ${SEEDS:-1234}; do
               TMO=${TMO:-590} run "megatron_$seed" torchrun --nproc-per-node="$NGPU" \
