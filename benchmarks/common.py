@@ -11,7 +11,7 @@ import csv
 import os
 import statistics
 import subprocess
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -154,7 +154,7 @@ def plot_rows(rows: list[dict], path: str, title: str) -> None:
                 if m:
                     xs.append(j + i * w)
                     ys.append(m[0]["useful_tflops"])
-            bars = ax.bar(xs, ys, w, label=p)
+            ax.bar(xs, ys, w, label=p)
             for x, y in zip(xs, ys):
                 ax.text(x, y, f"{y:.0f}", ha="center", va="bottom", fontsize=7)
         ax.set_xticks([j + w * (len(paths) - 1) / 2 for j in range(len(cases))])
