@@ -16,6 +16,7 @@ chose recompute. The expert-MLP step is delegated to `experts.ExpertPipeline`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -63,7 +64,9 @@ class CudaBackend:
         self.plan = ctx.plan
         self.cfg = cfg
         dev = ctx.device
-        with torch.cuda.device(dev):
+        # (a CPU device only in the CPU tests of this orchestration: Triton interpreter, torch
+        # GEMM engine, a single-rank stand-in for symmetric memory)
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
             self.sym = SymmetricBuffers(ctx.plan, ctx.group, dev)
             self.arena = make_arena(ctx.plan, dev)
             self.act_base = torch.tensor([self.arena.base], dtype=torch.int64, device=dev)
@@ -192,7 +195,8 @@ class CudaBackend:
     def close(self) -> None:
         import gc
 
-        torch.cuda.synchronize(self.ctx.device)
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize(self.ctx.device)
         self.experts = None
         self.arena.close()
         self.arena = self.act_base = self.p_dispatch = self.p_combine = None

@@ -24,18 +24,27 @@ def _align(n: int, a: int = 4096) -> int:
     return -(-n // a) * a
 
 
-class SymmetricBuffers:
-    def __init__(self, plan: MemoryPlan, group: dist.ProcessGroup, device: torch.device):
-        import torch.distributed._symmetric_memory as symm_mem
+def symm_mem_rendezvous(nbytes: int, group: dist.ProcessGroup, device: torch.device):
+    """(local buffer, handle) from torch symmetric memory. The handle gives `buffer_ptrs` (every
+    rank's base address), `get_buffer(rank, shape, dtype, offset)` and `barrier(channel=)`."""
+    import torch.distributed._symmetric_memory as symm_mem
 
+    buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    return buf, symm_mem.rendezvous(buf, group.group_name)
+
+
+class SymmetricBuffers:
+    def __init__(self, plan: MemoryPlan, group: dist.ProcessGroup, device: torch.device,
+                 rendezvous=symm_mem_rendezvous):
+        """rendezvous(nbytes, group, device) -> (buffer, handle); see `symm_mem_rendezvous`.
+        The CPU tests pass a single-rank stand-in to run the backend's orchestration there."""
         cfg = plan.config
         T, D, K = cfg.num_local_input_tokens, cfg.hidden_dim, cfg.top_k
         self.routing_off = 0
         self.dispatch_off = _align(plan.routing_bytes)
         self.combine_off = self.dispatch_off + _align(plan.dispatch_bytes)
         total = self.combine_off + _align(plan.combine_bytes)
-        self.buf = symm_mem.empty(total, dtype=torch.uint8, device=device)
-        self.handle = symm_mem.rendezvous(self.buf, group.group_name)
+        self.buf, self.handle = rendezvous(total, group, device)
         self.rank = dist.get_rank(group)
         self.ep_size = dist.get_world_size(group)
         bases = [int(p) for p in self.handle.buffer_ptrs]
