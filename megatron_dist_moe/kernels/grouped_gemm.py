@@ -627,8 +627,10 @@ def _swiglu_bwd_tile(dh, rows64, row_ok, cols, h1_base, h2_addr_ptr, N, alpha, l
 
 @triton.jit
 def _dot(a, b, acc, IEEE: tl.constexpr):
-    if IEEE:  # fp32 operands (interpreter tests): no tf32 rounding
-        return tl.dot(a, b, acc, input_precision="ieee")
+    if IEEE:  # fp32 operands, or the CPU interpreter: exact fp32 products, no tf32 rounding
+        # NOTE: the interpreter's bf16 dot returns garbage; bf16 (and fp16) operands are widened
+        # to fp32 first there, which is exactly the products the tensor cores form.
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc)
 
@@ -943,7 +945,8 @@ def _launch_mm(args: _MMArgs, config: GroupedGemmConfig, num_programs: Optional[
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, A_GATHER=args.a_gather, A_COPY=args.a_copy, W_KN=args.w_kn,
         EPILOGUE=args.epilogue, STORE_AUX=args.store_aux, ACT=args.activation,
-        USE_TMA=config.tma, IEEE=w.dtype == torch.float32, COPY_RELOAD=COPY_RELOAD,
+        USE_TMA=config.tma, IEEE=w.dtype == torch.float32 or _interpreting(),
+        COPY_RELOAD=COPY_RELOAD,
         A_CLAIM=args.claim is not None, CLAIM_AHEAD=config.claim_ahead, COPY_K=copy_k,
         PROXY_FENCE=args.claim is not None and config.tma and not _interpreting(),
         SLICE_K=slice_k, AHEAD_SLICES=config.claim_ahead_slices,
@@ -1094,6 +1097,7 @@ def grouped_mm_wgrad(
         a_addr_ptr=a_addr, b_addr_ptr=b_addr, offsets_ptr=expert_offsets, out_ptr=out, M=m, N=n,
         E=num_experts, IN_DT=_TL_DTYPES[dtype], BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        ACCUMULATE=accumulate, USE_TMA=config.tma, IEEE=dtype == torch.float32,
+        ACCUMULATE=accumulate, USE_TMA=config.tma,
+        IEEE=dtype == torch.float32 or _interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

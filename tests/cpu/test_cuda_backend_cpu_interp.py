@@ -1,17 +1,18 @@
-"""The CUDA backend's orchestration on CPU: one rank, Triton interpreter, torch GEMM engine.
+"""The CUDA backend end to end on CPU: one rank, Triton interpreter.
 
 What runs for real: SymmetricBuffers' layout (behind a single-rank stand-in for symmetric
-memory), the routing tables (torch and Triton versions), the per-call bookkeeping (torch and
-Triton versions), the planner's save/replay decisions and slot cursors, ExpertPipeline with
-DIST_MOE_GEMM=torch, every row kernel of kernels/rows.py, and CudaBackend.forward / backward,
-including the replay path. What does not: our Triton GEMMs (bf16 `tl.dot` is wrong in the
-interpreter; they have their own fp32/fp16 interpreter tests and GPU tests), peer memory and
-device barriers (EP=1).
+memory), the routing tables and per-call bookkeeping (torch and Triton versions), the planner's
+save/replay decisions and slot cursors, ExpertPipeline with both GEMM engines (our Triton GEMMs
+with fp32 products in the interpreter) and both pipelines (staged: claimed gathers, whole
+m-tiles and slices), the fused SwiGLU-backward epilogue, every row kernel, and
+CudaBackend.forward / backward including the replay path. What does not: concurrency between
+programs and streams (the interpreter runs programs one after another; the side-stream WGRAD
+needs CUDA), peer memory and device barriers (EP=1), TMA hardware. Those are the GPU tests'.
 
 Three layers share one slot sized so that the first keeps its state and the later ones
 replay; all run forward,
-then backward in reverse order, for each (DIST_MOE_ROUTING, DIST_MOE_BOOKKEEPING) pair (each
-with its own inputs, so memory freed by a previous variant cannot hold the right values). Every
+then backward in reverse order, for each variant below (each with its own inputs, so memory
+freed by a previous variant cannot hold the right values). Every
 output and gradient must be within the bf16 bound of the fp64 oracle (2e-2, as the reference
 backend's tests), the decisions must be keep / replay / replay, and the cursors must come back.
 """
@@ -72,18 +73,21 @@ shape = dict(num_local_input_tokens=24, hidden_dim=128, intermediate_dim=128, to
 # a slot where the first layer keeps its full state and the later ones must replay:
 # 2 inputs + the largest full state (all 48 routes to this rank's experts)
 p0 = dm.plan_memory(dm.Config(**shape), ep_size=1)
-cfg = dm.Config(**shape, activation_slot_bytes=2 * p0.input_bytes + p0.layer.full_state(48))
-plan = dm.plan_memory(cfg, ep_size=1)
+SLOT = 2 * p0.input_bytes + p0.layer.full_state(48)
 
 
-def run(routing, bookkeeping, seed):
+def run(variant, seed):
+    os.environ.update(variant["env"])
+    from megatron_dist_moe.kernels import grouped_gemm as G
+    G.CLAIM_SLICE_K = int(variant["env"].get("DIST_MOE_CLAIM_SLICE_K", "0"))
+    cfg = dm.Config(**shape, activation_slot_bytes=SLOT, pipeline=variant["pipeline"],
+                    activation=variant.get("activation", "swiglu"))
+    plan = dm.plan_memory(cfg, ep_size=1)
     # new inputs per variant: memory a previous backend freed cannot hold this one's values
     problems = [tt.make_problem(cfg, 1, seed=seed + i, dtype=torch.bfloat16,
                                 routing="random" if i != 1 else "hot_expert")
                 for i in range(LAYERS)]
     oracles = [tt.oracle_results(p, cfg) for p in problems]
-    os.environ["DIST_MOE_ROUTING"] = routing
-    os.environ["DIST_MOE_BOOKKEEPING"] = bookkeeping
     ctx = types.SimpleNamespace(config=cfg, plan=plan, device=torch.device("cpu"),
                                 group=dist.group.WORLD, rank=0, num_local_experts=4,
                                 planner=PlannerState.create(plan, "cpu"))
@@ -110,14 +114,30 @@ def run(routing, bookkeeping, seed):
                needs=[bool(t) for t in be.decision_trace],
                cursors_back=bool(torch.equal(ctx.planner.buffer_offsets, start)))
     be.close()
+    for k in variant["env"]:
+        os.environ.pop(k)
     return res
 
 
-for v, (routing, bookkeeping) in enumerate([(r, b) for r in ("torch", "triton")
-                                            for b in ("torch", "triton")]):
-    name = f"routing={routing},bookkeeping={bookkeeping}"
+TORCH = {"DIST_MOE_GEMM": "torch"}
+TRITON = {"DIST_MOE_GEMM": "triton"}
+FUSED = {"DIST_MOE_ROUTING": "triton", "DIST_MOE_BOOKKEEPING": "triton"}
+VARIANTS = {
+    "torch_gemm": dict(env=dict(TORCH), pipeline="standard"),
+    "torch_gemm,triton_routing,triton_bookkeeping": dict(env={**TORCH, **FUSED},
+                                                         pipeline="standard"),
+    "triton_gemm,standard": dict(env=dict(TRITON), pipeline="standard"),
+    "triton_gemm,standard,fused_swiglu_bwd,clamped": dict(
+        env={**TRITON, "DIST_MOE_FUSE_SWIGLU_BWD": "1"}, pipeline="standard",
+        activation="swiglu_clamped"),
+    "triton_gemm,staged": dict(env=dict(TRITON), pipeline="staged"),
+    "triton_gemm,staged,all_candidates": dict(
+        env={**TRITON, **FUSED, "DIST_MOE_CLAIM_SLICE_K": "32", "DIST_MOE_FUSE_SWIGLU_BWD": "1"},
+        pipeline="staged"),
+}
+for v, (name, variant) in enumerate(VARIANTS.items()):
     try:
-        out = dict(name=name, ok=True, **run(routing, bookkeeping, 50 + 10 * v))
+        out = dict(name=name, ok=True, **run(variant, 50 + 10 * v))
     except Exception as ex:
         import traceback
         out = dict(name=name, ok=False, error=f"{type(ex).__name__}: {ex}",
@@ -125,7 +145,9 @@ for v, (routing, bookkeeping) in enumerate([(r, b) for r in ("torch", "triton")
     print("RESULT " + json.dumps(out), flush=True)
 '''
 
-NAMES = [f"routing={r},bookkeeping={b}" for r in ("torch", "triton") for b in ("torch", "triton")]
+NAMES = ["torch_gemm", "torch_gemm,triton_routing,triton_bookkeeping", "triton_gemm,standard",
+         "triton_gemm,standard,fused_swiglu_bwd,clamped", "triton_gemm,staged",
+         "triton_gemm,staged,all_candidates"]
 
 
 @pytest.fixture(scope="module")

@@ -98,7 +98,8 @@ class ExpertPipeline:
         # W13 WGRAD on a side stream, overlapping the final barrier and the owner-side route
         # reduction; joined by `join_side_work` (opt-in until timed on the GPU machine).
         self.wgrad_stream = None
-        if os.environ.get("DIST_MOE_WGRAD_OVERLAP", "0") == "1" and self.gemm == "triton":
+        if (os.environ.get("DIST_MOE_WGRAD_OVERLAP", "0") == "1" and self.gemm == "triton"
+                and torch.device(device).type == "cuda"):
             self.wgrad_stream = torch.cuda.Stream(device=device)
         # SwiGLU backward fused into the W2 DGRAD epilogue (grad_h2 never stored; grad_h1
         # written over h1 in place); opt-in until timed on the GPU machine.
