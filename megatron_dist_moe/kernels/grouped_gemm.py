@@ -27,8 +27,9 @@ tables: int64 [>= R] tensors, 0 meaning "no row" (a gathered 0 row reads zeros, 
 is skipped). Every address must be 16-byte aligned (the kernels tell the compiler so, to get
 vectorized loads); rows of bf16 with width a multiple of 64 keep row addresses aligned.
 
-The compute dtype is the dtype of `w` (bf16 in production; fp32/fp16 in the CPU interpreter,
-where bf16 `tl.dot` is broken). Accumulation is always fp32.
+The compute dtype is the dtype of `w` (bf16 in production; fp32/fp16 also in the kernel tests).
+Accumulation is always fp32. In the CPU interpreter, whose bf16 `tl.dot` is broken, operands are
+widened to fp32 before the dot (`_dot`), which forms the same exact products.
 """
 
 from __future__ import annotations

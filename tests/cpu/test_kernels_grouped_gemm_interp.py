@@ -2,7 +2,8 @@
 
 `triton.jit` decides at decoration time whether to interpret, so the checks run in one child
 process started with TRITON_INTERPRET=1 (this file run as a script); each pytest test reports one
-check of that run. Operands are fp32/fp16 because bf16 `tl.dot` is wrong in the interpreter.
+check of that run. Operands are fp32/fp16 (bf16 runs too, widened to fp32 in the interpreter; see
+tests/cpu/test_cuda_backend_cpu_interp.py for the bf16 end-to-end run).
 
 Tolerances: with fp32 operands and fp32 accumulation over Kd <= 128, |error| <~ 1e-6 x max|ref|,
 so 1e-5 catches any wrong row, column or expert; fp16 outputs round at 2^-11 relative, so 2e-3;
