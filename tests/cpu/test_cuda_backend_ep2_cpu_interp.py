@@ -131,7 +131,8 @@ def run(variant, seed):
     os.environ.update(variant["env"])
     from megatron_dist_moe.kernels import grouped_gemm as G
     G.CLAIM_SLICE_K = int(variant["env"].get("DIST_MOE_CLAIM_SLICE_K", "0"))
-    cfg = dm.Config(**shape, activation_slot_bytes=SLOT, pipeline=variant["pipeline"])
+    cfg = dm.Config(**shape, activation_slot_bytes=SLOT, pipeline=variant["pipeline"],
+                    activation=variant.get("activation", "swiglu"))
     problems = [tt.make_problem(cfg, EP, seed=seed + i, dtype=torch.bfloat16,
                                 routing=("one_rank" if i == 0 else "hot_expert"))
                 for i in range(LAYERS)]
@@ -157,6 +158,8 @@ def run(variant, seed):
 
 VARIANTS = {
     "torch_gemm": dict(env={"DIST_MOE_GEMM": "torch"}, pipeline="standard"),
+    "triton_gemm,standard,clamped": dict(env={"DIST_MOE_GEMM": "triton"}, pipeline="standard",
+                                         activation="swiglu_clamped"),
     "triton_gemm,staged,all_candidates": dict(
         env={"DIST_MOE_GEMM": "triton", "DIST_MOE_ROUTING": "triton",
              "DIST_MOE_BOOKKEEPING": "triton", "DIST_MOE_CLAIM_SLICE_K": "16",
@@ -170,7 +173,7 @@ for v, (name, variant) in enumerate(VARIANTS.items()):
     print("RESULT " + json.dumps(res), flush=True)
 '''
 
-NAMES = ["torch_gemm", "triton_gemm,staged,all_candidates"]
+NAMES = ["torch_gemm", "triton_gemm,standard,clamped", "triton_gemm,staged,all_candidates"]
 
 
 @pytest.fixture(scope="module")
