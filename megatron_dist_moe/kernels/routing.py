@@ -17,7 +17,7 @@ peer addresses the expert kernels read from and write to.
            check after printing the cause and the numbers.
 
 The status word [3] int64 = (code, a, b) uses the codes and numbers of `rows.device_check`
-(0 = all good). On a failed T or overflow check no table row is written and the published
+(0 = all good; a peer whose header says T = -1 rejected its own inputs: CHECK_PEER_REJECTED). On a failed T or overflow check no table row is written and the published
 row counts and offsets are zero (what a context that did not trap would then read).
 """
 
@@ -37,6 +37,7 @@ _UNEQUAL_T = tl.constexpr(_rows.CHECK_UNEQUAL_T)
 _OVERFLOW = tl.constexpr(_rows.CHECK_SCRATCH_OVERFLOW)
 _BAD_ID = tl.constexpr(_rows.CHECK_BAD_EXPERT_ID)
 _BAD_SCORE = tl.constexpr(_rows.CHECK_INACTIVE_SCORE)
+_PEER_REJECTED = tl.constexpr(_rows.CHECK_PEER_REJECTED)
 CHUNK = 4096                        # flat routes per program
 
 
@@ -142,9 +143,11 @@ def _route_place_kernel(base_ptr, dispatch_base_ptr, combine_base_ptr, counts_pt
             a = R.to(tl.int64)
             b = tl.full((), 0, tl.int64) + max_rows
         if any_bad_T:
-            code = tl.full((), _UNEQUAL_T, tl.int64)
             a = first_T.to(tl.int64)
             b = tl.sum(tl.where(p_idx == first_T, T_peer, 0), 0).to(tl.int64)
+            # T = -1: that peer's own validation failed (CudaBackend.check_collective)
+            code = tl.where(b == -1, tl.full((), _PEER_REJECTED, tl.int64),
+                            tl.full((), _UNEQUAL_T, tl.int64))
         tl.store(status_ptr + 0, code)
         tl.store(status_ptr + 1, a)
         tl.store(status_ptr + 2, b)
@@ -169,6 +172,9 @@ def _route_place_kernel(base_ptr, dispatch_base_ptr, combine_base_ptr, counts_pt
             elif code == _BAD_ID:
                 tl.device_print("dist_moe TRAP: expert id out of range: "
                                 "flat route index, id:", a, b)
+            elif code == _PEER_REJECTED:
+                tl.device_print("dist_moe TRAP: a peer rank rejected its inputs (its own error "
+                                "names the argument): peer rank, its T marker:", a, b)
             elif code == _BAD_SCORE:
                 tl.device_print("dist_moe TRAP: nonzero score on inactive route: "
                                 "flat route index, score bits:", a, b)

@@ -25,7 +25,7 @@ import triton.language as tl
 __all__ = ["device_ptr", "gather_rows", "scatter_rows", "copy_rows", "combine_routes",
            "publish_grad_routes", "reduce_routes", "swiglu_fwd", "swiglu_bwd", "device_check",
            "CHECK_UNEQUAL_T", "CHECK_SCRATCH_OVERFLOW", "CHECK_BAD_EXPERT_ID",
-           "CHECK_INACTIVE_SCORE"]
+           "CHECK_INACTIVE_SCORE", "CHECK_PEER_REJECTED"]
 
 
 def device_ptr(t: torch.Tensor) -> torch.Tensor:
@@ -328,6 +328,7 @@ CHECK_UNEQUAL_T = 1
 CHECK_SCRATCH_OVERFLOW = 2
 CHECK_BAD_EXPERT_ID = 3
 CHECK_INACTIVE_SCORE = 4
+CHECK_PEER_REJECTED = 5      # a peer's header says T = -1: its own input validation failed
 
 
 @triton.jit
@@ -349,6 +350,9 @@ def _device_check_kernel(codes_ptr, a_ptr, b_ptr, n):
                 tl.device_print("dist_moe TRAP: scratch overflow: rows required, rows available:", a, b)
             elif code == 3:
                 tl.device_print("dist_moe TRAP: expert id out of range: flat route index, id:", a, b)
+            elif code == 5:
+                tl.device_print("dist_moe TRAP: a peer rank rejected its inputs (its own error "
+                                "names the argument): peer rank, its T marker:", a, b)
             else:
                 tl.device_print("dist_moe TRAP: nonzero score on inactive route: flat route index, score bits:", a, b)
             _trap()

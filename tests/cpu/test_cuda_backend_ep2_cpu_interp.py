@@ -41,8 +41,14 @@ from megatron_dist_moe.backends.cuda import symmetric as sy
 EP = 2
 LOCK = threading.RLock()
 _run = TI.InterpretedFunction.run
-TI.InterpretedFunction.run = lambda self, *a, **k: (LOCK.acquire(), _run(self, *a, **k),
-                                                    LOCK.release())[1]
+
+
+def _locked_run(self, *a, **k):
+    with LOCK:   # released also when a kernel raises (an interpreted device trap)
+        return _run(self, *a, **k)
+
+
+TI.InterpretedFunction.run = _locked_run
 
 
 class Group:
@@ -165,6 +171,51 @@ VARIANTS = {
              "DIST_MOE_BOOKKEEPING": "triton", "DIST_MOE_CLAIM_SLICE_K": "16",
              "DIST_MOE_FUSE_SWIGLU_BWD": "1"}, pipeline="staged"),
 }
+def rejected_main(rank, shared, problem, out):
+    """Rank 1's own validation fails (check_collective with its error); rank 0 runs forward."""
+    try:
+        group = Group(rank, shared)
+        cfg = shared["cfg"]
+        plan = dm.plan_memory(cfg, ep_size=EP)
+        ctx = types.SimpleNamespace(config=cfg, plan=plan, device=torch.device("cpu"),
+                                    group=group, rank=rank, num_local_experts=2,
+                                    planner=PlannerState.create(plan, "cpu"))
+        be = cb.CudaBackend(ctx)
+        tok, exp = problem.tokens(rank), problem.experts(rank)
+        if rank == 1:
+            be.check_collective(problem.x[tok], ValueError("expert_ids: bad on rank 1"))
+            out[rank] = dict(returned=True)
+        else:
+            be.check_collective(problem.x[tok], None)
+            w13 = problem.w13[exp].reshape(2, -1, problem.w13.shape[-1]).contiguous()
+            be.forward(problem.x[tok].contiguous(), problem.ids[tok].contiguous(),
+                       problem.scores[tok].contiguous(), w13, problem.w2[exp].contiguous(),
+                       training=False)
+            out[rank] = dict(returned=True)
+    except BaseException as ex:
+        out[rank] = dict(raised=f"{type(ex).__name__}: {ex}"[:500])
+
+
+def run_rejected(routing):
+    os.environ.update({"DIST_MOE_GEMM": "torch", "DIST_MOE_ROUTING": routing})
+    cfg = dm.Config(**shape, activation_slot_bytes=SLOT)
+    problem = tt.make_problem(cfg, EP, seed=5, dtype=torch.bfloat16)
+    shared = dict(cfg=cfg, bufs=[None] * EP, barrier=threading.Barrier(EP, timeout=120))
+    out = [None] * EP
+    threads = [threading.Thread(target=rejected_main, args=(r, shared, problem, out))
+               for r in range(EP)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    os.environ.pop("DIST_MOE_ROUTING")
+    return dict(rank0=out[0], rank1=out[1])
+
+
+for routing in ("torch", "triton"):
+    res = dict(name=f"rejected,{routing}_routing", ok=True, **run_rejected(routing))
+    print("RESULT " + json.dumps(res), flush=True)
+
 for v, (name, variant) in enumerate(VARIANTS.items()):
     try:
         res = dict(name=name, ok=True, **run(variant, 70 + 10 * v))
@@ -182,8 +233,8 @@ def results():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
         p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
     proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
-                          timeout=900, cwd=REPO)
-    out = {}
+                          timeout=600, cwd=REPO)
+    out = {"stdout": proc.stdout}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             r = json.loads(line[len("RESULT "):])
@@ -191,6 +242,18 @@ def results():
     if not out:
         pytest.fail(f"no results (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
     return out
+
+
+@pytest.mark.parametrize("routing", ["torch", "triton"])
+def test_a_rank_with_bad_input_makes_its_peer_trap_instead_of_hang(results, routing):
+    """Rank 1's validation fails: it meets rank 0 at the first device barrier with T = -1 in its
+    header and returns (ops then raises its own error); rank 0's routing check traps (in the
+    interpreter: prints the trap message, then raises) naming rank 1 instead of waiting."""
+    r = results.get(f"rejected,{routing}_routing")
+    assert r is not None, "no result"
+    assert r["rank1"] == {"returned": True}, r["rank1"]
+    assert "raised" in r["rank0"], f"rank 0 did not trap: {r['rank0']}"
+    assert "a peer rank rejected its inputs" in results["stdout"]
 
 
 @pytest.mark.parametrize("name", NAMES)

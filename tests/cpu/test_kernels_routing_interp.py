@@ -74,7 +74,7 @@ def case(name, *, EP, T, K, E_local, rank, max_rows, T_max=None, seed=0, inactiv
     if code != expect:
         out["error"] = f"status {(code, a, b)}, expected code {expect}"
         return out
-    if expect in (1, 2):   # no table written: zero rows published
+    if expect in (1, 2, 5):   # no table written: zero rows published
         if int(nrows) != 0 or bool(offs.any()) or bool(rows_EP.any()):
             out["error"] = f"failed check published rows: num_rows={nrows.tolist()}, " \
                            f"offsets={offs.tolist()}, rows_EP={rows_EP.tolist()}"
@@ -111,6 +111,8 @@ CASES = [
          T_EP=[20, 20, 17], expect=1),
     dict(name="overflow", EP=2, T=100, K=4, E_local=2, rank=0, max_rows=50, inactive=0.0,
          expect=2),
+    dict(name="peer_rejected", EP=3, T=20, T_max=32, K=2, E_local=2, rank=2, max_rows=200,
+         T_EP=[20, -1, 20], expect=5),
     dict(name="bad_id", EP=2, T=30, K=3, E_local=2, rank=1, max_rows=400,
          bad={(1, 7, 2): 4, (1, 9, 0): -5, (0, 1, 1): 99}, expect=3),
     dict(name="inactive_score", EP=2, T=30, K=3, E_local=2, rank=0, max_rows=400,
@@ -131,12 +133,13 @@ for c in CASES:
 '''
 
 NAMES = ["ep2_guide_like", "ep2_rank1", "multi_chunk", "ep4_k1_tmax", "ep1", "hot_expert",
-         "all_inactive", "zero_tokens", "exact_fit", "unequal_T", "overflow", "bad_id",
-         "inactive_score"]
+         "all_inactive", "zero_tokens", "exact_fit", "unequal_T", "overflow", "peer_rejected",
+         "bad_id", "inactive_score"]
 # (code, a, b) that the failing cases must report: the numbers the trap message prints
 EXPECT_NUMBERS = {
     "unequal_T": (1, 2, 17),                   # peer rank 2 has T=17
     "overflow": (2, None, 50),                 # R rows required, 50 available
+    "peer_rejected": (5, 1, -1),               # rank 1 published T = -1 (its input was bad)
     "bad_id": (3, 7 * 3 + 2, 4),               # first bad flat route of rank 1: t=7, k=2, id 4
     "inactive_score": (4, 5 * 3 + 1, 0x3F000000),  # t=5, k=1, bits of 0.5
 }

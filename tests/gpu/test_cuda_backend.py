@@ -4,6 +4,7 @@
                       replay from the minimum slot, VMM host-backed scratch
     packing_check.py  ten layers in one slot inside one CUDA graph: gradients, planner flags,
                       cursors, for three slot budgets
+    trap_check.py     device traps: each case ends every rank with the cause and the numbers
 """
 
 import os
@@ -39,3 +40,32 @@ def test_cuda_backend_matches_oracle(nproc):
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_ten_layer_packing_in_one_graph(nproc):
     _torchrun("packing_check.py", nproc)
+
+
+TRAPS = {   # case -> words every run must print (the device trap text, or the host error)
+    "unequal_T": ["dist_moe TRAP: unequal token counts across EP ranks"],
+    "overflow": ["dist_moe TRAP: scratch overflow: rows required, rows available"],
+    "bad_expert_id": ["dist_moe TRAP: expert id out of range: flat route index, id"],
+    "peer_rejected": ["dist_moe TRAP: a peer rank rejected its inputs", "w2"],
+}
+
+
+@pytest.mark.parametrize("routing", ["torch", "triton"])
+@pytest.mark.parametrize("case", sorted(TRAPS))
+def test_device_traps_name_the_cause(case, routing):
+    """A trap ends the job with its message instead of a hang or a wrong result."""
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)):
+        pytest.skip("needs an sm_90+ GPU")
+    nproc = 2
+    if torch.cuda.device_count() < nproc:
+        pytest.skip(f"needs {nproc} GPUs")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",
+           os.path.join(HERE, "trap_check.py"), "--case", case]
+    env = dict(os.environ, DIST_MOE_ROUTING=routing)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    text = r.stdout + r.stderr
+    assert r.returncode != 0, f"{case}: the job did not fail:\n{text[-3000:]}"
+    assert "no trap" not in text, text[-3000:]
+    for words in TRAPS[case]:
+        assert words in text, f"{case}: {words!r} not in the output:\n{text[-4000:]}"

@@ -99,9 +99,15 @@ class CudaBackend:
     # -- helpers ----------------------------------------------------------------------------
     def check_collective(self, x_TD: torch.Tensor, local_error=None) -> None:
         # Equal T across ranks is checked on the device (routing header), without a host sync.
-        # NOTE: a bad input raised on one rank only leaves its peers waiting at the first device
-        # barrier of this call; agreeing on the host would cost a sync on every call.
-        return None
+        # A rank whose own validation failed still meets its peers at the call's first device
+        # barrier, with T = -1 in its routing header: their routing check traps, naming this
+        # rank (CHECK_PEER_REJECTED), instead of waiting at the barrier for ever; this rank then
+        # raises its own error (ops.routed_experts). The peers' contexts are gone after the trap:
+        # the job stops with both messages. Agreeing on the host instead would cost a sync on
+        # every call.
+        if local_error is not None:
+            self.sym.header.fill_(-1)
+            self.sym.barrier(0)
 
     def _publish(self, x_TD: torch.Tensor, ids_TK: torch.Tensor) -> None:
         T, D = x_TD.shape

@@ -93,7 +93,10 @@ def build_routing_tables(ids_all_EPTK: torch.Tensor, T_all_EP: torch.Tensor, T: 
         T_all = T_all_EP.to(torch.int64)
         bad_T = T_all != T
         first_bad = torch.argmax(bad_T.to(torch.int32))
-        checks.append((bad_T.any(), K_rows.CHECK_UNEQUAL_T, first_bad, pick(T_all, first_bad)))
+        T_bad = pick(T_all, first_bad)
+        # T = -1: that peer's own validation failed (CudaBackend.check_collective)
+        code_T = torch.where(T_bad == -1, K_rows.CHECK_PEER_REJECTED, K_rows.CHECK_UNEQUAL_T)
+        checks.append((bad_T.any(), code_T, first_bad, T_bad))
         R = num_rows.to(torch.int64).view(())
         checks.append((R > max_rows, K_rows.CHECK_SCRATCH_OVERFLOW, R,
                        torch.full_like(R, max_rows)))
