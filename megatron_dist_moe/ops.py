@@ -156,8 +156,9 @@ def routed_experts(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: t
             local_error = None
         except RoutedExpertsInputError as e:
             local_error = e
-        # Collective agreement (reference backend): every rank raises when any rank's input is
-        # bad, so a bad input on one rank never leaves its peers waiting in a collective.
+        # Collective agreement: a bad input on one rank never leaves its peers waiting. The
+        # reference backend makes every rank raise; the CUDA backend (no host sync) meets the
+        # peers at its device barrier with a "rejected" header, and their routing traps.
         if not fake:
             ctx.backend.check_collective(x_TD, local_error)
     if local_error is not None:
