@@ -45,7 +45,7 @@ for s in $sections; do case $s in
             for v in default DIST_MOE_ROUTING=triton DIST_MOE_BOOKKEEPING=triton DIST_MOE_CLAIM_SLICE_K=${SLICE_K:-512} DIST_MOE_WGRAD_OVERLAP=1 DIST_MOE_FUSE_SWIGLU_BWD=1 all; do
               case $v in all) vars=$ALL ;; default) vars="" ;; *) vars=$v ;; esac
               TAIL=12 run "cand_${v%%=*}" env $vars torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py \
-                  --out "$OUT/cand_${v%%=*}" --cases guide --paths dist_moe,dist_moe_staged
+                  --out "$OUT/cand_${v%%=*}" --cases guide --paths dist_moe,dist_moe_staged,a2a
             done
             python3 benchmarks/compare_candidates.py "$OUT"
           fi ;;
