@@ -9,6 +9,8 @@ Nothing here runs at import time; torch.distributed is only touched inside spawn
                 oracle_results(problem, cfg) / rank_errors(...)
     processes   spawn(fn, world_size, args) runs fn(rank, world_size, *args) on gloo/NCCL ranks
                 rendezvousing through a FileStore in a fresh temporary directory (no ports).
+                run_child_checks(argv) runs checks in a fresh Python (e.g. Triton's
+                interpreter, which is chosen at import) and collects their RESULT lines.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 __all__ = [
     "routed_experts_oracle", "random_routing", "imbalanced_routing", "make_weights",
     "relative_error", "Problem", "make_problem", "run_rank", "oracle_results", "rank_errors",
-    "spawn", "SpawnedRankDied", "RESULT_NAMES",
+    "spawn", "SpawnedRankDied", "run_child_checks", "RESULT_NAMES",
 ]
 
 RESULT_NAMES = ("y", "grad_x", "grad_scores", "grad_w13", "grad_w2")
@@ -357,3 +359,39 @@ def spawn(fn: Callable, world_size: int = 2, args: tuple = (), *, backend: str =
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
     raise AssertionError("unreachable")
+
+
+def run_child_checks(argv: list[str], *, interpret: bool = True, timeout_s: float = 600,
+                     paths: tuple[str, ...] = (), env: dict[str, str] | None = None
+                     ) -> tuple[dict[str, dict], str]:
+    """Run `python *argv` in a fresh process and collect its checks' results.
+
+    The child prints one line `RESULT <json object with a "name">` per check. `interpret` sets
+    TRITON_INTERPRET=1 (Triton decides at import whether it interprets, so it cannot be switched
+    inside one process); `paths` go in front of PYTHONPATH, after the repository root; `env`
+    adds variables.
+    Returns ({name: result}, the child's stdout); raises RuntimeError with the child's stderr
+    when it printed no result at all (a crash before the first check).
+    """
+    import json
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    child_env = dict(os.environ, **(env or {}), PYTHONPATH=os.pathsep.join(
+        p for p in (repo, *paths, os.environ.get("PYTHONPATH", "")) if p))
+    if interpret:
+        child_env["TRITON_INTERPRET"] = "1"
+    else:
+        child_env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, *argv], env=child_env, capture_output=True, text=True,
+                          timeout=timeout_s, cwd=repo)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            r = json.loads(line[len("RESULT "):])
+            results[r["name"]] = r
+    if not results:
+        raise RuntimeError(f"the child printed no result (rc={proc.returncode}):\n"
+                           f"{proc.stderr[-4000:]}")
+    return results, proc.stdout

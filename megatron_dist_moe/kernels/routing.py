@@ -16,8 +16,9 @@ peer addresses the expert kernels read from and write to.
            expert_offsets, num_rows, rows_EP and the status word, and traps (TRAP) on a failed
            check after printing the cause and the numbers.
 
-The status word [3] int64 = (code, a, b) uses the codes and numbers of `rows.device_check`
-(0 = all good; a peer whose header says T = -1 rejected its own inputs: CHECK_PEER_REJECTED). On a failed T or overflow check no table row is written and the published
+The status word [3] int64 = (code, a, b) uses the codes, numbers and messages of
+`rows.trap_on_code` (0 = all good; a peer whose header says T = -1 rejected its own inputs:
+CHECK_PEER_REJECTED). On a failed T or overflow check no table row is written and the published
 row counts and offsets are zero (what a context that did not trap would then read).
 """
 
@@ -28,7 +29,7 @@ import triton
 import triton.language as tl
 
 from . import rows as _rows
-from .rows import _trap
+from .rows import trap_on_code
 
 __all__ = ["RouteWorkspace", "route_tables"]
 
@@ -163,23 +164,7 @@ def _route_place_kernel(base_ptr, dispatch_base_ptr, combine_base_ptr, counts_pt
         tl.store(num_rows_ptr + e_idx, tl.zeros((E_PAD,), tl.int32) + tl.where(ok, R, 0),
                  mask=e_idx == 0)
         if TRAP:
-            if code == _UNEQUAL_T:
-                tl.device_print("dist_moe TRAP: unequal token counts across EP ranks: "
-                                "peer rank, T:", a, b)
-            elif code == _OVERFLOW:
-                tl.device_print("dist_moe TRAP: scratch overflow: "
-                                "rows required, rows available:", a, b)
-            elif code == _BAD_ID:
-                tl.device_print("dist_moe TRAP: expert id out of range: "
-                                "flat route index, id:", a, b)
-            elif code == _PEER_REJECTED:
-                tl.device_print("dist_moe TRAP: a peer rank rejected its inputs (its own error "
-                                "names the argument): peer rank, its T marker:", a, b)
-            elif code == _BAD_SCORE:
-                tl.device_print("dist_moe TRAP: nonzero score on inactive route: "
-                                "flat route index, score bits:", a, b)
-            if code != 0:
-                _trap()
+            trap_on_code(code, a, b)
     if any_bad_T | overflow:
         return
 

@@ -337,25 +337,34 @@ def _trap():
 
 
 @triton.jit
+def trap_on_code(code, a, b):
+    """code != 0: print the failed check's cause and its two numbers, then trap. Shared by every
+    device check (this module's and the routing kernels'), so the messages are written once."""
+    if code != 0:
+        if code == 1:
+            tl.device_print("dist_moe TRAP: unequal token counts across EP ranks: peer rank, T:",
+                            a, b)
+        elif code == 2:
+            tl.device_print("dist_moe TRAP: scratch overflow: rows required, rows available:",
+                            a, b)
+        elif code == 3:
+            tl.device_print("dist_moe TRAP: expert id out of range: flat route index, id:", a, b)
+        elif code == 5:
+            tl.device_print("dist_moe TRAP: a peer rank rejected its inputs (its own error "
+                            "names the argument): peer rank, its T marker:", a, b)
+        else:
+            tl.device_print("dist_moe TRAP: nonzero score on inactive route: "
+                            "flat route index, score bits:", a, b)
+        _trap()
+
+
+@triton.jit
 def _device_check_kernel(codes_ptr, a_ptr, b_ptr, n):
     # codes[i] != 0 names a failed condition; a[i], b[i] are the numbers it reports.
     for i in range(n):
         code = tl.load(codes_ptr + i)
         if code != 0:
-            a = tl.load(a_ptr + i)
-            b = tl.load(b_ptr + i)
-            if code == 1:
-                tl.device_print("dist_moe TRAP: unequal token counts across EP ranks: peer rank, T:", a, b)
-            elif code == 2:
-                tl.device_print("dist_moe TRAP: scratch overflow: rows required, rows available:", a, b)
-            elif code == 3:
-                tl.device_print("dist_moe TRAP: expert id out of range: flat route index, id:", a, b)
-            elif code == 5:
-                tl.device_print("dist_moe TRAP: a peer rank rejected its inputs (its own error "
-                                "names the argument): peer rank, its T marker:", a, b)
-            else:
-                tl.device_print("dist_moe TRAP: nonzero score on inactive route: flat route index, score bits:", a, b)
-            _trap()
+            trap_on_code(code, tl.load(a_ptr + i), tl.load(b_ptr + i))
 
 
 def device_check(codes: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

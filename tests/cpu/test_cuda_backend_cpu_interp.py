@@ -1,7 +1,7 @@
 """The CUDA backend end to end on CPU: one rank, Triton interpreter.
 
-What runs for real: SymmetricBuffers' layout (behind a single-rank stand-in for symmetric
-memory), the routing tables and per-call bookkeeping (torch and Triton versions), the planner's
+What runs for real: SymmetricBuffers' layout (behind the stand-in for symmetric memory of
+tests/cpu/cuda_cpu_harness.py, with one rank), the routing tables and per-call bookkeeping (torch and Triton versions), the planner's
 save/replay decisions and slot cursors, ExpertPipeline with both GEMM engines (our Triton GEMMs
 with fp32 products in the interpreter) and both pipelines (staged: claimed gathers, whole
 m-tiles and slices), the fused SwiGLU-backward epilogue, every row kernel, and
@@ -10,63 +10,31 @@ programs and streams (the interpreter runs programs one after another; the side-
 needs CUDA), peer memory and device barriers (EP=1), TMA hardware. Those are the GPU tests'.
 
 Three layers share one slot sized so that the first keeps its state and the later ones
-replay; all run forward,
-then backward in reverse order, for each variant below (each with its own inputs, so memory
-freed by a previous variant cannot hold the right values). Every
-output and gradient must be within the bf16 bound of the fp64 oracle (2e-2, as the reference
+replay; all run forward, then backward in reverse order, for each variant below (each with its
+own inputs, so memory freed by a previous variant cannot hold the right values). Every output
+and gradient must be within the bf16 bound of the fp64 oracle (2e-2, as the reference
 backend's tests), the decisions must be keep / replay / replay, and the cursors must come back.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from megatron_dist_moe import testing as tt
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 BF16_TOL = 2e-2
 
 CHILD = r'''
-import functools, json, math, os, tempfile, types
+import json
 import torch
-import torch.distributed as dist
-
-os.environ["DIST_MOE_GEMM"] = "torch"
 import megatron_dist_moe as dm
 from megatron_dist_moe import testing as tt
-from megatron_dist_moe.planner import PlannerState
-import megatron_dist_moe.backends.cuda as cb
-from megatron_dist_moe.backends.cuda import symmetric as sy
+import cuda_cpu_harness as H
 
-
-class LocalHandle:
-    """Single-rank stand-in for a torch symmetric-memory handle."""
-    def __init__(self, buf):
-        self.buf, self.buffer_ptrs = buf, [buf.data_ptr()]
-
-    def get_buffer(self, rank, shape, dtype, offset):
-        assert rank == 0
-        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        return self.buf[offset:offset + n].view(dtype).view(shape)
-
-    def barrier(self, channel=0):
-        pass
-
-
-def local_rendezvous(nbytes, group, device):
-    buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    return buf, LocalHandle(buf)
-
-
-cb.SymmetricBuffers = functools.partial(sy.SymmetricBuffers, rendezvous=local_rendezvous)
-d = tempfile.mkdtemp()
-dist.init_process_group("gloo", store=dist.FileStore(os.path.join(d, "s"), 1), rank=0,
-                        world_size=1)
-
+H.install()
 LAYERS = 3
 shape = dict(num_local_input_tokens=24, hidden_dim=128, intermediate_dim=128, top_k=2,
              num_experts=4, backend="reference", max_moe_layers_per_activation_slot=LAYERS)
@@ -77,46 +45,21 @@ SLOT = 2 * p0.input_bytes + p0.layer.full_state(48)
 
 
 def run(variant, seed):
-    os.environ.update(variant["env"])
-    from megatron_dist_moe.kernels import grouped_gemm as G
-    G.CLAIM_SLICE_K = int(variant["env"].get("DIST_MOE_CLAIM_SLICE_K", "0"))
     cfg = dm.Config(**shape, activation_slot_bytes=SLOT, pipeline=variant["pipeline"],
                     activation=variant.get("activation", "swiglu"))
-    plan = dm.plan_memory(cfg, ep_size=1)
     # new inputs per variant: memory a previous backend freed cannot hold this one's values
     problems = [tt.make_problem(cfg, 1, seed=seed + i, dtype=torch.bfloat16,
                                 routing="random" if i != 1 else "hot_expert")
                 for i in range(LAYERS)]
     oracles = [tt.oracle_results(p, cfg) for p in problems]
-    ctx = types.SimpleNamespace(config=cfg, plan=plan, device=torch.device("cpu"),
-                                group=dist.group.WORLD, rank=0, num_local_experts=4,
-                                planner=PlannerState.create(plan, "cpu"))
-    be = cb.CudaBackend(ctx)
-    be.decision_trace = []
-    start = ctx.planner.buffer_offsets.clone()
-    ctx.planner.select(0, LAYERS)
-    saved, outs = [], []
-    for p in problems:
-        w13 = p.w13.reshape(p.w13.shape[0], -1, p.w13.shape[-1]).contiguous()
-        y, s = be.forward(p.x, p.ids, p.scores, w13, p.w2, training=True)
-        saved.append(s)
-        outs.append({"y": y})
-    for i in reversed(range(LAYERS)):
-        gx, gs, gw13, gw2 = be.backward(problems[i].grad_y, saved[i])
-        outs[i].update(grad_x=gx, grad_scores=gs, grad_w13=gw13.reshape(problems[i].w13.shape),
-                       grad_w2=gw2)
-    errs = [tt.rank_errors(o, orc, p, 0) for o, orc, p in zip(outs, oracles, problems)]
-    y_inf, none = be.forward(problems[0].x, problems[0].ids, problems[0].scores,
-                             problems[0].w13.reshape(4, -1, 128).contiguous(), problems[0].w2,
-                             training=False)
-    inf_err = tt.relative_error(y_inf, oracles[0]["y"])
-    res = dict(errors=errs, inference_error=inf_err, saved_none=none is None,
-               needs=[bool(t) for t in be.decision_trace],
-               cursors_back=bool(torch.equal(ctx.planner.buffer_offsets, start)))
-    be.close()
-    for k in variant["env"]:
-        os.environ.pop(k)
-    return res
+    with H.variant_env(variant["env"]):
+        be = H.make_backend(cfg, H.ThreadGroup(0, H.new_shared(1)))
+        out = H.run_layers(be, problems, 0)
+        y_inf, none = be.forward(*H.rank_inputs(problems[0], 0), training=False)
+        be.close()
+    errs = [tt.rank_errors(o, orc, p, 0) for o, orc, p in zip(out["results"], oracles, problems)]
+    return dict(errors=errs, inference_error=tt.relative_error(y_inf, oracles[0]["y"]),
+                saved_none=none is None, needs=out["needs"], cursors_back=out["cursors_back"])
 
 
 TORCH = {"DIST_MOE_GEMM": "torch"}
@@ -153,18 +96,7 @@ NAMES = ["torch_gemm", "torch_gemm,triton_routing,triton_bookkeeping", "triton_g
 @pytest.fixture(scope="module")
 def results():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
-    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
-                          timeout=900, cwd=REPO)
-    out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            r = json.loads(line[len("RESULT "):])
-            out[r["name"]] = r
-    if not out:
-        pytest.fail(f"no results (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
-    return out
+    return tt.run_child_checks(["-c", CHILD], timeout_s=900, paths=(HERE,))[0]
 
 
 @pytest.mark.parametrize("name", NAMES)

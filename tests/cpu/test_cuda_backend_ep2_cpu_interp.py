@@ -1,10 +1,9 @@
 """The CUDA backend at EP=2 on CPU: two ranks as two threads of one process, Triton interpreter.
 
-Both ranks live in one address space, so a "peer pointer" is just the other rank's buffer: the
-stand-in for symmetric memory hands every rank all buffer addresses and implements the device
-barrier with a threading.Barrier; interpreted kernels run one at a time (a lock; the interpreter
-is not thread-safe). What this adds to test_cuda_backend_cpu_interp.py (one rank): routing tables
-over two sources, peer gathers, W2 stores into the other rank's combine buffer, route input
+Both ranks live in one address space, so a "peer pointer" is just the other rank's buffer
+(tests/cpu/cuda_cpu_harness.py: symmetric memory and device barriers stood in for by the
+thread group, interpreted kernels one at a time). What this adds to
+test_cuda_backend_cpu_interp.py (one rank): routing tables over two sources, peer gathers, W2 stores into the other rank's combine buffer, route input
 gradients returned into the other rank's dispatch buffer, weight gradients landing on the owner,
 and the worst-rank save/replay rule with different row counts per rank (one rank receives most
 routes). Still not covered here: real concurrency, NVLink, TMA hardware, CUDA graphs (GPU tests).
@@ -15,80 +14,24 @@ in reverse order on both ranks; every result must be within the bf16 bound of th
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from megatron_dist_moe import testing as tt
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 BF16_TOL = 2e-2
 
 CHILD = r'''
-import functools, json, math, os, threading, types, traceback
+import json
 import torch
-import torch.distributed as dist
-from triton.runtime import interpreter as TI
-
 import megatron_dist_moe as dm
 from megatron_dist_moe import testing as tt
-from megatron_dist_moe.planner import PlannerState
-import megatron_dist_moe.backends.cuda as cb
-from megatron_dist_moe.backends.cuda import symmetric as sy
+import cuda_cpu_harness as H
 
+H.install()
 EP = 2
-LOCK = threading.RLock()
-_run = TI.InterpretedFunction.run
-
-
-def _locked_run(self, *a, **k):
-    with LOCK:   # released also when a kernel raises (an interpreted device trap)
-        return _run(self, *a, **k)
-
-
-TI.InterpretedFunction.run = _locked_run
-
-
-class Group:
-    """One rank's view of the EP group: its rank, the size, a shared thread barrier."""
-    def __init__(self, rank, shared):
-        self.rank, self.size, self.shared = rank, EP, shared
-        self.group_name = "threads"
-
-    def wait(self):
-        self.shared["barrier"].wait()
-
-
-# torch.distributed calls the backend makes, answered by the thread group
-dist.get_rank = lambda group=None: group.rank
-dist.get_world_size = lambda group=None: group.size
-dist.barrier = lambda group=None: group.wait()
-
-
-class Handle:
-    def __init__(self, group, bufs):
-        self.group, self.bufs = group, bufs
-        self.buffer_ptrs = [b.data_ptr() for b in bufs]
-
-    def get_buffer(self, rank, shape, dtype, offset):
-        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        return self.bufs[rank][offset:offset + n].view(dtype).view(shape)
-
-    def barrier(self, channel=0):
-        self.group.wait()
-
-
-def rendezvous(nbytes, group, device):
-    buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    group.shared["bufs"][group.rank] = buf
-    group.wait()
-    return buf, Handle(group, list(group.shared["bufs"]))
-
-
-cb.SymmetricBuffers = functools.partial(sy.SymmetricBuffers, rendezvous=rendezvous)
-
 LAYERS = 3
 shape = dict(num_local_input_tokens=16, hidden_dim=64, intermediate_dim=64, top_k=2,
              num_experts=4, backend="reference", max_moe_layers_per_activation_slot=LAYERS)
@@ -97,62 +40,23 @@ p0 = dm.plan_memory(dm.Config(**shape), ep_size=EP)
 SLOT = 2 * p0.input_bytes + p0.layer.full_state(2 * 16 * 2)
 
 
-def rank_main(rank, shared, variant, problems, out):
-    try:
-        group = Group(rank, shared)
-        cfg = shared["cfg"]
-        plan = dm.plan_memory(cfg, ep_size=EP)
-        ctx = types.SimpleNamespace(config=cfg, plan=plan, device=torch.device("cpu"),
-                                    group=group, rank=rank, num_local_experts=2,
-                                    planner=PlannerState.create(plan, "cpu"))
-        be = cb.CudaBackend(ctx)
-        be.decision_trace = []
-        start = ctx.planner.buffer_offsets.clone()
-        ctx.planner.select(0, LAYERS)
-        saved, res = [], []
-        for p in problems:
-            tok, exp = p.tokens(rank), p.experts(rank)
-            w13 = p.w13[exp].reshape(2, -1, p.w13.shape[-1]).contiguous()
-            y, s = be.forward(p.x[tok].contiguous(), p.ids[tok].contiguous(),
-                              p.scores[tok].contiguous(), w13, p.w2[exp].contiguous(),
-                              training=True)
-            saved.append(s)
-            res.append({"y": y})
-        for i in reversed(range(LAYERS)):
-            p = problems[i]
-            tok, exp = p.tokens(rank), p.experts(rank)
-            gx, gs, gw13, gw2 = be.backward(p.grad_y[tok].contiguous(), saved[i])
-            res[i].update(grad_x=gx, grad_scores=gs, grad_w13=gw13.reshape(p.w13[exp].shape),
-                          grad_w2=gw2)
-        out[rank] = dict(results=res, needs=[bool(t) for t in be.decision_trace],
-                         cursors_back=bool(torch.equal(ctx.planner.buffer_offsets, start)))
-        group.wait()          # no rank frees its buffers while the other may still read them
-        be.close()
-    except BaseException:
-        out[rank] = dict(error=traceback.format_exc()[-3000:])
-        shared["barrier"].abort()
+def train_rank(group, cfg, problems):
+    be = H.make_backend(cfg, group)
+    out = H.run_layers(be, problems, group.rank)
+    group.wait()          # no rank frees its buffers while the other may still read them
+    be.close()
+    return out
 
 
 def run(variant, seed):
-    os.environ.update(variant["env"])
-    from megatron_dist_moe.kernels import grouped_gemm as G
-    G.CLAIM_SLICE_K = int(variant["env"].get("DIST_MOE_CLAIM_SLICE_K", "0"))
     cfg = dm.Config(**shape, activation_slot_bytes=SLOT, pipeline=variant["pipeline"],
                     activation=variant.get("activation", "swiglu"))
     problems = [tt.make_problem(cfg, EP, seed=seed + i, dtype=torch.bfloat16,
                                 routing=("one_rank" if i == 0 else "hot_expert"))
                 for i in range(LAYERS)]
     oracles = [tt.oracle_results(p, cfg) for p in problems]
-    shared = dict(cfg=cfg, bufs=[None] * EP, barrier=threading.Barrier(EP, timeout=300))
-    out = [None] * EP
-    threads = [threading.Thread(target=rank_main, args=(r, shared, variant, problems, out))
-               for r in range(EP)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for k in variant["env"]:
-        os.environ.pop(k)
+    with H.variant_env(variant["env"]):
+        out = H.run_ranks(EP, train_rank, cfg, problems)
     errors = [o["error"] for o in out if "error" in o]
     if errors:
         raise RuntimeError("\n".join(errors))
@@ -160,6 +64,29 @@ def run(variant, seed):
              for i in range(LAYERS)] for r in range(EP)]
     return dict(errors=errs, needs=[o["needs"] for o in out],
                 cursors_back=[o["cursors_back"] for o in out])
+
+
+def rejected_rank(group, cfg, problem):
+    """Rank 1's own validation fails (check_collective with its error); rank 0 runs forward."""
+    try:
+        be = H.make_backend(cfg, group)
+        x, ids, scores, w13, w2 = H.rank_inputs(problem, group.rank)
+        if group.rank == 1:
+            be.check_collective(x, ValueError("expert_ids: bad on rank 1"))
+        else:
+            be.check_collective(x, None)
+            be.forward(x, ids, scores, w13, w2, training=False)
+        return dict(returned=True)
+    except BaseException as ex:
+        return dict(raised=f"{type(ex).__name__}: {ex}"[:500])
+
+
+def run_rejected(routing):
+    cfg = dm.Config(**shape, activation_slot_bytes=SLOT)
+    problem = tt.make_problem(cfg, EP, seed=5, dtype=torch.bfloat16)
+    with H.variant_env({"DIST_MOE_GEMM": "torch", "DIST_MOE_ROUTING": routing}):
+        out = H.run_ranks(EP, rejected_rank, cfg, problem, timeout_s=120)
+    return dict(rank0=out[0], rank1=out[1])
 
 
 VARIANTS = {
@@ -171,46 +98,6 @@ VARIANTS = {
              "DIST_MOE_BOOKKEEPING": "triton", "DIST_MOE_CLAIM_SLICE_K": "16",
              "DIST_MOE_FUSE_SWIGLU_BWD": "1"}, pipeline="staged"),
 }
-def rejected_main(rank, shared, problem, out):
-    """Rank 1's own validation fails (check_collective with its error); rank 0 runs forward."""
-    try:
-        group = Group(rank, shared)
-        cfg = shared["cfg"]
-        plan = dm.plan_memory(cfg, ep_size=EP)
-        ctx = types.SimpleNamespace(config=cfg, plan=plan, device=torch.device("cpu"),
-                                    group=group, rank=rank, num_local_experts=2,
-                                    planner=PlannerState.create(plan, "cpu"))
-        be = cb.CudaBackend(ctx)
-        tok, exp = problem.tokens(rank), problem.experts(rank)
-        if rank == 1:
-            be.check_collective(problem.x[tok], ValueError("expert_ids: bad on rank 1"))
-            out[rank] = dict(returned=True)
-        else:
-            be.check_collective(problem.x[tok], None)
-            w13 = problem.w13[exp].reshape(2, -1, problem.w13.shape[-1]).contiguous()
-            be.forward(problem.x[tok].contiguous(), problem.ids[tok].contiguous(),
-                       problem.scores[tok].contiguous(), w13, problem.w2[exp].contiguous(),
-                       training=False)
-            out[rank] = dict(returned=True)
-    except BaseException as ex:
-        out[rank] = dict(raised=f"{type(ex).__name__}: {ex}"[:500])
-
-
-def run_rejected(routing):
-    os.environ.update({"DIST_MOE_GEMM": "torch", "DIST_MOE_ROUTING": routing})
-    cfg = dm.Config(**shape, activation_slot_bytes=SLOT)
-    problem = tt.make_problem(cfg, EP, seed=5, dtype=torch.bfloat16)
-    shared = dict(cfg=cfg, bufs=[None] * EP, barrier=threading.Barrier(EP, timeout=120))
-    out = [None] * EP
-    threads = [threading.Thread(target=rejected_main, args=(r, shared, problem, out))
-               for r in range(EP)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    os.environ.pop("DIST_MOE_ROUTING")
-    return dict(rank0=out[0], rank1=out[1])
-
 
 for routing in ("torch", "triton"):
     res = dict(name=f"rejected,{routing}_routing", ok=True, **run_rejected(routing))
@@ -230,18 +117,8 @@ NAMES = ["torch_gemm", "triton_gemm,standard,clamped", "triton_gemm,staged,all_c
 @pytest.fixture(scope="module")
 def results():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
-    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=REPO)
-    out = {"stdout": proc.stdout}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            r = json.loads(line[len("RESULT "):])
-            out[r["name"]] = r
-    if not out:
-        pytest.fail(f"no results (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
-    return out
+    out, stdout = tt.run_child_checks(["-c", CHILD], timeout_s=600, paths=(HERE,))
+    return dict(out, stdout=stdout)
 
 
 @pytest.mark.parametrize("routing", ["torch", "triton"])

@@ -11,16 +11,11 @@ Runs in a child process with a fresh TRITON_CACHE_DIR so every variant really co
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from megatron_dist_moe import testing as tt
 
 CHILD = r'''
 import json, re, sys, time
@@ -225,19 +220,8 @@ EXPECT = {
 def compiled():
     pytest.importorskip("triton.backends.compiler")   # GPUTarget: compiling for sm_90 here
     with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, TRITON_CACHE_DIR=cache, PYTHONPATH=os.pathsep.join(
-            p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
-        env.pop("TRITON_INTERPRET", None)
-        proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
-                              text=True, timeout=900, cwd=REPO)
-    out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            r = json.loads(line[len("RESULT "):])
-            out[r["name"]] = r
-    if not out:
-        pytest.fail(f"compile run gave no results (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
-    return out
+        return tt.run_child_checks(["-c", CHILD], interpret=False, timeout_s=900,
+                                   env={"TRITON_CACHE_DIR": cache})[0]
 
 
 @pytest.mark.parametrize("name", VARIANTS)

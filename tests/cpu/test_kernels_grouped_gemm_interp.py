@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from megatron_dist_moe import testing as tt
 
 REPO = Path(__file__).resolve().parents[2]
 NAN = float("nan")
@@ -545,18 +546,7 @@ def _main(names):
 @pytest.fixture(scope="module")
 def interp_results():
     pytest.importorskip("triton")
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=REPO)
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            res = json.loads(line[len("RESULT "):])
-            results[res["name"]] = res
-    if not results:
-        pytest.fail(f"interpreter run produced no results (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
-    return results
+    return tt.run_child_checks([__file__])[0]
 
 
 @pytest.mark.parametrize("name", list(CHECKS))

@@ -9,15 +9,9 @@ are read from the status word (trap=False), which the GPU path turns into a trap
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from megatron_dist_moe import testing as tt
 
 CHILD = r'''
 import json, sys, torch
@@ -148,18 +142,7 @@ EXPECT_NUMBERS = {
 @pytest.fixture(scope="module")
 def results():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
-    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=REPO)
-    out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            r = json.loads(line[len("RESULT "):])
-            out[r["name"]] = r
-    if not out:
-        pytest.fail(f"no results (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
-    return out
+    return tt.run_child_checks(["-c", CHILD])[0]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -61,7 +61,6 @@ class CudaBackend:
                 "Config.pipeline='mega' (one persistent kernel for W13+W2) is not implemented "
                 "yet; use pipeline='standard' or 'staged'")
         self.ctx = ctx
-        self.plan = ctx.plan
         self.cfg = cfg
         dev = ctx.device
         # (a CPU device only in the CPU tests of this orchestration: Triton interpreter, torch

@@ -74,13 +74,6 @@ class ScratchPointers:
         return cls(xg=xg, h1=h1, h2=h2, g3=h2 + s2, grad_h1=h2, grad_h2=h2 + top)
 
 
-def _predicated(tabs: RoutingTables, predicate: torch.Tensor | None):
-    if predicate is None:
-        return tabs.expert_offsets, tabs.num_rows
-    offs = torch.where(predicate, tabs.expert_offsets, torch.zeros_like(tabs.expert_offsets))
-    return offs, offs[-1:]
-
-
 class ExpertPipeline:
     def __init__(self, cfg: Config, num_local_experts: int, max_rows: int,
                  arena_end: int, device: torch.device, pipeline: str = "standard",
@@ -110,23 +103,18 @@ class ExpertPipeline:
             # one set of flags: every claimed launch of this context runs on one stream
             self.claim = ClaimFlags(max_rows, None, num_local_experts, device)
 
-    def scratch(self, tabs: RoutingTables) -> ScratchPointers:
-        """This call's scratch pointers (sized for its received rows, anchored at the end)."""
-        return ScratchPointers.for_rows(self.arena_end, tabs.num_rows, self.cfg.hidden_dim,
-                                        self.cfg.intermediate_dim)
-
     # -- forward -----------------------------------------------------------------------------
     def forward(self, tabs: RoutingTables, w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor,
                 scatter_ptrs: torch.Tensor, xg_addr: torch.Tensor, h1_addr: torch.Tensor,
-                sp: ScratchPointers, predicate: torch.Tensor | None = None,
+                sp: ScratchPointers,
                 rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Expert MLP of the received rows; x_g and h1 land at xg_addr / h1_addr (device ptrs),
-        route outputs h3 at scatter_ptrs (peer combine rows). A replay passes either its
-        predicate or its predicated (expert offsets, row count) as `rows`."""
+        route outputs h3 at scatter_ptrs (peer combine rows). A replay passes its predicated
+        (expert offsets, row count) as `rows`: zeros when nothing is replayed."""
         cfg = self.cfg
         D, F = cfg.hidden_dim, cfg.intermediate_dim
         Rm = self.max_rows
-        offs, nrows = rows if rows is not None else _predicated(tabs, predicate)
+        offs, nrows = rows if rows is not None else (tabs.expert_offsets, tabs.num_rows)
         if self.gemm == "torch":
             xg = torch.empty(Rm, D, dtype=torch.bfloat16, device=self.device)
             K_rows.gather_rows(tabs.fwd_gather_ptrs, K_rows.device_ptr(xg), nrows, D,
