@@ -149,6 +149,10 @@ route = lambda: KR.route_tables(ws, p.repeat(2), 2048, 6, 0, 12, 8192, p.repeat(
                                 14336, own_scores_TK=torch.empty(2048, 6), trap=True)
 VARIANTS["routing_count"] = route
 VARIANTS["routing_place"] = route
+_i64 = torch.zeros(4, dtype=torch.int64)
+VARIANTS["rows_device_check"] = lambda: K_rows.device_check(_i64, _i64, _i64)
+VARIANTS["rows_swiglu_bwd"] = lambda: K_rows.swiglu_bwd(p, p, p, offs[-1:], 3072, R, True,
+                                                        1.702, 7.0, h2_addr=p)
 import megatron_dist_moe as dm
 from megatron_dist_moe.kernels import bookkeeping as KB
 from megatron_dist_moe.planner import PlannerState
@@ -165,7 +169,9 @@ _rec = torch.zeros(KB.REC_FIXED + 2, dtype=torch.int64)
 VARIANTS["bookkeeping_fwd"] = lambda: _bk.forward(_tabs, 2048, True)
 VARIANTS["bookkeeping_fwd_inference"] = lambda: _bk.forward(_tabs, 2048, False)
 VARIANTS["bookkeeping_bwd"] = lambda: _bk.backward(None, _rec, _tabs, 2048)
-JIT = {"bookkeeping_fwd": (KB, "plan_forward_kernel"),
+JIT = {"rows_device_check": (K_rows, "_device_check_kernel"),
+       "rows_swiglu_bwd": (K_rows, "_swiglu_bwd_kernel"),
+       "bookkeeping_fwd": (KB, "plan_forward_kernel"),
        "bookkeeping_fwd_inference": (KB, "plan_forward_kernel"),
        "bookkeeping_bwd": (KB, "plan_backward_kernel"),
        "wgrad": (G, "_grouped_mm_wgrad_kernel"), "routing_count": (KR, "_route_count_kernel"),
@@ -200,7 +206,8 @@ VARIANTS = ["fwd_swiglu_tma", "fwd_swiglu_gather_copy", "fwd_swiglu_claim",
             "fwd_swiglu_claim_sliced", "fwd_w2_scatter_clamped", "dgrad_w2_claim_sliced",
             "dgrad_w2_swiglu_bwd_tma", "dgrad_w2_swiglu_bwd_claim_sliced",
             "dgrad_w13_tma", "wgrad_tma_fp32", "wgrad_plain_bf16", "routing_count",
-            "routing_place", "bookkeeping_fwd", "bookkeeping_fwd_inference", "bookkeeping_bwd"]
+            "routing_place", "bookkeeping_fwd", "bookkeeping_fwd_inference", "bookkeeping_bwd",
+            "rows_device_check", "rows_swiglu_bwd"]
 
 MAX_SPILL_BYTES = 256
 
@@ -213,6 +220,7 @@ EXPECT = {
     "dgrad_w2_claim_sliced": dict(wgmma=1, ld_acquire=1, atom_release=1, atom_max=2),
     "wgrad_tma_fp32": dict(wgmma=1, tma_load=1),
     "routing_place": dict(trap=1, printf=4),
+    "rows_device_check": dict(trap=1, printf=4),
 }
 
 
