@@ -8,6 +8,7 @@ launch flag without reading the source.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -15,6 +16,7 @@ from typing import Any, Mapping
 __all__ = [
     "Config",
     "ConfigError",
+    "env_switch",
     "PRECISIONS",
     "PIPELINES",
     "ACTIVATIONS",
@@ -209,3 +211,14 @@ def load_config(path: str | Path, **overrides: Any) -> Config:
     data = {k: v for k, v in data.items() if k != "name" and k != "description"}
     data.update(overrides)
     return Config.from_dict(data)
+
+
+def env_switch(name: str, default: bool) -> bool:
+    """An on/off environment switch of the CUDA backend: unset -> default, "0" / "1" -> off / on;
+    anything else raises ValueError naming the variable (a typo never silently means off)."""
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    if value not in ("0", "1"):
+        raise ValueError(f"{name}={value!r}: expected 0 or 1")
+    return value == "1"

@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..config import env_switch
 from .rows import swiglu_grad
 
 __all__ = [
@@ -893,12 +894,13 @@ def _grouped_mm_wgrad_kernel(
 # --------------------------------------------------------------------------------------------
 # How the gathered A tile reaches a_copy_out: from the registers that feed the dot (False) or
 # through a second load (True). Set from the GPU checks; see tests/gpu/test_grouped_gemm_gpu.py.
-COPY_RELOAD = os.environ.get("DIST_MOE_COPY_RELOAD", "1") == "1"
+COPY_RELOAD = env_switch("DIST_MOE_COPY_RELOAD", True)
 # Claim-mode slice width used when a config leaves claim_slice_k at 0 (0: whole m-tiles). Kept
 # at 0 until the GPU sweep (bench_grouped_gemm --claim-sweep) picks a width; see perf_notes.
-CLAIM_SLICE_K = int(os.environ.get("DIST_MOE_CLAIM_SLICE_K", "0"))
+_slice_env = os.environ.get("DIST_MOE_CLAIM_SLICE_K", "0") or "0"
+CLAIM_SLICE_K = int(_slice_env) if _slice_env.isdigit() else -1
 if CLAIM_SLICE_K and (CLAIM_SLICE_K < 16 or CLAIM_SLICE_K & (CLAIM_SLICE_K - 1)):
-    raise ValueError(f"DIST_MOE_CLAIM_SLICE_K={CLAIM_SLICE_K}: 0 or a power of two >= 16")
+    raise ValueError(f"DIST_MOE_CLAIM_SLICE_K={_slice_env!r}: 0 or a power of two >= 16")
 
 
 def _launch_mm(args: _MMArgs, config: GroupedGemmConfig, num_programs: Optional[int]) -> None:

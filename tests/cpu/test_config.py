@@ -129,3 +129,16 @@ def test_load_config_overrides_and_nested_key(tmp_path):
                     "top_k: 1\nnum_experts: 2\nprecison: bf16\n")
     with pytest.raises(ConfigError, match="precison"):
         dm.load_config(typo)
+
+
+def test_env_switches_are_strict(monkeypatch):
+    from megatron_dist_moe.config import env_switch
+    monkeypatch.delenv("DIST_MOE_TEST_SWITCH", raising=False)
+    assert env_switch("DIST_MOE_TEST_SWITCH", True) is True
+    monkeypatch.setenv("DIST_MOE_TEST_SWITCH", "0")
+    assert env_switch("DIST_MOE_TEST_SWITCH", True) is False
+    monkeypatch.setenv("DIST_MOE_TEST_SWITCH", "1")
+    assert env_switch("DIST_MOE_TEST_SWITCH", False) is True
+    monkeypatch.setenv("DIST_MOE_TEST_SWITCH", "true")
+    with pytest.raises(ValueError, match="DIST_MOE_TEST_SWITCH='true': expected 0 or 1"):
+        env_switch("DIST_MOE_TEST_SWITCH", False)

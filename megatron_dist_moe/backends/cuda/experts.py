@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...config import Config
+from ...config import Config, env_switch
 from ...kernels import rows as K_rows
 from ...memory_plan import align128
 from .routing import RoutingTables
@@ -91,12 +91,12 @@ class ExpertPipeline:
         # W13 WGRAD on a side stream, overlapping the final barrier and the owner-side route
         # reduction; joined by `join_side_work` (opt-in until timed on the GPU machine).
         self.wgrad_stream = None
-        if (os.environ.get("DIST_MOE_WGRAD_OVERLAP", "0") == "1" and self.gemm == "triton"
+        if (env_switch("DIST_MOE_WGRAD_OVERLAP", False) and self.gemm == "triton"
                 and torch.device(device).type == "cuda"):
             self.wgrad_stream = torch.cuda.Stream(device=device)
         # SwiGLU backward fused into the W2 DGRAD epilogue (grad_h2 never stored; grad_h1
         # written over h1 in place); opt-in until timed on the GPU machine.
-        self.fuse_swiglu_bwd = os.environ.get("DIST_MOE_FUSE_SWIGLU_BWD", "0") == "1"
+        self.fuse_swiglu_bwd = env_switch("DIST_MOE_FUSE_SWIGLU_BWD", False)
         self.claim = None
         if pipeline == "staged" and self.gemm == "triton":
             from ...kernels.grouped_gemm import ClaimFlags
