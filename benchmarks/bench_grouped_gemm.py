@@ -71,7 +71,7 @@ WGRAD_SWEEP = [
     GroupedGemmConfig(128, 128, 128, 8, 8, 3, tma=True),
     GroupedGemmConfig(128, 128, 64, 8, 4, 5, tma=True),
 ]
-_CLAIM_BASE = GroupedGemmConfig(128, 256, 64, 8, 8, 4, tma=True)
+_CLAIM_BASE = GroupedGemmConfig(128, 256, 64, 8, 8, 4, tma=True, claim_slice_k=0)   # whole m-tiles
 CLAIM_SWEEP = (
     [replace(_CLAIM_BASE, claim_ahead=a, copy_k=k) for a in (0, 1, 2, 3) for k in (128, 256)]
     + [replace(_CLAIM_BASE, group_m=g) for g in (4, 16)]

@@ -88,7 +88,8 @@ class GroupedGemmConfig:
     claim_ahead iterations later, so most copies happen about claim_ahead waves before use;
     0 claims on demand only. The launcher lowers copy_k to a divisor of Kd and to at most 128
     elements per thread (BLOCK_M x copy_k / (32 num_warps)): 256 for 128-row tiles, 8 warps.
-    claim_slice_k: claim mode only. 0: one program copies a whole m-tile (BLOCK_M x Kd). > 0:
+    claim_slice_k: claim mode only. None: the module default CLAIM_SLICE_K (512, or
+    $DIST_MOE_CLAIM_SLICE_K). 0: one program copies a whole m-tile (BLOCK_M x Kd). > 0:
     the m-tile is cut into column slices of this width (lowered to a divisor of Kd, at least
     copy_k) that the programs reaching the m-tile claim one at a time, so the copy is spread
     over them instead of stalling one (see `_claim_slices_phase`). claim_ahead_slices: how many
@@ -105,14 +106,14 @@ class GroupedGemmConfig:
     tma: bool = False
     copy_k: int = 256
     claim_ahead: int = 1
-    claim_slice_k: int = 0
+    claim_slice_k: Optional[int] = None
     claim_ahead_slices: int = 2
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k", "copy_k"):
             v = getattr(self, name)
             assert v >= 16 and v & (v - 1) == 0, f"{name}={v}: tiles must be powers of two >= 16"
-        assert self.claim_slice_k == 0 or (
+        assert self.claim_slice_k is None or self.claim_slice_k == 0 or (
             self.claim_slice_k >= 16 and self.claim_slice_k & (self.claim_slice_k - 1) == 0), (
             f"claim_slice_k={self.claim_slice_k}: 0 (whole m-tiles) or a power of two >= 16")
         assert self.group_m >= 1, f"group_m={self.group_m} must be >= 1"
@@ -211,7 +212,7 @@ class ClaimFlags:
     earlier launch's, or the initial 0), i.e. "not yet copied in this launch". int64, so the
     encoding cannot wrap (2^62 launches) and a stale value can never equal a current one.
 
-    Sliced claims (config.claim_slice_k > 0) use two more int64 [capacity] arrays instead of
+    Sliced claims (a slice width > 0, from the config or the module default) use two more int64 [capacity] arrays instead of
     `ready`: `claimed` counts the slices handed out, `copied` the slices whose rows are stored.
     Both hold (p << SLICE_SHIFT) + count in the launch that reads epoch p; a value below
     p << SLICE_SHIFT is stale and counts as 0 (`atomic_max` with the base lifts it first).
@@ -895,9 +896,11 @@ def _grouped_mm_wgrad_kernel(
 # How the gathered A tile reaches a_copy_out: from the registers that feed the dot (False) or
 # through a second load (True). Set from the GPU checks; see tests/gpu/test_grouped_gemm_gpu.py.
 COPY_RELOAD = env_switch("DIST_MOE_COPY_RELOAD", True)
-# Claim-mode slice width used when a config leaves claim_slice_k at 0 (0: whole m-tiles). Kept
-# at 0 until the GPU sweep (bench_grouped_gemm --claim-sweep) picks a width; see perf_notes.
-_slice_env = os.environ.get("DIST_MOE_CLAIM_SLICE_K", "0") or "0"
+# Claim-mode slice width used when a config leaves claim_slice_k at None (0: whole m-tiles). 512
+# since the 2026-11-30 guide-load run on 2xH200: staged fwd 3.49 -> 3.30 ms, fwd+bwd 9.99 ->
+# 9.61 ms (docs/perf_notes.md).
+CLAIM_SLICE_K_DEFAULT = 512
+_slice_env = os.environ.get("DIST_MOE_CLAIM_SLICE_K", "") or str(CLAIM_SLICE_K_DEFAULT)
 CLAIM_SLICE_K = int(_slice_env) if _slice_env.isdigit() else -1
 if CLAIM_SLICE_K and (CLAIM_SLICE_K < 16 or CLAIM_SLICE_K & (CLAIM_SLICE_K - 1)):
     raise ValueError(f"DIST_MOE_CLAIM_SLICE_K={_slice_env!r}: 0 or a power of two >= 16")
@@ -930,9 +933,10 @@ def _launch_mm(args: _MMArgs, config: GroupedGemmConfig, num_programs: Optional[
         copy_k = min(copy_k, max(16, 128 * 32 * config.num_warps // config.block_m))
         while args.kd % copy_k:
             copy_k //= 2
-        if config.claim_slice_k or CLAIM_SLICE_K:
+        slice_k = CLAIM_SLICE_K if config.claim_slice_k is None else config.claim_slice_k
+        if slice_k:
             claimed, copied = args.claim.claimed, args.claim.copied
-            slice_k = min(config.claim_slice_k or CLAIM_SLICE_K, args.kd)
+            slice_k = min(slice_k, args.kd)
             while args.kd % slice_k:
                 slice_k //= 2
             copy_k = min(copy_k, slice_k)

@@ -5,8 +5,9 @@
 #           packbench megatron pack
 #           (default: env check)
 # Knobs: CHECK_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS (extra arguments), TMO (seconds per step),
-#        SLICE_K (claim slice width for 'candcheck' / 'candbench'), SEEDS, STEPS, MB (microbatches) and
-#        MOE_BACKEND (cuda | reference: isolates the CUDA backend's numerics) for 'megatron'.
+#        CANDS (opt-in switches for 'candcheck' / 'candbench'), SEEDS, STEPS, MB (microbatches) and
+#        MOE_BACKEND (cuda | reference: isolates the CUDA backend's numerics) and MEGATRON_ARGS
+#        (e.g. --fp32, with MOE_BACKEND=reference) for 'megatron'.
 # megatron-core travels as a wheel in .whl/ (carry it); it is installed into /tmp/site here.
 # Logs go to $OUT (or ./out) so the device tool brings them back.
 set -u
@@ -35,15 +36,16 @@ for s in $sections; do case $s in
   bench) run bench_gemm python3 benchmarks/bench_grouped_gemm.py --csv "$OUT/bench_gemm.csv" ${BENCH_ARGS:-} ;;
   claimsweep) run claimsweep python3 benchmarks/bench_grouped_gemm.py --kernels fwd_swiglu_claim,dgrad_w2_claim \
                  --peer --claim-sweep --csv "$OUT/claim_sweep.csv" ;;
-  candcheck|candbench) # changes not yet default: Triton routing tables and bookkeeping, sliced
-          # claims (staged), W13 WGRAD on a side stream, fused SwiGLU backward.
-          ALL="DIST_MOE_ROUTING=triton DIST_MOE_BOOKKEEPING=triton DIST_MOE_CLAIM_SLICE_K=${SLICE_K:-512} DIST_MOE_WGRAD_OVERLAP=1 DIST_MOE_FUSE_SWIGLU_BWD=1"
+  candcheck|candbench) # opt-in changes not yet default (CANDS: space-separated VAR=value; each
+          # variable once). Routing/bookkeeping/fused SwiGLU bwd/claim slices became defaults
+          # after the 2026-11-30 run; W13 WGRAD on a side stream stayed opt-in (noise-level).
+          CANDS=${CANDS:-DIST_MOE_WGRAD_OVERLAP=1}
           if [ "$s" = candcheck ]; then   # correctness with every candidate on
-            run cand_check env $ALL torchrun --nproc-per-node="$NGPU" tests/gpu/dist_check.py --engines triton
-            run cand_packing env $ALL torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py
-          else                             # guide bench: defaults, each knob alone, all together
-            for v in default DIST_MOE_ROUTING=triton DIST_MOE_BOOKKEEPING=triton DIST_MOE_CLAIM_SLICE_K=${SLICE_K:-512} DIST_MOE_WGRAD_OVERLAP=1 DIST_MOE_FUSE_SWIGLU_BWD=1 all; do
-              case $v in all) vars=$ALL ;; default) vars="" ;; *) vars=$v ;; esac
+            run cand_check env $CANDS torchrun --nproc-per-node="$NGPU" tests/gpu/dist_check.py --engines triton
+            run cand_packing env $CANDS torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py
+          else                             # guide bench: defaults, each candidate alone, all together
+            for v in default $CANDS all; do
+              case $v in all) vars=$CANDS ;; default) vars="" ;; *) vars=$v ;; esac
               TAIL=12 run "cand_${v%%=*}" env $vars torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py \
                   --out "$OUT/cand_${v%%=*}" --cases guide --paths dist_moe,dist_moe_staged,a2a
             done
@@ -54,7 +56,8 @@ for s in $sections; do case $s in
               TMO=${TMO:-590} run "megatron_$seed" torchrun --nproc-per-node="$NGPU" \
                 examples/tiny_gpt_dist_moe.py --preset small --num-microbatches "${MB:-2}" \
                 --steps "${STEPS:-300}" --compare --te off --seed "$seed" \
-                --dist-moe-backend "${MOE_BACKEND:-cuda}" --csv "$OUT/megatron_cmp_$seed.csv"
+                --dist-moe-backend "${MOE_BACKEND:-cuda}" ${MEGATRON_ARGS:-} \
+                --csv "$OUT/megatron_cmp_${MOE_BACKEND:-cuda}_$seed.csv"
             done ;;
   layer) run layer torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py --out "$OUT" ${LAYER_ARGS:-} ;;
   packbench) run packbench torchrun --nproc-per-node="$NGPU" benchmarks/bench_packing.py --out "$OUT" ${PACK_ARGS:-} ;;

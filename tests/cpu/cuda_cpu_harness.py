@@ -89,13 +89,13 @@ def variant_env(env: dict):
     from megatron_dist_moe.kernels import grouped_gemm as G
 
     os.environ.update(env)
-    G.CLAIM_SLICE_K = int(env.get("DIST_MOE_CLAIM_SLICE_K", "0"))
+    G.CLAIM_SLICE_K = int(env.get("DIST_MOE_CLAIM_SLICE_K", G.CLAIM_SLICE_K_DEFAULT))
     try:
         yield
     finally:
         for k in env:
             os.environ.pop(k, None)
-        G.CLAIM_SLICE_K = 0
+        G.CLAIM_SLICE_K = G.CLAIM_SLICE_K_DEFAULT
 
 
 def make_backend(cfg: dm.Config, group: ThreadGroup) -> cb.CudaBackend:

@@ -64,19 +64,21 @@ def run(variant, seed):
 
 TORCH = {"DIST_MOE_GEMM": "torch"}
 TRITON = {"DIST_MOE_GEMM": "triton"}
-FUSED = {"DIST_MOE_ROUTING": "triton", "DIST_MOE_BOOKKEEPING": "triton"}
+# The defaults are Triton routing tables and bookkeeping, the fused SwiGLU backward and 512-wide
+# claim slices; the torch twins and the unfused / whole-tile forms stay covered here.
+TORCH_TABLES = {"DIST_MOE_ROUTING": "torch", "DIST_MOE_BOOKKEEPING": "torch"}
 VARIANTS = {
     "torch_gemm": dict(env=dict(TORCH), pipeline="standard"),
-    "torch_gemm,triton_routing,triton_bookkeeping": dict(env={**TORCH, **FUSED},
-                                                         pipeline="standard"),
+    "torch_gemm,torch_routing,torch_bookkeeping": dict(env={**TORCH, **TORCH_TABLES},
+                                                       pipeline="standard"),
     "triton_gemm,standard": dict(env=dict(TRITON), pipeline="standard"),
-    "triton_gemm,standard,fused_swiglu_bwd,clamped": dict(
-        env={**TRITON, "DIST_MOE_FUSE_SWIGLU_BWD": "1"}, pipeline="standard",
+    "triton_gemm,standard,unfused_swiglu_bwd,clamped": dict(
+        env={**TRITON, "DIST_MOE_FUSE_SWIGLU_BWD": "0"}, pipeline="standard",
         activation="swiglu_clamped"),
-    "triton_gemm,staged": dict(env=dict(TRITON), pipeline="staged"),
-    "triton_gemm,staged,all_candidates": dict(
-        env={**TRITON, **FUSED, "DIST_MOE_CLAIM_SLICE_K": "32", "DIST_MOE_FUSE_SWIGLU_BWD": "1"},
-        pipeline="staged"),
+    "triton_gemm,staged,whole_tile_claims,torch_tables": dict(
+        env={**TRITON, **TORCH_TABLES, "DIST_MOE_CLAIM_SLICE_K": "0"}, pipeline="staged"),
+    "triton_gemm,staged,claim_slice_32": dict(
+        env={**TRITON, "DIST_MOE_CLAIM_SLICE_K": "32"}, pipeline="staged"),
 }
 for v, (name, variant) in enumerate(VARIANTS.items()):
     try:
@@ -88,9 +90,9 @@ for v, (name, variant) in enumerate(VARIANTS.items()):
     print("RESULT " + json.dumps(out), flush=True)
 '''
 
-NAMES = ["torch_gemm", "torch_gemm,triton_routing,triton_bookkeeping", "triton_gemm,standard",
-         "triton_gemm,standard,fused_swiglu_bwd,clamped", "triton_gemm,staged",
-         "triton_gemm,staged,all_candidates"]
+NAMES = ["torch_gemm", "torch_gemm,torch_routing,torch_bookkeeping", "triton_gemm,standard",
+         "triton_gemm,standard,unfused_swiglu_bwd,clamped",
+         "triton_gemm,staged,whole_tile_claims,torch_tables", "triton_gemm,staged,claim_slice_32"]
 
 
 @pytest.fixture(scope="module")

@@ -116,6 +116,7 @@ p = torch.zeros(1, dtype=torch.int64)
 w13, w2 = torch.empty(E, 2 * F, D, dtype=bf), torch.empty(E, D, F, dtype=bf)
 flags = G.ClaimFlags(R, None, E, "cpu")
 SLICED = replace(BIG, claim_slice_k=512)
+WHOLE = replace(BIG, claim_slice_k=0)     # whole m-tile claims (BIG's None: the 512 default)
 
 VARIANTS = {
     "fwd_swiglu_tma": lambda: G.grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=R, a=p,
@@ -124,7 +125,7 @@ VARIANTS = {
         a_row_ptrs=rows_tab, a_copy_out=p, epilogue="swiglu", h1=p, h2=p, config=BIG),
     "fwd_swiglu_claim": lambda: G.grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=R,
         a_row_ptrs=rows_tab, a_copy_out=p, claim_flags=flags, epilogue="swiglu", h1=p, h2=p,
-        config=BIG),
+        config=WHOLE),
     "fwd_swiglu_claim_sliced": lambda: G.grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=R,
         a_row_ptrs=rows_tab, a_copy_out=p, claim_flags=flags, epilogue="swiglu", h1=p, h2=p,
         config=SLICED),

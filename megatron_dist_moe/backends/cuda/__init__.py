@@ -73,9 +73,9 @@ class CudaBackend:
             self.experts = ExpertPipeline(cfg, ctx.num_local_experts, self.max_rows,
                                           self.arena.base + self.arena.nbytes, dev,
                                           pipeline=cfg.pipeline)
-            # Routing tables: "torch" (sort/scatter ops, the default until the two-launch Triton
-            # version has run on the GPU machine) or "triton" (kernels/routing.py).
-            self.routing_impl = os.environ.get("DIST_MOE_ROUTING", "torch")
+            # Routing tables: "triton" (two launches, kernels/routing.py; the default since it
+            # ran on 2xH200) or "torch" (sort/scatter ops, ~40 launches: the readable twin).
+            self.routing_impl = os.environ.get("DIST_MOE_ROUTING", "") or "triton"
             if self.routing_impl not in ("torch", "triton"):
                 raise ValueError(f"DIST_MOE_ROUTING={self.routing_impl!r}: expected 'torch' or "
                                  "'triton'")
