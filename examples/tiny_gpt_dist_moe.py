@@ -11,6 +11,11 @@ the CSV gets one row per step with both losses and both throughputs:
     torchrun --nproc-per-node 2 examples/tiny_gpt_dist_moe.py --preset small --steps 300 \\
         --compare --csv out/dist_moe_vs_alltoall.csv
 
+Two bf16 GPU runs of the same seed separate (non-deterministic reductions amplified by early loss
+spikes), so agreement is judged against that noise: run twice and give both CSVs to
+benchmarks/megatron_loss_noise.py. `--fp32 --dist-moe-backend reference` takes rounding out and
+should track alltoall closely step by step.
+
 CPU smoke run (2 gloo ranks spawned here, reference backend, fp32; Megatron-Core's CUDA-only
 calls are replaced by the test shims in tests/cpu/megatron_shims):
 
@@ -88,9 +93,17 @@ def parse_args(argv=None):
                    else "cpu")
     p.add_argument("--nproc", type=int, default=2, help="CPU only: ranks to spawn")
     p.add_argument("--dist-moe-backend", choices=["auto", "reference", "cuda"], default="auto")
+    p.add_argument("--fp32", action="store_true",
+                   help="GPU: fp32 parameters and activations, no Float16Module (reference "
+                        "backend only): separates Megatron's GPU plumbing from bf16 rounding "
+                        "when comparing with alltoall")
     p.add_argument("--te", choices=["auto", "on", "off"], default="auto",
                    help="Transformer Engine modules (alltoall then uses TEGroupedMLP)")
     args = p.parse_args(argv)
+    if args.fp32 and args.device == "cuda" and args.dist_moe_backend != "reference":
+        p.error("--fp32 needs --dist-moe-backend reference (the cuda backend runs bf16 experts)")
+    if args.fp32 and args.te == "on":
+        p.error("--fp32 runs without Transformer Engine: use --te off")
     for name, value in PRESETS[args.preset].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -119,7 +132,7 @@ def make_batch(args, step: int, microbatch: int, dp_rank: int, device) -> dict:
 # -- model ------------------------------------------------------------------------------------
 
 def use_te(args) -> bool:
-    if args.device == "cpu" or args.te == "off":
+    if args.device == "cpu" or args.te == "off" or args.fp32:
         return False
     from megatron.core.extensions.transformer_engine import HAVE_TE
 
@@ -133,6 +146,7 @@ def transformer_config(args, dispatcher: str, ep: int):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cpu = args.device == "cpu"
+    fp32 = cpu or args.fp32
     te = use_te(args)
     return TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -144,7 +158,7 @@ def transformer_config(args, dispatcher: str, ep: int):
         moe_grouped_gemm=te and dispatcher == "alltoall",
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         normalization="RMSNorm", hidden_dropout=0.0, attention_dropout=0.0,
-        init_method_std=0.02, bf16=not cpu, params_dtype=torch.float32 if cpu else torch.bfloat16,
+        init_method_std=0.02, bf16=not fp32, params_dtype=torch.float32 if fp32 else torch.bfloat16,
         use_cpu_initialization=cpu, transformer_impl="transformer_engine" if te else "local",
     )
 
@@ -189,13 +203,15 @@ class Trainer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.transformer.module import Float16Module
 
-        model = Float16Module(self.config, model)
+        if not self.args.fp32:
+            model = Float16Module(self.config, model)
         self.model = DistributedDataParallel(
             config=self.config, module=model,
             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=self.args.lr, weight_decay=0.1, adam_beta1=0.9,
-                            adam_beta2=0.95, bf16=True, params_dtype=torch.bfloat16,
+                            adam_beta2=0.95, bf16=not self.args.fp32,
+                            params_dtype=torch.float32 if self.args.fp32 else torch.bfloat16,
                             clip_grad=1.0), [self.model])
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.no_sync_func = self.model.no_sync

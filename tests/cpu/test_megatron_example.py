@@ -1,8 +1,10 @@
 """Smoke run of examples/tiny_gpt_dist_moe.py on CPU (2 gloo ranks, reference backend).
 
 --compare trains Megatron's alltoall model and the dist_moe model (loaded from the alltoall
-weights) on the same batches with Megatron's DDP and optimizer. Over 30 optimizer steps the fp32
-losses agree to ~1e-7 (100 steps: max difference 4.8e-7), inside the 1e-5 relative bound checked
+weights) on the same batches (on CPU with torch AdamW and a plain gradient all-reduce that honours
+Megatron's `allreduce` attribute; Megatron's DDP and distributed optimizer need CUDA and run in
+the GPU example, where `--fp32 --dist-moe-backend reference` checks them without bf16 rounding).
+Over 30 optimizer steps the fp32 losses agree to ~1e-7 (100 steps: max difference 4.8e-7), inside the 1e-5 relative bound checked
 here, while a wrong expert mapping, or expert gradients averaged across EP ranks by DDP, would
 drift apart by orders of magnitude more.
 """
@@ -42,3 +44,20 @@ def test_example_compare_smoke_run(tmp_path):
     assert 5.5 < float(rows[0]["loss_dist_moe"]) < 7.0
     # and the model trains: 30 steps bring it down by a visible margin
     assert float(rows[-1]["loss_dist_moe"]) < float(rows[0]["loss_dist_moe"]) - 0.05
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--fp32", "--device", "cuda", "--dist-moe-backend", "cuda"], "--fp32 needs --dist-moe-backend reference"),
+    (["--fp32", "--device", "cuda", "--dist-moe-backend", "reference", "--te", "on"], "--te off"),
+])
+def test_example_fp32_flag_is_checked(argv, message, capsys):
+    sys.path.insert(0, os.path.join(REPO, "examples"))
+    try:
+        import tiny_gpt_dist_moe as ex
+    finally:
+        sys.path.pop(0)
+    with pytest.raises(SystemExit):
+        ex.parse_args(argv)
+    assert message in capsys.readouterr().err
+    args = ex.parse_args(["--fp32", "--device", "cuda", "--dist-moe-backend", "reference"])
+    assert args.fp32 and not ex.use_te(args)

@@ -1,0 +1,65 @@
+"""benchmarks/megatron_loss_noise.py: dist_moe vs alltoall loss agreement against the noise band
+of two same-seed alltoall runs."""
+
+from __future__ import annotations
+
+import csv
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "benchmarks"))
+import megatron_loss_noise as mln  # noqa: E402
+
+
+def _write(path, a2a, dm):
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", "loss_alltoall", "tokens_per_s_alltoall", "loss_dist_moe",
+                    "tokens_per_s_dist_moe"])
+        for i, (a, d) in enumerate(zip(a2a, dm)):
+            w.writerow([i, a, 1.0, d, 1.0])
+
+
+def _curve(n, offset=0.0, wiggle=0.0):
+    return [10.0 / (1 + 0.05 * i) + offset + (wiggle if i % 2 else -wiggle) for i in range(n)]
+
+
+def test_moving_average_and_windows():
+    assert mln.moving_average([1.0, 3.0, 5.0], width=2) == [1.0, 2.0, 4.0]
+    assert mln.default_windows(300) == [(0, 20), (20, 60), (60, 120), (120, 200), (200, 300)]
+    assert mln.default_windows(50) == [(0, 20), (20, 50)]
+
+
+def test_within_noise_when_dist_moe_gap_is_below_the_alltoall_gap(tmp_path):
+    _write(tmp_path / "a.csv", _curve(130), _curve(130, 0.01))
+    _write(tmp_path / "b.csv", _curve(130, 0.05), _curve(130, 0.04))
+    assert mln.main([str(tmp_path / "a.csv"), str(tmp_path / "b.csv"), "--out",
+                     str(tmp_path / "o")]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "o" / "loss_noise.csv")))
+    kinds = {(r["a"], r["b"]): r["kind"] for r in rows}
+    assert kinds[("alltoall#0", "alltoall#1")] == "noise"
+    assert kinds[("alltoall#0", "dist_moe#0")] == "dist_moe_vs_alltoall"
+    assert kinds[("dist_moe#0", "dist_moe#1")] == "other"
+
+
+def test_outside_noise_when_dist_moe_drifts(tmp_path):
+    _write(tmp_path / "a.csv", _curve(130), _curve(130, 0.5))
+    _write(tmp_path / "b.csv", _curve(130, 0.01), _curve(130, 0.6))
+    assert mln.main([str(tmp_path / "a.csv"), str(tmp_path / "b.csv"), "--out",
+                     str(tmp_path / "o")]) == 1
+
+
+def test_one_run_uses_the_mean_difference(tmp_path):
+    _write(tmp_path / "a.csv", _curve(60), _curve(60, 0.001))
+    assert mln.main([str(tmp_path / "a.csv"), "--out", str(tmp_path / "o")]) == 0
+    _write(tmp_path / "b.csv", _curve(60), _curve(60, 1.0))
+    assert mln.main([str(tmp_path / "b.csv"), "--out", str(tmp_path / "o")]) == 1
+
+
+def test_rejects_a_csv_without_both_curves(tmp_path):
+    (tmp_path / "x.csv").write_text("step,loss\n0,1.0\n")
+    with pytest.raises(ValueError, match="loss_alltoall and loss_dist_moe"):
+        mln.main([str(tmp_path / "x.csv")])
