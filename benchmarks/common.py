@@ -99,8 +99,11 @@ def time_windows(fn: Callable[[], None], graph: bool, group=None, warmup: int = 
     return Timing(statistics.median(out), min(out), max(out), out)
 
 
-def profile_graph(fn: Callable[[], None], path: str, replays: int = 5, group=None) -> None:
-    """Per-kernel CUDA times of `fn` replayed from a CUDA graph (what the timings measure)."""
+def profile_graph(fn: Callable[[], None], path: str, replays: int = 5, group=None,
+                  iter_ms: float | None = None) -> None:
+    """Per-kernel CUDA times of `fn` replayed from a CUDA graph (what the timings measure), then
+    the same folded into parts (profile_breakdown.py; `iter_ms` adds the idle row): the table
+    goes to `path`, the parts to `path` with .csv."""
     from torch.profiler import ProfilerActivity, profile
 
     g = capture_graph(fn, group, warm_calls=1)
@@ -113,7 +116,18 @@ def profile_graph(fn: Callable[[], None], path: str, replays: int = 5, group=Non
     if path:
         with open(path, "w") as f:
             f.write(f"per-kernel CUDA time over {replays} graph replays\n")
-            f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=45))
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=200)
+            f.write(table)
+        from profile_breakdown import breakdown, format_table, parse_profile_table
+
+        parts = breakdown(parse_profile_table(table), replays, iter_ms)
+        with open(path, "a") as f:
+            f.write("\n\nwhere the time goes (per iteration)\n" + format_table(parts) + "\n")
+        with open(os.path.splitext(path)[0] + ".csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(parts[0]))
+            w.writeheader()
+            w.writerows(parts)
+        print(format_table(parts), flush=True)
     del g
 
 

@@ -1,0 +1,76 @@
+"""benchmarks/profile_breakdown.py folds a graph-replay kernel profile into the parts that
+BENCHMARKS.md reports; checked on the stored 2×H200 profile (its hand-made table: GEMMs 4.78 ms,
+WGRAD 2.46, gathers ~0.66, owner kernels 0.29, SwiGLU 0.17, barriers 0.17 per iteration)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+import profile_breakdown as pb  # noqa: E402
+
+PROFILE = os.path.join(REPO, "benchmarks", "results", "h200x2_2026-11-30",
+                       "profile_guide_fwdbwd_graph.txt")
+
+
+def test_stored_profile_matches_the_hand_made_table(tmp_path):
+    with open(PROFILE) as f:
+        rows = pb.parse_profile_table(f.read())
+    assert len(rows) == 45
+    assert rows[0] == ("_grouped_mm_kernel", pytest.approx(23911.0), 30)
+    parts = {r["part"]: r for r in pb.breakdown(rows, replays=5, iter_ms=9.6)}
+    assert parts["grouped GEMMs (FPROP, DGRAD)"]["ms"] == pytest.approx(4.782, abs=1e-3)
+    assert parts["grouped WGRAD"]["ms"] == pytest.approx(2.464, abs=1e-3)
+    assert parts["owner kernels (combine, grad routes, route reduction)"]["ms"] == \
+        pytest.approx(0.290, abs=2e-3)
+    assert parts["SwiGLU row kernels"]["ms"] == pytest.approx(0.173, abs=1e-3)
+    assert parts["device barriers"]["ms"] == pytest.approx(0.170, abs=1e-3)
+    assert parts["device barriers"]["launches"] == 6
+    total = parts["all kernels"]["ms"]
+    assert total == pytest.approx(sum(r["ms"] for p, r in parts.items()
+                                      if p not in ("all kernels", "idle (iteration - kernels)")),
+                                  abs=2e-3)
+    assert parts["idle (iteration - kernels)"]["ms"] == pytest.approx(9.6 - total, abs=1e-3)
+    out = tmp_path / "parts.csv"
+    assert pb.main([PROFILE, "--iter-ms", "9.6", "--csv", str(out)]) == 0
+    assert "grouped WGRAD" in out.read_text()
+
+
+@pytest.mark.parametrize("name, part", [
+    ("_route_count_kernel", "routing tables and bookkeeping (ours)"),
+    ("plan_forward_kernel", "routing tables and bookkeeping (ours)"),
+    ("_scatter_rows_kernel", "row gathers and scatters"),
+    ("_device_check_kernel", "row copies and checks (ours)"),
+    ("c10d::symmetric_memory::barrier_kernel(unsigned int*...", "device barriers"),
+    ("Memset (Device)", "torch ops, copies, memsets"),
+    ("some_new_kernel", pb.OTHER),
+])
+def test_every_kernel_of_ours_has_a_part(name, part):
+    assert pb.part_of(name) == part
+
+
+def test_units_and_bad_input():
+    assert pb._us("1.5ms") == 1500.0 and pb._us("2s") == 2e6 and pb._us("7.0us") == 7.0
+    with pytest.raises(ValueError, match="not a profiler time"):
+        pb._us("12")
+    with pytest.raises(ValueError, match="replays=0"):
+        pb.breakdown([("k", 1.0, 1)], replays=0, iter_ms=None)
+
+
+def test_every_triton_kernel_in_the_package_has_a_part():
+    import re
+
+    kdir = os.path.join(REPO, "megatron_dist_moe", "kernels")
+    names = []
+    for fn in sorted(os.listdir(kdir)):
+        if fn.endswith(".py"):
+            with open(os.path.join(kdir, fn)) as f:
+                names += re.findall(r"@triton\.jit[^\n]*\n(?:@[^\n]*\n)*def (\w+)\(", f.read())
+    names = [n for n in names if n.endswith("_kernel")]   # launched kernels, not helpers
+    assert len(names) >= 14, names
+    assert [n for n in names if pb.part_of(n) == pb.OTHER] == []
