@@ -1,0 +1,51 @@
+"""benchmarks/ab_layer.py's host-side logic: switch parsing, the A/B round order, the paired
+verdict, and that switches are restored (the GPU timing itself runs on the GPU machine)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "benchmarks"))
+pytest.importorskip("triton")
+import ab_layer as ab  # noqa: E402
+
+
+def test_parse_switches():
+    assert ab.parse_switches("") == {}
+    assert ab.parse_switches("DIST_MOE_A=1, DIST_MOE_B=x DIST_MOE_C=") == {
+        "DIST_MOE_A": "1", "DIST_MOE_B": "x", "DIST_MOE_C": ""}
+    for bad in ("DIST_MOE_A", "OTHER=1"):
+        with pytest.raises(ValueError, match="expected DIST_MOE_NAME=value"):
+            ab.parse_switches(bad)
+
+
+def test_round_order_balances_who_goes_first():
+    order = ab.round_order(4)
+    assert order == ["A", "B", "B", "A", "A", "B", "B", "A"]
+    assert order.count("A") == order.count("B") == 4
+
+
+def test_paired_summary_verdicts():
+    a = [9.30, 9.10, 9.25, 9.40, 9.20, 9.15]           # drifting by ±0.15 ms
+    faster = ab.paired_summary(a, [t - 0.10 for t in a])
+    assert faster["verdict"] == "B faster" and faster["diff_ms"] == pytest.approx(-0.10)
+    slower = ab.paired_summary(a, [t + 0.05 for t in a])
+    assert slower["verdict"] == "B slower"
+    mixed = ab.paired_summary(a, [t + d for t, d in zip(a, (0.1, -0.1, 0.1, -0.1, 0.05, -0.05))])
+    assert mixed["verdict"] == "no difference"
+    with pytest.raises(ValueError, match=">= 4 paired rounds"):
+        ab.paired_summary([1.0, 2.0], [1.0, 2.0])
+
+
+def test_switches_are_restored():
+    from megatron_dist_moe.kernels import grouped_gemm as G
+
+    os.environ.pop("DIST_MOE_WGRAD_OVERLAP", None)
+    before = G.CLAIM_SLICE_K
+    with ab.switches({"DIST_MOE_WGRAD_OVERLAP": "1", "DIST_MOE_CLAIM_SLICE_K": "64"}):
+        assert os.environ["DIST_MOE_WGRAD_OVERLAP"] == "1" and G.CLAIM_SLICE_K == 64
+    assert "DIST_MOE_WGRAD_OVERLAP" not in os.environ and G.CLAIM_SLICE_K == before
