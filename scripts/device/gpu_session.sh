@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device-machine session: environment facts, GPU correctness checks, benchmarks.
 # Usage (on the GPU machine, repo root): bash scripts/device/gpu_session.sh [sections...]
-# Sections: env check packing kernels traps bench claimsweep candcheck candbench ab layer
-#           packbench megatron pack
+# Sections: env check packing kernels traps bench claimsweep candcheck candbench ab nvlink
+#           layer packbench megatron pack
 #           (default: env check)
 # Knobs: CHECK_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS (extra arguments), TMO (seconds per step),
 #        CANDS (opt-in switches for 'candcheck' / 'candbench'), AB_A AB_B AB_ARGS ('ab'), SEEDS, STEPS, MB (microbatches) and
@@ -62,6 +62,8 @@ for s in $sections; do case $s in
   ab) # interleaved A/B in one process (benchmarks/ab_layer.py): AB_B (required), AB_A, AB_ARGS
       run ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT" \
           --a "${AB_A:-}" --b "${AB_B?set AB_B, e.g. AB_B=DIST_MOE_WGRAD_OVERLAP=1 (empty: the defaults)}" ${AB_ARGS:-} ;;
+  nvlink) # pull (peer loads) vs push (peer stores) row traffic, alone and next to a dense GEMM
+          run nvlink torchrun --nproc-per-node=2 benchmarks/bench_nvlink_rows.py --out "$OUT" --gemm ;;
   layer) run layer torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py --out "$OUT" ${LAYER_ARGS:-} ;;
   packbench) run packbench torchrun --nproc-per-node="$NGPU" benchmarks/bench_packing.py --out "$OUT" ${PACK_ARGS:-} ;;
   pack) # the device tool brings back few files: fold everything into one archive
