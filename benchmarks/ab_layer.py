@@ -70,6 +70,31 @@ def switches(env: dict[str, str]):
         G.CLAIM_SLICE_K = old_slice
 
 
+def parse_config(text: str) -> dict:
+    """'save_route_outputs=0 pipeline=staged' -> Config overrides (ints, floats, 0/1 -> bools
+    for bool fields, else strings); field names are checked against Config."""
+    import dataclasses
+
+    fields = {f.name: f for f in dataclasses.fields(dm.Config)}
+    out = {}
+    for item in text.replace(",", " ").split():
+        name, eq, value = item.partition("=")
+        if not eq or name not in fields:
+            raise ValueError(f"config override {item!r}: expected FIELD=value with a Config field")
+        kind = fields[name].type if isinstance(fields[name].type, str) else fields[name].type.__name__
+        if "bool" in kind:
+            if value not in ("0", "1", "True", "False"):
+                raise ValueError(f"config override {item!r}: a bool field takes 0/1")
+            out[name] = value in ("1", "True")
+        elif "int" in kind and "float" not in kind:
+            out[name] = int(value)
+        elif "float" in kind:
+            out[name] = float(value)
+        else:
+            out[name] = value
+    return out
+
+
 def round_order(rounds: int) -> list[str]:
     """A B, B A, A B, ...: each setting goes first in half of the rounds."""
     return [s for r in range(rounds) for s in (("A", "B") if r % 2 == 0 else ("B", "A"))]
@@ -124,7 +149,9 @@ def plot(results: dict, path: str, title: str) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--a", default="", help="switches of A (default: none, i.e. the defaults)")
-    ap.add_argument("--b", required=True, help='switches of B, e.g. "DIST_MOE_WGRAD_OVERLAP=1"')
+    ap.add_argument("--b", default="", help='switches of B, e.g. "DIST_MOE_WGRAD_OVERLAP=1"')
+    ap.add_argument("--a-config", default="", help='Config overrides of A, e.g. "save_route_outputs=0"')
+    ap.add_argument("--b-config", default="", help="Config overrides of B")
     ap.add_argument("--case", default="guide", choices=sorted(CASES))
     ap.add_argument("--pipeline", default="standard", choices=["standard", "staged"])
     ap.add_argument("--modes", default="fwd,fwdbwd")
@@ -132,6 +159,7 @@ def main():
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args()
     env_a, env_b = parse_switches(args.a), parse_switches(args.b)
+    over = {"A": parse_config(args.a_config), "B": parse_config(args.b_config)}
     rank = int(os.environ.get("RANK", 0))
     EP = int(os.environ.get("WORLD_SIZE", 1))
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -162,7 +190,7 @@ def main():
     graphs, ctxs = {}, []
     for name, env in (("A", env_a), ("B", env_b)):
         with switches(env):
-            ctx = dm.create_context(config=cfg, device=dev)
+            ctx = dm.create_context(config=cfg.replace(**over[name]), device=dev)
             ctxs.append(ctx)
             y = dm.routed_experts(x, ids, s, w13, w2, ctx)
             gx, = torch.autograd.grad(y, (x,), gy)
@@ -194,7 +222,8 @@ def main():
         summ = paired_summary(times["A"], times["B"])
         results[mode] = (times["A"], times["B"], summ)
         flops = useful_flops(T, K, D, F, mode)
-        for name, sw in (("A", args.a), ("B", args.b)):
+        for name, sw in (("A", f"{args.a} {args.a_config}".strip()),
+                         ("B", f"{args.b} {args.b_config}".strip())):
             ms = summ[f"{name.lower()}_ms"]
             rows.append(dict(commit=commit, gpu=gpu, ep=EP, case=args.case, T=T, D=D, F=F, K=K,
                              E_local=E_local, imbalance=c["imbalance"],

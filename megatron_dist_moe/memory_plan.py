@@ -11,6 +11,7 @@ tensor. The BF16 formulas follow the design guide §03-§04:
     backward recompute peak  x_g + h1 + max(h2 + g3, grad_h1) + grad_h2  = 2R(D + 5F) when D <= F
                              (g3 = gathered grad_h3 [R,D]; when D > F it needs an extra 2R(D-F))
     full saved state         align(R·D·2) + align(R·2F·2) + align(T·K·D·2)    (x_g, h1, h3 routes)
+                             (without the routes term when Config.save_route_outputs is False)
     mandatory saved input    align(T·D·2)                                      (x, for replay)
 """
 
@@ -53,6 +54,7 @@ class LayerBytes:
     K: int
     num_local_experts: int
     training: bool
+    save_routes: bool = True
 
     # -- block-scaled bundles ---------------------------------------------------------------
     @property
@@ -97,8 +99,9 @@ class LayerBytes:
         return align128(self.T * self.D * 2)
 
     def routes_bytes(self) -> int:
-        """Route outputs h3 [T, K, D] bf16 of this rank's tokens (needed for score gradients)."""
-        return align128(self.T * self.K * self.D * 2)
+        """Route outputs h3 [T, K, D] bf16 of this rank's tokens, kept for the score gradients
+        (0 when Config.save_route_outputs is False: the expert side computes them)."""
+        return align128(self.T * self.K * self.D * 2) if self.save_routes else 0
 
     def full_state(self, R: int) -> int:
         """Saved bytes when a layer keeps its full state instead of replaying."""
@@ -146,6 +149,19 @@ class LayerBytes:
 @dataclass(frozen=True)
 class MemoryPlan:
     """Every byte count a context allocates, derived from a Config and the EP size."""
+
+    @property
+    def route_scores_offset(self) -> int:
+        """Byte offset in the routing region of the owner's published scores [T, K] fp32 (the
+        score gradients [T, K] fp32 follow at + route_score_grads_delta); only with
+        Config.save_route_outputs False."""
+        c = self.config
+        return ROUTING_HEADER_BYTES + align128(c.num_local_input_tokens * c.top_k * 2)
+
+    @property
+    def route_score_grads_delta(self) -> int:
+        c = self.config
+        return align128(c.num_local_input_tokens * c.top_k * 4)
 
     config: Config
     ep_size: int
@@ -251,7 +267,8 @@ def plan_memory(config: Config, ep_size: int) -> MemoryPlan:
     T, D, F, K = (config.num_local_input_tokens, config.hidden_dim, config.intermediate_dim,
                   config.top_k)
     training = not config.inference
-    layer = LayerBytes(config.precision, T, D, F, K, E_local, training)
+    layer = LayerBytes(config.precision, T, D, F, K, E_local, training,
+                       save_routes=config.save_route_outputs)
     notes: list[str] = []
 
     balanced = T * K
@@ -300,6 +317,10 @@ def plan_memory(config: Config, ep_size: int) -> MemoryPlan:
     act = config.num_activation_slots * slot + dev_scratch
 
     routing = ROUTING_HEADER_BYTES + align128(T * K * 2)
+    if training and not config.save_route_outputs:
+        # [T, K] fp32 scores published by the owner for the experts, and [T, K] fp32 score
+        # gradients that the experts accumulate into (MemoryPlan.route_scores_offset)
+        routing += 2 * align128(T * K * 4)
     if config.precision == "nvfp4":
         dispatch = align128(T * D // 2) + align128(T * D // 16) + align128(T * 4)
         if training:

@@ -277,10 +277,20 @@ class ReferenceBackend:
         return h3
 
     def _replay(self, x_TD, w13_END, w2_EDF, routes: _Routes, x_g, h1, h2,
-                routes_TKD: torch.Tensor) -> None:
-        """The forward up to the combine: fills x_g, h1, h2 and routes_TKD [T, K, D]."""
+                routes_TKD: torch.Tensor | None) -> None:
+        """The forward up to the combine: fills x_g, h1, h2 and routes_TKD [T, K, D] (None: stop
+        after h2, as a backward replay without saved route outputs does)."""
         K = self.ctx.config.top_k
         self._dispatch(x_TD[routes.send_flat_idx // K], routes, x_g)
+        if routes_TKD is None:
+            cfg = self.ctx.config
+            acc = self._acc_dtype(x_g.dtype)
+            for e, a, b in self._segments(routes):
+                if a < b:
+                    h1[a:b].copy_(x_g[a:b].to(acc) @ w13_END[e].to(acc).T)
+                    h2[a:b].copy_(swiglu_fwd(h1[a:b].to(acc), cfg.activation, cfg.swiglu_alpha,
+                                             cfg.swiglu_limit))
+            return
         h3 = self._experts_fwd(x_g, h1, h2, w13_END, w2_EDF, routes)
         flat = routes_TKD.view(-1, routes_TKD.shape[-1])
         flat.zero_()     # inactive routes hold exact zeros, never stale bytes
@@ -322,7 +332,9 @@ class ReferenceBackend:
                 lay = saved_layout(record, routes.rows_EP[ctx.rank], plan)
                 x_g = self._view(dtype, int(lay.x_gathered), (R, D))
                 h1 = self._view(dtype, int(lay.h1), (R, 2 * F))
-                routes_TKD = self._view(dtype, int(lay.routes), (T, K, D))
+                routes_TKD = (self._view(dtype, int(lay.routes), (T, K, D))
+                              if cfg.save_route_outputs else
+                              torch.empty(T, K, D, dtype=dtype, device=x_TD.device))
         else:
             routes_TKD = torch.empty(T, K, D, dtype=dtype, device=x_TD.device)
 
@@ -344,37 +356,58 @@ class ReferenceBackend:
         w13, w2 = saved.w13_END, saved.w2_EDF
         s = self._backward_scratch(dtype, R)
 
+        keep_routes = cfg.save_route_outputs
         if bool(record.need_recompute):
             x_TD = self._view(dtype, int(record.start), (T, D))
             x_g, h1 = s["x_g"], s["h1"]
-            routes_TKD = torch.empty(T, K, D, dtype=dtype, device=grad_y_TD.device)
+            routes_TKD = (torch.empty(T, K, D, dtype=dtype, device=grad_y_TD.device)
+                          if keep_routes else None)
             self._replay(x_TD, w13, w2, routes, x_g, h1, s["h2"], routes_TKD)
         else:
             lay = saved_layout(record, routes.rows_EP[ctx.rank], plan)
             x_g = self._view(dtype, int(lay.x_gathered), (R, D))
             h1 = self._view(dtype, int(lay.h1), (R, 2 * F))
-            routes_TKD = self._view(dtype, int(lay.routes), (T, K, D))
+            routes_TKD = self._view(dtype, int(lay.routes), (T, K, D)) if keep_routes else None
             for e, a, b in self._segments(routes):    # h2 is never saved: rebuild it from h1
                 s["h2"][a:b].copy_(swiglu_fwd(h1[a:b].to(acc), cfg.activation, cfg.swiglu_alpha,
                                               cfg.swiglu_limit))
         h2, g3, grad_h2 = s["h2"], s["g3"], s["grad_h2"]
-
-        # token owner: score gradients and the per-route output gradients
         gy = grad_y_TD.to(acc)
-        grad_scores_TK = (gy.unsqueeze(1) * routes_TKD.to(acc)).sum(dim=-1)
-        grad_h3 = (saved.scores_TK.to(acc).unsqueeze(-1) * gy.unsqueeze(1)).to(dtype)
-        self._dispatch(grad_h3.view(T * K, D)[routes.send_flat_idx], routes, g3)
-
-        # expert owner: W2 DGRAD / WGRAD (last reads of h2 and g3)
         E_local = w13.shape[0]
         grad_w2 = torch.zeros(E_local, D, F, dtype=acc, device=grad_y_TD.device)
         grad_w13 = torch.zeros(E_local, 2 * F, D, dtype=acc, device=grad_y_TD.device)
-        for e, a, b in self._segments(routes):
-            if a == b:
-                continue
-            g3e = g3[a:b].to(acc)
-            grad_w2[e] = g3e.T @ h2[a:b].to(acc)
-            grad_h2[a:b].copy_(g3e @ w2[e].to(acc))
+        if keep_routes:
+            # token owner: score gradients from the saved route outputs, and s * grad_y per route
+            grad_scores_TK = (gy.unsqueeze(1) * routes_TKD.to(acc)).sum(dim=-1)
+            grad_h3 = (saved.scores_TK.to(acc).unsqueeze(-1) * gy.unsqueeze(1)).to(dtype)
+            self._dispatch(grad_h3.view(T * K, D)[routes.send_flat_idx], routes, g3)
+            # expert owner: W2 DGRAD / WGRAD (last reads of h2 and g3)
+            for e, a, b in self._segments(routes):
+                if a == b:
+                    continue
+                g3e = g3[a:b].to(acc)
+                grad_w2[e] = g3e.T @ h2[a:b].to(acc)
+                grad_h2[a:b].copy_(g3e @ w2[e].to(acc))
+        else:
+            # token owner sends grad_y (unscaled) and the score of each route; the expert side
+            # computes u = W2^T grad_y, grad_s = <u, h2>, grad_h2 = s u and the W2 WGRAD from
+            # (grad_y, s h2), and returns grad_s per route
+            self._dispatch(grad_y_TD[routes.send_flat_idx // K], routes, g3)
+            s_rows = torch.empty(R, 1, dtype=acc, device=grad_y_TD.device)
+            self._dispatch(saved.scores_TK.to(acc).reshape(-1, 1)[routes.send_flat_idx],
+                           routes, s_rows)
+            grad_s_rows = torch.zeros(R, 1, dtype=acc, device=grad_y_TD.device)
+            for e, a, b in self._segments(routes):
+                if a == b:
+                    continue
+                g3e, se = g3[a:b].to(acc), s_rows[a:b]
+                u = g3e @ w2[e].to(acc)
+                grad_s_rows[a:b] = (u * h2[a:b].to(acc)).sum(dim=-1, keepdim=True)
+                grad_w2[e] = g3e.T @ (se * h2[a:b].to(acc))
+                grad_h2[a:b].copy_(se * u)
+            grad_scores_TK = torch.zeros(T * K, dtype=acc, device=grad_y_TD.device)
+            grad_scores_TK[routes.send_flat_idx] = self._return(grad_s_rows, routes).view(-1)
+            grad_scores_TK = grad_scores_TK.view(T, K)
         # SwiGLU backward; grad_h1 reuses the bytes of h2 and g3, whose readers are done
         grad_h1_rows = swiglu_bwd(h1.to(acc), grad_h2.to(acc), cfg.activation, cfg.swiglu_alpha,
                                   cfg.swiglu_limit)

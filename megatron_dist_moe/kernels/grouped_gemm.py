@@ -276,6 +276,8 @@ class _MMArgs:
     activation: int
     alpha: float
     limit: float
+    score_grads: bool = False  # swiglu_bwd: expert-side score gradients (out_rows = score ptrs)
+    score_grad_delta: int = 0
 
 
 def _as_device_ptr(x: torch.Tensor, name: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -303,7 +305,7 @@ def _check_rows(t: torch.Tensor, name: str, max_rows: int, device: torch.device)
 
 def _prepare(*, w_kn, w, expert_offsets, max_rows, a, a_row_ptrs, a_copy_out, epilogue, out,
              out_row_ptrs, h1, h2, activation, swiglu_alpha, swiglu_limit,
-             claim_flags=None) -> _MMArgs:
+             claim_flags=None, score_ptrs=None, score_grad_delta=0) -> _MMArgs:
     assert w.dim() == 3 and w.is_contiguous(), "w must be a contiguous [E, *, *] tensor"
     dev, dt = w.device, w.dtype
     num_experts = w.shape[0]
@@ -350,8 +352,14 @@ def _prepare(*, w_kn, w, expert_offsets, max_rows, a, a_row_ptrs, a_copy_out, ep
         out_addr = _as_device_ptr(h1, "h1", dt)
         if h2 is not None:  # also rebuild h2 = act(h1) for the W2 WGRAD
             out2_addr, store_aux = _as_device_ptr(h2, "h2", dt), True
+        if score_ptrs is not None:
+            _check_rows(score_ptrs, "score_ptrs", max_rows, dev)
+            out_rows = score_ptrs
     else:
         assert out_row_ptrs is not None, "epilogue='scatter' needs out_row_ptrs"
+    assert score_ptrs is None or epilogue == "swiglu_bwd", (
+        "score_ptrs (expert-side score gradients) go with epilogue='swiglu_bwd' only")
+    if epilogue == "scatter":
         _check_rows(out_row_ptrs, "out_row_ptrs", max_rows, dev)
         out_rows = out_row_ptrs
     return _MMArgs(
@@ -362,7 +370,8 @@ def _prepare(*, w_kn, w, expert_offsets, max_rows, a, a_row_ptrs, a_copy_out, ep
         a_copy=a_copy_out is not None and claim_flags is None, claim=claim_flags, w_kn=w_kn,
         epilogue=EPILOGUES.index(epilogue), store_aux=store_aux,
         activation=ACTIVATIONS.index(activation), alpha=float(swiglu_alpha),
-        limit=float(swiglu_limit))
+        limit=float(swiglu_limit), score_grads=score_ptrs is not None,
+        score_grad_delta=int(score_grad_delta))
 
 
 # --------------------------------------------------------------------------------------------
@@ -629,6 +638,28 @@ def _swiglu_bwd_tile(dh, rows64, row_ok, cols, h1_base, h2_addr_ptr, N, alpha, l
 
 
 @triton.jit
+def _swiglu_bwd_tile_scored(gu, s, rows64, row_ok, cols, h1_base, h2_addr_ptr, N, alpha, limit,
+                            DT: tl.constexpr, CLAMPED: tl.constexpr, STORE_H2: tl.constexpr):
+    """Expert-side score gradients (Config.save_route_outputs=False) for one column block of
+    u = W2^T grad_y (fp32, unscaled): grad_h2 = s u (rounded to DT) goes through the SwiGLU
+    backward in place over h1 as in `_swiglu_bwd_tile`; h2 is stored scaled (s h2, the W2
+    WGRAD operand against the unscaled grad_y rows). Returns this block's <u, h2> per row."""
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    g_ptrs = h1_base + rows64[:, None] * (2 * N) + cols[None, :]
+    g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(g_ptrs + N, mask=mask, other=0.0).to(tl.float32)
+    dh = (s[:, None] * gu).to(DT).to(tl.float32)
+    dg, du, h2v = swiglu_grad(g, u, dh, CLAMPED, alpha, limit)
+    tl.store(g_ptrs, dg.to(DT), mask=mask)
+    tl.store(g_ptrs + N, du.to(DT), mask=mask)
+    if STORE_H2:
+        h2_base = _load_ptr(h2_addr_ptr, DT)
+        tl.store(h2_base + rows64[:, None] * N + cols[None, :], (s[:, None] * h2v).to(DT),
+                 mask=mask)
+    return tl.sum(tl.where(mask, gu * h2v.to(DT).to(tl.float32), 0.0), axis=1)
+
+
+@triton.jit
 def _dot(a, b, acc, IEEE: tl.constexpr):
     if IEEE:  # fp32 operands, or the CPU interpreter: exact fp32 products, no tf32 rounding
         # NOTE: the interpreter's bf16 dot returns garbage; bf16 (and fp16) operands are widened
@@ -642,7 +673,7 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 def _grouped_mm_kernel(
     a_addr_ptr, a_rows_ptr, a_copy_addr_ptr, w_ptr, offsets_ptr,
     out_addr_ptr, out2_addr_ptr, out_rows_ptr, ready_ptr, epoch_ptr, claimed_ptr, copied_ptr,
-    N, Kd, alpha, limit,
+    N, Kd, alpha, limit, score_grad_delta,
     E: tl.constexpr, E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     A_GATHER: tl.constexpr, A_COPY: tl.constexpr, W_KN: tl.constexpr, EPILOGUE: tl.constexpr,
@@ -650,7 +681,7 @@ def _grouped_mm_kernel(
     COPY_RELOAD: tl.constexpr = False,
     A_CLAIM: tl.constexpr = False, CLAIM_AHEAD: tl.constexpr = 0, COPY_K: tl.constexpr = 64,
     PROXY_FENCE: tl.constexpr = False, SLICE_K: tl.constexpr = 0,
-    AHEAD_SLICES: tl.constexpr = 1,
+    AHEAD_SLICES: tl.constexpr = 1, SCORE_GRADS: tl.constexpr = False,
 ):
     # A_CLAIM: a_addr_ptr is a_copy_out, read as a dense A once `_claim_phase` made the tile's
     # rows valid; a_rows_ptr gives the rows to copy there; ready_ptr/epoch_ptr: `ClaimFlags`.
@@ -804,6 +835,33 @@ def _grouped_mm_kernel(
                 h = gf * tl.sigmoid(alpha * gf) * (uf + 1.0)
             h2_base = _load_ptr(out2_addr_ptr, DT)
             tl.store(h2_base + rows64[:, None] * N + cols[None, :], h.to(DT), mask=mask)
+        elif EPILOGUE == 3 and SCORE_GRADS:
+            # W2 DGRAD with expert-side score gradients: acc is u = W2^T grad_y (unscaled);
+            # out_rows_ptr holds each row's address of its owner's score, the score gradient
+            # slot is score_grad_delta bytes further (one fp32 atomic per row per N tile)
+            Q: tl.constexpr = BN // 4
+            s_addr = tl.load(out_rows_ptr + rows, mask=row_ok, other=0)
+            s_ok = row_ok & (s_addr != 0)
+            s = tl.load(s_addr.to(tl.pointer_type(tl.float32)), mask=s_ok, other=0.0)
+            gu = tl.reshape(acc, (BLOCK_M, 2, 2, Q))
+            gu_lo, gu_hi = tl.split(tl.permute(gu, (0, 2, 3, 1)))
+            gu_0, gu_1 = tl.split(tl.permute(gu_lo, (0, 2, 1)))
+            gu_2, gu_3 = tl.split(tl.permute(gu_hi, (0, 2, 1)))
+            h1_base = _load_ptr(out_addr_ptr, DT)
+            c0 = pid_n * BN + tl.arange(0, Q)
+            part = _swiglu_bwd_tile_scored(gu_0, s, rows64, row_ok, c0, h1_base, out2_addr_ptr,
+                                           N, alpha, limit, DT, ACT == 1, STORE_AUX)
+            part += _swiglu_bwd_tile_scored(gu_1, s, rows64, row_ok, c0 + Q, h1_base,
+                                            out2_addr_ptr, N, alpha, limit, DT, ACT == 1,
+                                            STORE_AUX)
+            part += _swiglu_bwd_tile_scored(gu_2, s, rows64, row_ok, c0 + 2 * Q, h1_base,
+                                            out2_addr_ptr, N, alpha, limit, DT, ACT == 1,
+                                            STORE_AUX)
+            part += _swiglu_bwd_tile_scored(gu_3, s, rows64, row_ok, c0 + 3 * Q, h1_base,
+                                            out2_addr_ptr, N, alpha, limit, DT, ACT == 1,
+                                            STORE_AUX)
+            tl.atomic_add((s_addr + score_grad_delta).to(tl.pointer_type(tl.float32)), part,
+                          mask=s_ok, sem="relaxed")
         elif EPILOGUE == 3:  # W2 DGRAD + SwiGLU backward: h1 [R, 2F] -> grad_h1, in place
             # NOTE: acc is grad_h2; it is rounded to the dtype first, exactly what the unfused
             # path stores and `rows.swiglu_bwd` reloads, so both paths give the same bits. Each
@@ -948,6 +1006,7 @@ def _launch_mm(args: _MMArgs, config: GroupedGemmConfig, num_programs: Optional[
         out2_addr_ptr=args.out2_addr, out_rows_ptr=args.out_rows, ready_ptr=ready,
         epoch_ptr=epoch, claimed_ptr=claimed, copied_ptr=copied,
         N=args.n, Kd=args.kd, alpha=args.alpha, limit=args.limit,
+        score_grad_delta=args.score_grad_delta,
         E=args.num_experts, E_PAD=max(2, triton.next_power_of_2(args.num_experts)),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, A_GATHER=args.a_gather, A_COPY=args.a_copy, W_KN=args.w_kn,
@@ -956,7 +1015,7 @@ def _launch_mm(args: _MMArgs, config: GroupedGemmConfig, num_programs: Optional[
         COPY_RELOAD=COPY_RELOAD,
         A_CLAIM=args.claim is not None, CLAIM_AHEAD=config.claim_ahead, COPY_K=copy_k,
         PROXY_FENCE=args.claim is not None and config.tma and not _interpreting(),
-        SLICE_K=slice_k, AHEAD_SLICES=config.claim_ahead_slices,
+        SLICE_K=slice_k, AHEAD_SLICES=config.claim_ahead_slices, SCORE_GRADS=args.score_grads,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
@@ -1036,6 +1095,8 @@ def grouped_mm_dgrad(
     config: Optional[GroupedGemmConfig] = None,
     num_programs: Optional[int] = None,
     claim_flags: Optional[ClaimFlags] = None,
+    score_ptrs: Optional[torch.Tensor] = None,
+    score_grad_delta: int = 0,
 ) -> None:
     """DGRAD grouped GEMM: row r of expert e gets a[r] @ w[e] (fp32 accumulation).
 
@@ -1048,12 +1109,18 @@ def grouped_mm_dgrad(
     saved h1 = [g | u] rows at `h1` ([R, 2F]) it becomes grad_h1 = [dg | du] (the activation's
     backward, `rows.swiglu_grad`), written over h1 in place; with `h2` ([R, F]) the epilogue
     also stores h2 = act(g, u) there (the W2 WGRAD operand), so no separate SwiGLU pass runs.
+    score_ptrs (with "swiglu_bwd"; Config.save_route_outputs=False): int64 [>= max_rows], each
+    row's address of its route's fp32 score in the token owner's memory (0: skip). The GEMM
+    then computes u = grad_y @ W2 from unscaled grad_y rows and, per row with score s,
+    atomically adds <u, h2> (fp32) at score_ptrs[r] + score_grad_delta, runs the SwiGLU backward
+    on grad_h2 = s u and stores h2 scaled (s h2) for the W2 WGRAD.
     """
     args = _prepare(w_kn=True, w=w, expert_offsets=expert_offsets, max_rows=max_rows, a=a,
                     a_row_ptrs=a_row_ptrs, a_copy_out=a_copy_out, epilogue=epilogue, out=out,
                     out_row_ptrs=out_row_ptrs, h1=h1, h2=h2, activation=activation,
                     swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
-                    claim_flags=claim_flags)
+                    claim_flags=claim_flags, score_ptrs=score_ptrs,
+                    score_grad_delta=score_grad_delta)
     config = config or select_config("dgrad", n=args.n, kd=args.kd, device=w.device)
     _launch_mm(args, config, num_programs)
 

@@ -12,6 +12,12 @@ Kernels:
     combine_routes  y[t] = sum_k [id>=0] s[t,k] * routes[t,k]  (fp32 sum, owner side)
     publish_grad_routes  grad_routes[t,k] = s[t,k] * gy[t]; grad_s[t,k] = <gy[t], routes[t,k]>
     reduce_routes   gx[t] = sum_k [id>=0] grad_routes_in[t,k]     (fp32 sum, owner side)
+  expert-side score gradients (Config.save_route_outputs=False):
+    publish_grad_y    grad_routes[t,k] = gy[t] (unscaled) for active routes; the owner's
+                      published scores and zeroed score-gradient sums
+    route_score_ptrs  per received row: the address of its route's score in the owner's
+                      routing region (from the row's combine address)
+    score_grad_rows   per row: grad_s = <u, h2> stored to the owner, then u *= s, h2 *= s
     swiglu_fwd / swiglu_bwd   elementwise activation on h1 = [g | u] rows
     device_check    trap with a message naming the cause and the numbers
 """
@@ -24,6 +30,7 @@ import triton.language as tl
 
 __all__ = ["device_ptr", "gather_rows", "scatter_rows", "copy_rows", "combine_routes",
            "publish_grad_routes", "reduce_routes", "swiglu_fwd", "swiglu_bwd", "device_check",
+           "publish_grad_y", "route_score_ptrs", "score_grad_rows",
            "CHECK_UNEQUAL_T", "CHECK_SCRATCH_OVERFLOW", "CHECK_BAD_EXPERT_ID",
            "CHECK_INACTIVE_SCORE", "CHECK_PEER_REJECTED"]
 
@@ -200,6 +207,106 @@ def publish_grad_routes(gy_TD: torch.Tensor, routes_addr: torch.Tensor, ids_TK: 
         return
     _publish_grad_routes_kernel[(T,)](gy_TD, routes_addr, ids_TK, scores_TK, grad_routes_TKD,
                                       grad_scores_TK, D=D, K=K, BLOCK_D=1024, num_warps=4)
+
+
+@triton.jit
+def _publish_grad_y_kernel(gy_ptr, ids_ptr, scores_ptr, grad_routes_ptr, own_scores_ptr,
+                           own_score_grads_ptr, D: tl.constexpr, K: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    d0 = tl.arange(0, BLOCK_D)
+    for k in tl.static_range(K):
+        eid = tl.load(ids_ptr + t * K + k).to(tl.int32)
+        tl.store(own_scores_ptr + t * K + k, tl.load(scores_ptr + t * K + k).to(tl.float32))
+        tl.store(own_score_grads_ptr + t * K + k, 0.0)
+        for c0 in range(0, D, BLOCK_D):
+            d = c0 + d0
+            dm = (d < D) & (eid >= 0)
+            gy = tl.load(gy_ptr + t * D + d, mask=dm, other=0.0)
+            tl.store(grad_routes_ptr + (t * K + k) * D + d, gy.to(tl.bfloat16), mask=dm)
+
+
+def publish_grad_y(gy_TD: torch.Tensor, ids_TK: torch.Tensor, scores_TK: torch.Tensor,
+                   grad_routes_TKD: torch.Tensor, own_scores_TK: torch.Tensor,
+                   own_score_grads_TK: torch.Tensor) -> None:
+    """Owner side of the expert-side score gradients: grad_routes[t,k] = bf16(gy[t]) (not scaled)
+    for active routes; own_scores[t,k] = scores[t,k] (fp32, for the experts to read);
+    own_score_grads[t,k] = 0 (the experts accumulate into it)."""
+    T, D = gy_TD.shape
+    K = ids_TK.shape[1]
+    if T == 0:
+        return
+    _publish_grad_y_kernel[(T,)](gy_TD, ids_TK, scores_TK, grad_routes_TKD, own_scores_TK,
+                                 own_score_grads_TK, D=D, K=K, BLOCK_D=1024, num_warps=4)
+
+
+@triton.jit
+def _route_score_ptrs_kernel(combine_ptrs, num_rows_ptr, combine_base_ptr, routing_base_ptr,
+                             out_ptr, n, region_bytes, scores_offset, EP: tl.constexpr,
+                             ROW_BYTES: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < tl.load(num_rows_ptr)
+    c = tl.load(combine_ptrs + i, mask=live, other=0)
+    out = tl.zeros([BLOCK], dtype=tl.int64)
+    for r in tl.static_range(EP):
+        base = tl.load(combine_base_ptr + r)
+        inside = (c >= base) & (c < base + region_bytes) & (c != 0)
+        route = (c - base) // ROW_BYTES
+        out = tl.where(inside, tl.load(routing_base_ptr + r) + scores_offset + route * 4, out)
+    tl.store(out_ptr + i, out, mask=i < n)
+
+
+def route_score_ptrs(combine_ptrs: torch.Tensor, num_rows: torch.Tensor,
+                     combine_base_EP: torch.Tensor, combine_region_bytes: int,
+                     routing_base_EP: torch.Tensor, scores_offset: int, row_bytes: int,
+                     out: torch.Tensor) -> None:
+    """out[i] = address of the owner's published score of received row i's route (0 for rows
+    at or past num_rows, or with combine address 0): the owner r is the rank whose combine
+    region holds combine_ptrs[i], the route its row index there."""
+    n = out.numel()
+    if n == 0:
+        return
+    BLOCK = 256
+    _route_score_ptrs_kernel[(triton.cdiv(n, BLOCK),)](
+        combine_ptrs, num_rows, combine_base_EP, routing_base_EP, out, n, combine_region_bytes,
+        scores_offset, EP=combine_base_EP.numel(), ROW_BYTES=row_bytes, BLOCK=BLOCK,
+        num_warps=4)
+
+
+@triton.jit
+def _score_grad_rows_kernel(u_addr, h2_addr, score_ptrs, num_rows_ptr, grad_delta,
+                            F: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    if row >= tl.load(num_rows_ptr):
+        return
+    sp = tl.load(score_ptrs + row)
+    u_row = tl.load(u_addr).to(tl.pointer_type(tl.bfloat16)) + row * F
+    h2_row = tl.load(h2_addr).to(tl.pointer_type(tl.bfloat16)) + row * F
+    s = tl.load(sp.to(tl.pointer_type(tl.float32)), mask=sp != 0, other=0.0)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for c0 in range(0, F, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        m = c < F
+        u = tl.load(u_row + c, mask=m, other=0.0).to(tl.float32)
+        h = tl.load(h2_row + c, mask=m, other=0.0).to(tl.float32)
+        acc += u * h
+        tl.store(u_row + c, (s * u).to(tl.bfloat16), mask=m)
+        tl.store(h2_row + c, (s * h).to(tl.bfloat16), mask=m)
+    tl.store((sp + grad_delta).to(tl.pointer_type(tl.float32)), tl.sum(acc, axis=0),
+             mask=sp != 0)
+
+
+def score_grad_rows(u_addr: torch.Tensor, h2_addr: torch.Tensor, score_ptrs: torch.Tensor,
+                    num_rows: torch.Tensor, F: int, grad_delta: int, max_rows: int) -> None:
+    """Expert side, one program per row i < num_rows: with s = *score_ptrs[i] (fp32, the owner's
+    score of the row's route), store grad_s = <u[i], h2[i]> (fp32) at score_ptrs[i] + grad_delta
+    (the owner's score-gradient slot), then u[i] = bf16(s * u[i]) (grad_h2) and
+    h2[i] = bf16(s * h2[i]) (the W2 WGRAD operand) in place. u, h2: bf16 [R, F] at device
+    addresses."""
+    if max_rows == 0:
+        return
+    _score_grad_rows_kernel[(max_rows,)](u_addr, h2_addr, score_ptrs, num_rows, grad_delta, F=F,
+                                         BLOCK=min(1024, triton.next_power_of_2(F)), num_warps=4)
 
 
 @triton.jit

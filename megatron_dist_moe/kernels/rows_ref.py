@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as Fn
 
 __all__ = ["act_ref", "act_bwd_ref", "combine_routes_ref", "publish_grad_routes_ref",
-           "reduce_routes_ref"]
+           "reduce_routes_ref", "score_grad_rows_ref"]
 
 
 def act_ref(h1_R2F: torch.Tensor, F: int, clamped: bool, alpha: float, limit: float) -> torch.Tensor:
@@ -42,3 +42,10 @@ def publish_grad_routes_ref(gy_TD, routes_TKD, ids_TK, scores_TK):
 
 def reduce_routes_ref(routes_TKD, ids_TK):
     return torch.where((ids_TK >= 0)[..., None], routes_TKD.float(), 0.0).sum(1)
+
+
+def score_grad_rows_ref(u_RF, h2_RF, s_R):
+    """(grad_s [R] fp32 = <u, h2>, bf16(s u), bf16(s h2)) for bf16 rows u, h2 and fp32 scores."""
+    u, h = u_RF.float(), h2_RF.float()
+    s = s_R.float()[:, None]
+    return (u * h).sum(-1), (s * u).to(torch.bfloat16), (s * h).to(torch.bfloat16)

@@ -82,6 +82,8 @@ class DistMoEOptions:
     device_scratch_capacity_factor   device scratch rows as a multiple of T x K
     host_scratch_capacity_factor     optional pinned-host overflow (total factor)
     wgrad_dtype                      "fp32" | "bf16" accumulation of the expert weight grads
+    save_route_outputs               False: score gradients on the expert side, a third less
+                                     saved state per layer (Config.save_route_outputs)
     num_local_input_tokens           override T (default: seq_length x micro_batch_size / TP / CP)
     """
 
@@ -90,6 +92,7 @@ class DistMoEOptions:
     device_scratch_capacity_factor: float = 2.0
     host_scratch_capacity_factor: float | None = None
     wgrad_dtype: str = "fp32"
+    save_route_outputs: bool = True
     num_local_input_tokens: int | None = None
 
     def __post_init__(self) -> None:
@@ -253,6 +256,7 @@ def dist_moe_config(tc: Any, *, num_local_input_tokens: int, options: DistMoEOpt
             device_scratch_capacity_factor=options.device_scratch_capacity_factor,
             host_scratch_capacity_factor=options.host_scratch_capacity_factor,
             wgrad_dtype=options.wgrad_dtype,
+            save_route_outputs=bool(options.save_route_outputs),
             backend=options.backend,
         )
     except ConfigError as e:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine session: environment facts, GPU correctness checks, benchmarks.
 # Usage (on the GPU machine, repo root): bash scripts/device/gpu_session.sh [sections...]
-# Sections: env check packing kernels traps bench claimsweep candcheck candbench ab nvlink
+# Sections: env check packing kernels traps bench claimsweep candcheck candbench ab scoregrads nvlink
 #           layer packbench megatron pack
 #           (default: env check)
 # Knobs: CHECK_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS (extra arguments), TMO (seconds per step),
@@ -62,6 +62,11 @@ for s in $sections; do case $s in
   ab) # interleaved A/B in one process (benchmarks/ab_layer.py): AB_B (required), AB_A, AB_ARGS
       run ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT" \
           --a "${AB_A:-}" --b "${AB_B?set AB_B, e.g. AB_B=DIST_MOE_WGRAD_OVERLAP=1 (empty: the defaults)}" ${AB_ARGS:-} ;;
+  scoregrads) # Config.save_route_outputs=False: correctness on 1 and 2 GPUs, then A/B vs default
+          run sg_check1 torchrun --nproc-per-node=1 tests/gpu/dist_check.py --quick --save-route-outputs 0
+          [ "$NGPU" -ge 2 ] && run sg_check2 torchrun --nproc-per-node=2 tests/gpu/dist_check.py --save-route-outputs 0
+          run sg_ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT" \
+              --b-config save_route_outputs=0 ;;
   nvlink) # pull (peer loads) vs push (peer stores) row traffic, alone and next to a dense GEMM
           run nvlink torchrun --nproc-per-node=2 benchmarks/bench_nvlink_rows.py --out "$OUT" --gemm ;;
   layer) run layer torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py --out "$OUT" ${LAYER_ARGS:-} ;;

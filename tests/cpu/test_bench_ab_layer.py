@@ -49,3 +49,14 @@ def test_switches_are_restored():
     with ab.switches({"DIST_MOE_WGRAD_OVERLAP": "1", "DIST_MOE_CLAIM_SLICE_K": "64"}):
         assert os.environ["DIST_MOE_WGRAD_OVERLAP"] == "1" and G.CLAIM_SLICE_K == 64
     assert "DIST_MOE_WGRAD_OVERLAP" not in os.environ and G.CLAIM_SLICE_K == before
+
+
+def test_parse_config_overrides():
+    assert ab.parse_config("save_route_outputs=0, pipeline=staged") == {
+        "save_route_outputs": False, "pipeline": "staged"}
+    assert ab.parse_config("device_scratch_capacity_factor=2.5 top_k=4") == {
+        "device_scratch_capacity_factor": 2.5, "top_k": 4}
+    with pytest.raises(ValueError, match="Config field"):
+        ab.parse_config("not_a_field=1")
+    with pytest.raises(ValueError, match="takes 0/1"):
+        ab.parse_config("save_route_outputs=maybe")

@@ -38,14 +38,13 @@ H.install()
 LAYERS = 3
 shape = dict(num_local_input_tokens=24, hidden_dim=128, intermediate_dim=128, top_k=2,
              num_experts=4, backend="reference", max_moe_layers_per_activation_slot=LAYERS)
-# a slot where the first layer keeps its full state and the later ones must replay:
-# 2 inputs + the largest full state (all 48 routes to this rank's experts)
-p0 = dm.plan_memory(dm.Config(**shape), ep_size=1)
-SLOT = 2 * p0.input_bytes + p0.layer.full_state(48)
 
 
 def run(variant, seed):
-    cfg = dm.Config(**shape, activation_slot_bytes=SLOT, pipeline=variant["pipeline"],
+    kw = variant.get("cfg", {})
+    p_kw = dm.plan_memory(dm.Config(**shape, **kw), ep_size=1)
+    slot = 2 * p_kw.input_bytes + p_kw.layer.full_state(48)   # keep / replay / replay again
+    cfg = dm.Config(**shape, **kw, activation_slot_bytes=slot, pipeline=variant["pipeline"],
                     activation=variant.get("activation", "swiglu"))
     # new inputs per variant: memory a previous backend freed cannot hold this one's values
     problems = [tt.make_problem(cfg, 1, seed=seed + i, dtype=torch.bfloat16,
@@ -79,6 +78,15 @@ VARIANTS = {
         env={**TRITON, **TORCH_TABLES, "DIST_MOE_CLAIM_SLICE_K": "0"}, pipeline="staged"),
     "triton_gemm,staged,claim_slice_32": dict(
         env={**TRITON, "DIST_MOE_CLAIM_SLICE_K": "32"}, pipeline="staged"),
+    # Config.save_route_outputs=False: score gradients on the expert side (fused epilogue,
+    # the row kernel of the unfused path, and the torch GEMM engine)
+    "expert_score_grads,triton_gemm,staged": dict(
+        env=dict(TRITON), pipeline="staged", cfg=dict(save_route_outputs=False)),
+    "expert_score_grads,triton_gemm,standard,unfused_swiglu_bwd,clamped": dict(
+        env={**TRITON, "DIST_MOE_FUSE_SWIGLU_BWD": "0"}, pipeline="standard",
+        activation="swiglu_clamped", cfg=dict(save_route_outputs=False)),
+    "expert_score_grads,torch_gemm": dict(env=dict(TORCH), pipeline="standard",
+                                          cfg=dict(save_route_outputs=False)),
 }
 for v, (name, variant) in enumerate(VARIANTS.items()):
     try:
@@ -92,7 +100,10 @@ for v, (name, variant) in enumerate(VARIANTS.items()):
 
 NAMES = ["torch_gemm", "torch_gemm,torch_routing,torch_bookkeeping", "triton_gemm,standard",
          "triton_gemm,standard,unfused_swiglu_bwd,clamped",
-         "triton_gemm,staged,whole_tile_claims,torch_tables", "triton_gemm,staged,claim_slice_32"]
+         "triton_gemm,staged,whole_tile_claims,torch_tables", "triton_gemm,staged,claim_slice_32",
+         "expert_score_grads,triton_gemm,staged",
+         "expert_score_grads,triton_gemm,standard,unfused_swiglu_bwd,clamped",
+         "expert_score_grads,torch_gemm"]
 
 
 @pytest.fixture(scope="module")

@@ -35,9 +35,13 @@ EP = 2
 LAYERS = 3
 shape = dict(num_local_input_tokens=16, hidden_dim=64, intermediate_dim=64, top_k=2,
              num_experts=4, backend="reference", max_moe_layers_per_activation_slot=LAYERS)
-p0 = dm.plan_memory(dm.Config(**shape), ep_size=EP)
-# worst rank: the first layer keeps, the later ones replay (hot rank gets up to all 2*16*2 routes)
-SLOT = 2 * p0.input_bytes + p0.layer.full_state(2 * 16 * 2)
+
+
+def slot_bytes(**kw):
+    """Worst rank: the first layer keeps, the later ones replay (the hot rank gets up to all
+    2*16*2 routes)."""
+    p0 = dm.plan_memory(dm.Config(**shape, **kw), ep_size=EP)
+    return 2 * p0.input_bytes + p0.layer.full_state(2 * 16 * 2)
 
 
 def train_rank(group, cfg, problems):
@@ -49,8 +53,9 @@ def train_rank(group, cfg, problems):
 
 
 def run(variant, seed):
-    cfg = dm.Config(**shape, activation_slot_bytes=SLOT, pipeline=variant["pipeline"],
-                    activation=variant.get("activation", "swiglu"))
+    kw = variant.get("cfg", {})
+    cfg = dm.Config(**shape, **kw, activation_slot_bytes=slot_bytes(**kw),
+                    pipeline=variant["pipeline"], activation=variant.get("activation", "swiglu"))
     problems = [tt.make_problem(cfg, EP, seed=seed + i, dtype=torch.bfloat16,
                                 routing=("one_rank" if i == 0 else "hot_expert"))
                 for i in range(LAYERS)]
@@ -82,7 +87,7 @@ def rejected_rank(group, cfg, problem):
 
 
 def run_rejected(routing):
-    cfg = dm.Config(**shape, activation_slot_bytes=SLOT)
+    cfg = dm.Config(**shape, activation_slot_bytes=slot_bytes())
     problem = tt.make_problem(cfg, EP, seed=5, dtype=torch.bfloat16)
     with H.variant_env({"DIST_MOE_GEMM": "torch", "DIST_MOE_ROUTING": routing}):
         out = H.run_ranks(EP, rejected_rank, cfg, problem, timeout_s=120)
@@ -97,6 +102,10 @@ VARIANTS = {
                                          activation="swiglu_clamped"),
     "triton_gemm,staged,claim_slice_16": dict(
         env={"DIST_MOE_GEMM": "triton", "DIST_MOE_CLAIM_SLICE_K": "16"}, pipeline="staged"),
+    # score gradients summed on the expert side, stored into the other rank's routing region
+    "expert_score_grads,triton_gemm,standard": dict(
+        env={"DIST_MOE_GEMM": "triton"}, pipeline="standard",
+        cfg=dict(save_route_outputs=False)),
 }
 
 for routing in ("torch", "triton"):
@@ -111,7 +120,8 @@ for v, (name, variant) in enumerate(VARIANTS.items()):
     print("RESULT " + json.dumps(res), flush=True)
 '''
 
-NAMES = ["torch_gemm,torch_tables", "triton_gemm,standard,clamped", "triton_gemm,staged,claim_slice_16"]
+NAMES = ["torch_gemm,torch_tables", "triton_gemm,standard,clamped", "triton_gemm,staged,claim_slice_16",
+         "expert_score_grads,triton_gemm,standard"]
 
 
 @pytest.fixture(scope="module")

@@ -138,6 +138,9 @@ VARIANTS = {
     "dgrad_w2_swiglu_bwd_claim_sliced": lambda: G.grouped_mm_dgrad(w=w2, expert_offsets=offs,
         max_rows=R, a_row_ptrs=rows_tab, a_copy_out=p, claim_flags=flags, epilogue="swiglu_bwd",
         h1=p, h2=p, config=SLICED),
+    "dgrad_w2_swiglu_bwd_score_grads": lambda: G.grouped_mm_dgrad(w=w2, expert_offsets=offs,
+        max_rows=R, a=p, epilogue="swiglu_bwd", h1=p, h2=p, config=BIG, score_ptrs=rows_tab,
+        score_grad_delta=49152),
     "dgrad_w13_tma": lambda: G.grouped_mm_dgrad(w=w13, expert_offsets=offs, max_rows=R, a=p,
         out=p, config=BIG),
     "wgrad_tma_fp32": lambda: G.grouped_mm_wgrad(p, p, offs, torch.empty(E, 2 * F, D),
@@ -154,6 +157,14 @@ _i64 = torch.zeros(4, dtype=torch.int64)
 VARIANTS["rows_device_check"] = lambda: K_rows.device_check(_i64, _i64, _i64)
 VARIANTS["rows_swiglu_bwd"] = lambda: K_rows.swiglu_bwd(p, p, p, offs[-1:], 3072, R, True,
                                                         1.702, 7.0, h2_addr=p)
+_f32 = torch.empty(2048, 6)
+VARIANTS["rows_publish_grad_y"] = lambda: K_rows.publish_grad_y(
+    torch.empty(2048, 7168, dtype=bf), torch.empty(2048, 6, dtype=torch.int32), _f32,
+    torch.empty(2048, 6, 7168, dtype=bf), _f32, _f32)
+VARIANTS["rows_route_score_ptrs"] = lambda: K_rows.route_score_ptrs(
+    rows_tab, offs[-1:], p.repeat(2), 1 << 28, p.repeat(2), 24704, 14336, rows_tab)
+VARIANTS["rows_score_grad_rows"] = lambda: K_rows.score_grad_rows(p, p, rows_tab, offs[-1:],
+                                                                  3072, 49152, R)
 import megatron_dist_moe as dm
 from megatron_dist_moe.kernels import bookkeeping as KB
 from megatron_dist_moe.planner import PlannerState
@@ -172,6 +183,9 @@ VARIANTS["bookkeeping_fwd_inference"] = lambda: _bk.forward(_tabs, 2048, False)
 VARIANTS["bookkeeping_bwd"] = lambda: _bk.backward(None, _rec, _tabs, 2048)
 JIT = {"rows_device_check": (K_rows, "_device_check_kernel"),
        "rows_swiglu_bwd": (K_rows, "_swiglu_bwd_kernel"),
+       "rows_publish_grad_y": (K_rows, "_publish_grad_y_kernel"),
+       "rows_route_score_ptrs": (K_rows, "_route_score_ptrs_kernel"),
+       "rows_score_grad_rows": (K_rows, "_score_grad_rows_kernel"),
        "bookkeeping_fwd": (KB, "plan_forward_kernel"),
        "bookkeeping_fwd_inference": (KB, "plan_forward_kernel"),
        "bookkeeping_bwd": (KB, "plan_backward_kernel"),
@@ -206,6 +220,8 @@ for name in names:
 VARIANTS = ["fwd_swiglu_tma", "fwd_swiglu_gather_copy", "fwd_swiglu_claim",
             "fwd_swiglu_claim_sliced", "fwd_w2_scatter_clamped", "dgrad_w2_claim_sliced",
             "dgrad_w2_swiglu_bwd_tma", "dgrad_w2_swiglu_bwd_claim_sliced",
+            "dgrad_w2_swiglu_bwd_score_grads", "rows_publish_grad_y", "rows_route_score_ptrs",
+            "rows_score_grad_rows",
             "dgrad_w13_tma", "wgrad_tma_fp32", "wgrad_plain_bf16", "routing_count",
             "routing_place", "bookkeeping_fwd", "bookkeeping_fwd_inference", "bookkeeping_bwd",
             "rows_device_check", "rows_swiglu_bwd"]
@@ -220,6 +236,7 @@ EXPECT = {
                                     atom_max=2, proxy_fence=2),
     "dgrad_w2_claim_sliced": dict(wgmma=1, ld_acquire=1, atom_release=1, atom_max=2),
     "wgrad_tma_fp32": dict(wgmma=1, tma_load=1),
+    "dgrad_w2_swiglu_bwd_score_grads": dict(wgmma=1, tma_load=1),
     "routing_place": dict(trap=1, printf=4),
     "rows_device_check": dict(trap=1, printf=4),
 }

@@ -497,6 +497,57 @@ def check_dgrad_swiglu_bwd_epilogue():
             _untouched(f"{tag}: h2 rows past R", h2[r:])
 
 
+def check_dgrad_swiglu_bwd_score_grads():
+    """The same epilogue with expert-side score gradients (save_route_outputs=False): A rows are
+    unscaled grad_y; per row with score s (read through score_ptrs) the kernel accumulates
+    <u, h2> (u = grad_y @ W2, over every N tile) 4*M bytes after the score, runs the SwiGLU
+    backward on s*u and stores s*h2. A row whose score address is 0 gets no score gradient."""
+    import torch
+    from megatron_dist_moe.kernels.grouped_gemm import ClaimFlags, device_ptr, grouped_mm_dgrad
+    from megatron_dist_moe.kernels.grouped_gemm_ref import gather_rows_ref, grouped_mm_dgrad_ref
+    from megatron_dist_moe.kernels.rows_ref import act_bwd_ref, act_ref
+    lens, d, f = [6, 0, 21, 13], 64, 48
+    e, offs, r, max_rows = len(lens), _offsets(lens), sum(lens), sum(lens) + 3
+    w2 = torch.randn(e, d, f) / 4
+    src = torch.randn(60, d)
+    idx = torch.randperm(60)[:max_rows]
+    flags = ClaimFlags(max_rows, None, e, "cpu")
+    for progs, tma, clamped, claim in ((1, False, False, False), (3, True, True, False),
+                                       (5, False, False, True)):
+        act = "swiglu_clamped" if clamped else "swiglu"
+        h1 = torch.randn(max_rows, 2 * f) * 2
+        h1[r:] = NAN
+        h1_in = h1.clone()
+        x = gather_rows_ref(src, idx[:r])
+        scores = torch.rand(max_rows) + 0.25
+        both = torch.cat([scores, torch.zeros(max_rows)])     # scores | score gradients
+        sptr = both.data_ptr() + torch.arange(max_rows, dtype=torch.int64) * 4
+        sptr[9] = 0                                            # a row with no score address
+        both[max_rows + 9] = 123.0
+        kw = dict(a_row_ptrs=_row_ptrs(src, idx, d), a_copy_out=torch.full((max_rows, d), NAN),
+                  claim_flags=flags) if claim else dict(a=x)
+        h2 = torch.full((max_rows, f), NAN)
+        grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=max_rows, epilogue="swiglu_bwd",
+                         h1=device_ptr(h1), h2=h2, activation=act, swiglu_alpha=1.702,
+                         swiglu_limit=1.5, num_programs=progs, config=_cfg(tma=tma),
+                         score_ptrs=sptr, score_grad_delta=4 * max_rows, **kw)
+        u = grouped_mm_dgrad_ref(x, w2, offs, compute_dtype=torch.float64)
+        s = scores[:r].double().clone()
+        s[9] = 0.0
+        h2_ref = act_ref(h1_in[:r].double(), f, clamped, 1.702, 1.5)
+        tag = f"score_grads progs={progs} tma={tma} {act} claim={claim}"
+        g_ref = (u * h2_ref).sum(-1)
+        keep = torch.arange(r) != 9
+        _close(f"{tag}: grad_s", both[max_rows:max_rows + r][keep], g_ref[keep], torch.float32)
+        assert both[max_rows + 9] == 123.0, f"{tag}: a row without score address was written"
+        assert (both[max_rows + r:] == 0).all(), f"{tag}: score gradients past R written"
+        _close(tag, h1[:r], act_bwd_ref(h1_in[:r].double(), s[:, None] * u, f, clamped, 1.702,
+                                        1.5), torch.float32)
+        _close(f"{tag}: s h2", h2[:r], s[:, None] * h2_ref, torch.float32)
+        _untouched(f"{tag}: h1 rows past R", h1[r:])
+        _untouched(f"{tag}: h2 rows past R", h2[r:])
+
+
 def check_claim_argument_errors():
     import torch
     from megatron_dist_moe.kernels.grouped_gemm import ClaimFlags, grouped_mm_fwd

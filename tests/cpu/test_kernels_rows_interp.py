@@ -67,6 +67,37 @@ BODY = textwrap.dedent(r'''
     # one bf16 ulp: the interpreter's fp32->bf16 conversion may round differently from RTNE
     assert torch.allclose(gr[live].float(), rgr[live].float(), rtol=8e-3, atol=1e-6), "publish"
     assert torch.allclose(gs, rgs, atol=1e-4, rtol=1e-4) and (gs[~live] == 0).all(), "grad scores"
+    # expert-side score gradients (save_route_outputs=False): owner publish, row score
+    # addresses, per-row score gradient
+    gr2 = torch.full((T, Kk, D), 3.0).to(bf)
+    own_s = torch.full((T, Kk), 9.0); own_g = torch.full((T, Kk), 9.0)
+    K.publish_grad_y(gy, ids, s, gr2, own_s, own_g)
+    assert torch.equal(gr2[live], gy[:, None, :].expand(T, Kk, D)[live]), "publish_grad_y rows"
+    assert (gr2[~live] == 3).all(), "publish_grad_y wrote an inactive route"
+    assert torch.equal(own_s, s) and (own_g == 0).all(), "publish_grad_y scores / zeroed sums"
+    # two "owners": combine regions of 4 routes of D bf16 each, routing regions with scores at 64
+    comb = [torch.zeros(4, D, dtype=bf) for _ in range(2)]
+    rout = [torch.zeros(64 + 4 * 4, dtype=torch.uint8) for _ in range(2)]
+    cb = torch.tensor([c.data_ptr() for c in comb]); rb = torch.tensor([r.data_ptr() for r in rout])
+    cptr = torch.tensor([cb[1] + 2 * D * 2, cb[0] + 3 * D * 2, 0, cb[1], 77, 88], dtype=torch.int64)
+    sptr = torch.full((6,), -1, dtype=torch.int64)
+    K.route_score_ptrs(cptr, torch.tensor([4], dtype=torch.int32), cb, 4 * D * 2, rb, 64, D * 2, sptr)
+    assert sptr.tolist() == [int(rb[1]) + 64 + 8, int(rb[0]) + 64 + 12, 0, int(rb[1]) + 64, 0, 0], sptr
+    u = torch.randn(5, F).to(bf); h2 = torch.randn(5, F).to(bf)
+    scores = torch.rand(4) + 0.5
+    grads = torch.full((4,), 9.0)
+    both = torch.cat([scores, grads])          # score i at 4*i, its gradient 16 bytes later
+    sp = torch.zeros(5, dtype=torch.int64)
+    sp[:4] = both.data_ptr() + torch.tensor([2, 0, 3, 1]) * 4
+    u0, h0 = u.clone(), h2.clone()
+    K.score_grad_rows(K.device_ptr(u), K.device_ptr(h2), sp, torch.tensor([3], dtype=torch.int32),
+                      F, 16, 5)
+    order = torch.tensor([2, 0, 3])
+    rg, ru, rh = R.score_grad_rows_ref(u0[:3], h0[:3], scores[order])
+    assert torch.allclose(both[4:][order], rg, rtol=1e-4, atol=1e-4) and both[4 + 1] == 9.0, "grad_s"
+    assert torch.allclose(u[:3].float(), ru.float(), rtol=8e-3, atol=1e-6), "s u"
+    assert torch.allclose(h2[:3].float(), rh.float(), rtol=8e-3, atol=1e-6), "s h2"
+    assert torch.equal(u[3:], u0[3:]) and torch.equal(h2[3:], h0[3:]), "rows past n touched"
     gx = torch.empty(T, D, dtype=bf)
     K.reduce_routes(routes, ids, gx)
     assert torch.allclose(gx.float(), R.reduce_routes_ref(routes, ids), atol=2e-2, rtol=1e-2), "reduce"

@@ -153,3 +153,20 @@ def test_shape_errors_name_the_megatron_flag():
     with pytest.raises(UnsupportedMegatronConfig, match="--moe-ffn-hidden-size"):
         # block-scaled fp8 needs multiples of 128
         dist_moe_config(like(fp8="e4m3", fp8_recipe="mxfp8"), num_local_input_tokens=128)
+
+
+def test_save_route_outputs_option_reaches_config_and_plan():
+    import megatron_dist_moe as dm
+    from types import SimpleNamespace
+
+    opts = options_from_args(SimpleNamespace(dist_moe_save_route_outputs=0))
+    assert opts.save_route_outputs == 0
+    keep = dist_moe_config(tc(), num_local_input_tokens=256)
+    lean = dist_moe_config(tc(), num_local_input_tokens=256, options=opts)
+    assert keep.save_route_outputs is True and lean.save_route_outputs is False
+    pk, pl = dm.plan_memory(keep, ep_size=2), dm.plan_memory(lean, ep_size=2)
+    # the route outputs (T*K*D*2 bytes) leave the full state; two [T, K] fp32 tables join the
+    # symmetric routing region
+    T, K, D = 256, keep.top_k, keep.hidden_dim
+    assert pk.layer.full_state(T * K) - pl.layer.full_state(T * K) == T * K * D * 2
+    assert pl.routing_bytes - pk.routing_bytes == 2 * T * K * 4

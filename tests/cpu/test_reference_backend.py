@@ -242,6 +242,23 @@ CASES = {
                                         problem_kw=dict(target_rank=0, num_inactive_rows=2)),
     "bf16_hot_expert": dict(fn=case_oracle, dtype=torch.bfloat16, routing="hot_expert",
                             problem_kw=dict(hot_expert=1)),
+    # Config.save_route_outputs=False: score gradients computed on the expert side
+    "fp64_random_inactive_expert_score_grads": dict(
+        fn=case_oracle, dtype=torch.float64, routing="random",
+        cfg_kw=dict(save_route_outputs=False),
+        problem_kw=dict(inactive_fraction=0.25, num_inactive_rows=4)),
+    "fp64_one_rank_clamped_expert_score_grads_replay": dict(
+        fn=case_oracle, dtype=torch.float64, routing="one_rank",
+        cfg_kw=dict(save_route_outputs=False, activation="swiglu_clamped", swiglu_limit=0.75,
+                    activation_slot_capacity_factor=0.0),
+        problem_kw=dict(target_rank=1)),
+    "fp64_hot_expert_replay": dict(fn=case_oracle, dtype=torch.float64, routing="hot_expert",
+                                   cfg_kw=dict(activation_slot_capacity_factor=0.0),
+                                   problem_kw=dict(hot_expert=3, num_inactive_rows=2)),
+    "bf16_random_inactive_expert_score_grads": dict(
+        fn=case_oracle, dtype=torch.bfloat16, routing="random",
+        cfg_kw=dict(save_route_outputs=False),
+        problem_kw=dict(inactive_fraction=0.25, num_inactive_rows=4)),
     "multilayer": dict(fn=case_multilayer),
     "two_slots": dict(fn=case_two_slots),
     "no_grad": dict(fn=case_no_grad),

@@ -240,6 +240,8 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--engines", default="triton,torch")
     ap.add_argument("--pipelines", default="standard,staged")
+    ap.add_argument("--save-route-outputs", default="1", choices=["0", "1"],
+                    help="Config.save_route_outputs (0: score gradients on the expert side)")
     args = ap.parse_args()
     rank = int(os.environ["RANK"])
     EP = int(os.environ["WORLD_SIZE"])
@@ -259,8 +261,11 @@ def main():
                             top_k=sh["K"], num_experts=sh["E_local"] * EP, backend="cuda",
                             activation=activation, device_scratch_capacity_factor=float(EP),
                             activation_slot_capacity_factor=1.5, wgrad_dtype="fp32",
-                            swiglu_limit=3.0, pipeline=pipeline)
+                            swiglu_limit=3.0, pipeline=pipeline,
+                            save_route_outputs=args.save_route_outputs == "1")
             tag = f"{engine}_{pipeline}_T{T}_D{sh['D']}_F{sh['F']}_{activation}"
+            if args.save_route_outputs == "0":
+                tag += "_expert_score_grads"
             try:
                 with dm.create_context(config=cfg) as ctx:
                     for routing in ("random", "inactive", "hot_rank", "hot_expert"):
@@ -279,7 +284,8 @@ def main():
     os.environ["DIST_MOE_GEMM"] = args.engines.split(",")[0]
     cfg = dm.Config(num_local_input_tokens=64, hidden_dim=128, intermediate_dim=128, top_k=2,
                     num_experts=4 * EP, backend="cuda", device_scratch_capacity_factor=float(EP),
-                    max_moe_layers_per_activation_slot=1)
+                    max_moe_layers_per_activation_slot=1,
+                    save_route_outputs=args.save_route_outputs == "1")
     try:
         with dm.create_context(config=cfg) as ctx:
             prob = make_problem(cfg, EP, 64, seed=11)

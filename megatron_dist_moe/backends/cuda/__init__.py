@@ -84,6 +84,12 @@ class CudaBackend:
                 from ...kernels.routing import RouteWorkspace
                 self.route_ws = RouteWorkspace(self.sym.ep_size, cfg.num_local_input_tokens,
                                                cfg.top_k, ctx.num_local_experts, dev)
+            # Config.save_route_outputs=False: per received row, the address of its route's score
+            # in the owner's routing region (built in each backward from the combine table)
+            self.score_ptrs = None
+            if not cfg.inference and not cfg.save_route_outputs:
+                self.score_ptrs = torch.zeros(max(1, self.max_rows), dtype=torch.int64,
+                                              device=dev)
             self.p_dispatch = K_rows.device_ptr(self.sym.dispatch)
             self.p_combine = K_rows.device_ptr(self.sym.combine)
             self.bk = make_bookkeeping(ctx.plan, ctx.planner, ctx.rank, self.act_base,
@@ -155,9 +161,12 @@ class CudaBackend:
             K_rows.combine_routes(routes, ids_TK, scores_TK, y_TD)
             return y_TD, None
         # Keep the route outputs for the score gradients (full save; stored by the combine
-        # kernel as it reads them) or the input x (replay); both device-predicated.
-        K_rows.combine_routes(routes, ids_TK, scores_TK, y_TD, save_addr=fa.routes_save,
-                              save_flag=fa.save_flag)
+        # kernel as it reads them; not with save_route_outputs=False) or the input x (replay);
+        # both device-predicated.
+        keep_routes = self.cfg.save_route_outputs
+        K_rows.combine_routes(routes, ids_TK, scores_TK, y_TD,
+                              save_addr=fa.routes_save if keep_routes else None,
+                              save_flag=fa.save_flag if keep_routes else None)
         K_rows.copy_rows(K_rows.device_ptr(x_TD), fa.x_slot, fa.x_rows, D, T)
         return y_TD, _Saved(fa.record, fa.rec_vec, tabs, ids_TK, scores_TK, w13_E2FD, w2_EDF, T)
 
@@ -169,26 +178,43 @@ class CudaBackend:
         tabs = saved.tables
         ba = self.bk.backward(saved.record, saved.rec_vec, tabs, T)   # rewinds the slot first
 
+        keep_routes = cfg.save_route_outputs
         # Replay (device-predicated): republish x from the slot and rerun the forward experts,
-        # rebuilding x_g / h1 in scratch and the route outputs in the owners' combine buffers.
+        # rebuilding x_g / h1 in scratch and (save_route_outputs) the route outputs in the
+        # owners' combine buffers; without saved route outputs the W2 GEMM is not replayed.
         K_rows.copy_rows(ba.x_slot, self.p_dispatch, ba.x_rows, D, T)
         self.sym.barrier(0)
-        self.experts.forward(tabs, saved.w13, saved.w2, tabs.combine_ptrs, ba.xg, ba.h1, ba.sp,
+        self.experts.forward(tabs, saved.w13, saved.w2,
+                             tabs.combine_ptrs if keep_routes else None, ba.xg, ba.h1, ba.sp,
                              rows=(ba.replay_offsets, ba.replay_rows))
-        self.sym.barrier(1)
-
-        # Owner: score gradients from the route outputs (kept in the slot, or just replayed into
-        # combine) and route output gradients written into combine.
         grad_scores = torch.empty(T, K, dtype=torch.float32, device=grad_y_TD.device)
-        K_rows.publish_grad_routes(grad_y_TD, ba.routes_read, saved.ids_TK, saved.scores_TK,
-                                   self._routes_view(self.sym.combine, T), grad_scores)
+        if keep_routes:
+            self.sym.barrier(1)
+            # Owner: score gradients from the route outputs (kept in the slot, or just replayed
+            # into combine) and route output gradients written into combine.
+            K_rows.publish_grad_routes(grad_y_TD, ba.routes_read, saved.ids_TK, saved.scores_TK,
+                                       self._routes_view(self.sym.combine, T), grad_scores)
+        else:
+            # Owner: grad_y per route (unscaled) into combine, its scores where the experts read
+            # them, zeroed score-gradient sums; the experts compute the score gradients. (No
+            # barrier after the replay: it wrote no peer memory, and barrier 2 orders the rest.)
+            K_rows.publish_grad_y(grad_y_TD, saved.ids_TK, saved.scores_TK,
+                                  self._routes_view(self.sym.combine, T), self.sym.scores_TK[:T],
+                                  self.sym.score_grads_TK[:T])
+            plan = self.ctx.plan
+            K_rows.route_score_ptrs(tabs.combine_ptrs, tabs.num_rows, self.sym.combine_base_EP,
+                                    plan.combine_bytes, self.sym.routing_base_EP,
+                                    plan.route_scores_offset, D * 2, self.score_ptrs)
         self.sym.barrier(2)
-        grad_w13, grad_w2 = self.experts.backward(tabs, saved.w13, saved.w2,
-                                                  gather_ptrs=tabs.combine_ptrs,
-                                                  scatter_ptrs=tabs.dispatch_route_ptrs,
-                                                  xg_addr=ba.xg, h1_addr=ba.h1, sp=ba.sp,
-                                                  wgrad_dtype=cfg.wgrad_dtype)
+        grad_w13, grad_w2 = self.experts.backward(
+            tabs, saved.w13, saved.w2, gather_ptrs=tabs.combine_ptrs,
+            scatter_ptrs=tabs.dispatch_route_ptrs, xg_addr=ba.xg, h1_addr=ba.h1, sp=ba.sp,
+            wgrad_dtype=cfg.wgrad_dtype,
+            score_ptrs=None if keep_routes else self.score_ptrs,
+            score_grad_delta=self.ctx.plan.route_score_grads_delta)
         self.sym.barrier(3)
+        if not keep_routes:
+            grad_scores.copy_(self.sym.score_grads_TK[:T])
         grad_x = torch.empty(T, D, dtype=grad_y_TD.dtype, device=grad_y_TD.device)
         K_rows.reduce_routes(self._routes_view(self.sym.dispatch, T), saved.ids_TK, grad_x)
         self.experts.join_side_work()

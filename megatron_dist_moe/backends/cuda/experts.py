@@ -106,11 +106,12 @@ class ExpertPipeline:
 
     # -- forward -----------------------------------------------------------------------------
     def forward(self, tabs: RoutingTables, w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor,
-                scatter_ptrs: torch.Tensor, xg_addr: torch.Tensor, h1_addr: torch.Tensor,
+                scatter_ptrs: torch.Tensor | None, xg_addr: torch.Tensor, h1_addr: torch.Tensor,
                 sp: ScratchPointers,
                 rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Expert MLP of the received rows; x_g and h1 land at xg_addr / h1_addr (device ptrs),
-        route outputs h3 at scatter_ptrs (peer combine rows). A replay passes its predicated
+        route outputs h3 at scatter_ptrs (peer combine rows; None: stop after W13 + SwiGLU, as a
+        backward replay without saved route outputs does). A replay passes its predicated
         (expert offsets, row count) as `rows`: zeros when nothing is replayed."""
         cfg = self.cfg
         D, F = cfg.hidden_dim, cfg.intermediate_dim
@@ -124,8 +125,10 @@ class ExpertPipeline:
             h2 = torch.empty(Rm, F, dtype=torch.bfloat16, device=self.device)
             K_rows.swiglu_fwd(K_rows.device_ptr(h1), K_rows.device_ptr(h2), nrows, F, Rm,
                               self.clamped, cfg.swiglu_alpha, cfg.swiglu_limit)
-            h3 = torch._grouped_mm(h2, w2_EDF.transpose(1, 2), offs=offs[1:])
-            K_rows.scatter_rows(K_rows.device_ptr(h3), scatter_ptrs, nrows, D, torch.bfloat16, Rm)
+            if scatter_ptrs is not None:
+                h3 = torch._grouped_mm(h2, w2_EDF.transpose(1, 2), offs=offs[1:])
+                K_rows.scatter_rows(K_rows.device_ptr(h3), scatter_ptrs, nrows, D,
+                                    torch.bfloat16, Rm)
             K_rows.copy_rows(K_rows.device_ptr(xg), xg_addr, nrows, D, Rm)
             K_rows.copy_rows(K_rows.device_ptr(h1), h1_addr, nrows, 2 * F, Rm)
             return
@@ -140,15 +143,20 @@ class ExpertPipeline:
             K_rows.gather_rows(tabs.fwd_gather_ptrs, xg_addr, nrows, D, torch.bfloat16, Rm)
             grouped_mm_fwd(w=w13_E2FD, expert_offsets=offs, max_rows=Rm, a=xg_addr,
                            epilogue="swiglu", h1=h1_addr, h2=sp.h2, **act)
-        grouped_mm_fwd(w=w2_EDF, expert_offsets=offs, max_rows=Rm, a=sp.h2,
-                       epilogue="scatter", out_row_ptrs=scatter_ptrs)
+        if scatter_ptrs is not None:
+            grouped_mm_fwd(w=w2_EDF, expert_offsets=offs, max_rows=Rm, a=sp.h2,
+                           epilogue="scatter", out_row_ptrs=scatter_ptrs)
 
     # -- backward ----------------------------------------------------------------------------
     def backward(self, tabs: RoutingTables, w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor,
                  gather_ptrs: torch.Tensor, scatter_ptrs: torch.Tensor, xg_addr: torch.Tensor,
-                 h1_addr: torch.Tensor, sp: ScratchPointers, wgrad_dtype: str):
+                 h1_addr: torch.Tensor, sp: ScratchPointers, wgrad_dtype: str,
+                 score_ptrs: torch.Tensor | None = None, score_grad_delta: int = 0):
         """Returns (grad_w13 [E,2F,D], grad_w2 [E,D,F]); route input gradients are stored at
-        scatter_ptrs (owners' dispatch rows). grad_h3 rows are read from gather_ptrs."""
+        scatter_ptrs (owners' dispatch rows). grad_h3 rows are read from gather_ptrs.
+        score_ptrs (Config.save_route_outputs=False): the gathered rows are grad_y, unscaled;
+        each row's score is read at score_ptrs[i] and its score gradient <W2^T grad_y, h2> is
+        written (accumulated, fused path) at score_ptrs[i] + score_grad_delta."""
         cfg = self.cfg
         D, F = cfg.hidden_dim, cfg.intermediate_dim
         Rm = self.max_rows
@@ -157,7 +165,8 @@ class ExpertPipeline:
         act = (F, Rm, self.clamped, cfg.swiglu_alpha, cfg.swiglu_limit)
         if self.gemm == "torch":
             return self._backward_torch(tabs, w13_E2FD, w2_EDF, gather_ptrs, scatter_ptrs,
-                                        xg_addr, h1_addr, out_dtype)
+                                        xg_addr, h1_addr, out_dtype, score_ptrs,
+                                        score_grad_delta)
         from ...kernels.grouped_gemm import grouped_mm_dgrad, grouped_mm_wgrad
         # h2 is rebuilt from h1 (BF16 full-save keeps h1, not h2).
         if self.fuse_swiglu_bwd:
@@ -165,7 +174,8 @@ class ExpertPipeline:
             # from the same h1 tile (nothing reads h1 after this backward)
             w2_out = dict(epilogue="swiglu_bwd", h1=h1_addr, h2=sp.h2,
                           activation=cfg.activation, swiglu_alpha=cfg.swiglu_alpha,
-                          swiglu_limit=cfg.swiglu_limit)
+                          swiglu_limit=cfg.swiglu_limit, score_ptrs=score_ptrs,
+                          score_grad_delta=score_grad_delta)
             grad_h1 = h1_addr
         else:
             K_rows.swiglu_fwd(h1_addr, sp.h2, nrows, *act)
@@ -177,6 +187,9 @@ class ExpertPipeline:
         else:
             K_rows.gather_rows(gather_ptrs, sp.g3, nrows, D, torch.bfloat16, Rm)
             grouped_mm_dgrad(w=w2_EDF, expert_offsets=offs, max_rows=Rm, a=sp.g3, **w2_out)
+        if score_ptrs is not None and not self.fuse_swiglu_bwd:
+            # grad_s = <u, h2> to the owners; grad_h2 = s u and h2 = s h2 in place
+            K_rows.score_grad_rows(sp.grad_h2, sp.h2, score_ptrs, nrows, F, score_grad_delta, Rm)
         grad_w2 = torch.empty(self.E, D, F, dtype=out_dtype, device=self.device)
         grouped_mm_wgrad(sp.g3, sp.h2, offs, grad_w2, dtype=torch.bfloat16)
         if not self.fuse_swiglu_bwd:
@@ -201,7 +214,7 @@ class ExpertPipeline:
             torch.cuda.current_stream(self.device).wait_stream(self.wgrad_stream)
 
     def _backward_torch(self, tabs, w13_E2FD, w2_EDF, gather_ptrs, scatter_ptrs, xg_addr,
-                        h1_addr, out_dtype):
+                        h1_addr, out_dtype, score_ptrs=None, score_grad_delta=0):
         cfg = self.cfg
         D, F = cfg.hidden_dim, cfg.intermediate_dim
         Rm = self.max_rows
@@ -217,6 +230,9 @@ class ExpertPipeline:
         h2 = torch.empty(Rm, F, **bf)
         K_rows.swiglu_fwd(K_rows.device_ptr(h1), K_rows.device_ptr(h2), nrows, F, Rm,
                           self.clamped, cfg.swiglu_alpha, cfg.swiglu_limit)
+        if score_ptrs is not None:   # g3 holds unscaled grad_y rows: see `backward`
+            K_rows.score_grad_rows(K_rows.device_ptr(grad_h2), K_rows.device_ptr(h2), score_ptrs,
+                                   nrows, F, score_grad_delta, Rm)
         # torch._grouped_mm stores in the operand dtype only (fp32 accumulation inside), so an
         # fp32 wgrad_dtype is an upcast of bf16-rounded sums on this engine.
         grad_w2 = torch._grouped_mm(g3.t(), h2, offs=offs[1:]).to(out_dtype)

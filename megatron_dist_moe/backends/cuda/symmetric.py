@@ -3,6 +3,7 @@
 One torch symmetric-memory allocation per context holds three regions at fixed byte offsets:
 
     routing   [128-byte header: int32 T] [int16 expert ids [T_max, K]]
+              (save_route_outputs=False: + [fp32 scores [T_max, K]] [fp32 score grads [T_max, K]])
     dispatch  [T_max * K, D] bf16   forward: x rows [T, D]; backward: route input gradients
     combine   [T_max * K, D] bf16   forward: route outputs h3; backward: route output gradients
 
@@ -59,6 +60,12 @@ class SymmetricBuffers:
             .view(torch.int16).view(T, K)
         self.dispatch = b[self.dispatch_off:self.dispatch_off + plan.dispatch_bytes].view(torch.bfloat16)
         self.combine = b[self.combine_off:self.combine_off + plan.combine_bytes].view(torch.bfloat16)
+        self.scores_TK = self.score_grads_TK = None
+        if not cfg.inference and not cfg.save_route_outputs:
+            # expert-side score gradients: the owner's scores and the experts' sums (fp32)
+            s0, dlt = plan.route_scores_offset, plan.route_score_grads_delta
+            self.scores_TK = b[s0:s0 + T * K * 4].view(torch.float32).view(T, K)
+            self.score_grads_TK = b[s0 + dlt:s0 + dlt + T * K * 4].view(torch.float32).view(T, K)
         # Peer views of the routing regions (read after the publication barrier).
         self.peer_header = []
         self.peer_ids = []
@@ -85,5 +92,6 @@ class SymmetricBuffers:
         self.peer_header.clear()
         self.peer_ids.clear()
         self.header = self.ids_TK = self.dispatch = self.combine = None
+        self.scores_TK = self.score_grads_TK = None
         self.handle = None
         self.buf = None
