@@ -72,6 +72,8 @@ def main():
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--factors", default="2.5,1.0")
     ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--save-route-outputs", type=int, choices=[0, 1], default=1,
+                    help="Config.save_route_outputs (0: a third less full state per layer)")
     args = ap.parse_args()
     rank, EP = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -84,7 +86,8 @@ def main():
     for factor in (float(f) for f in args.factors.split(",")):
         base = dm.Config(num_local_input_tokens=T, hidden_dim=D, intermediate_dim=F, top_k=K,
                          num_experts=E_local * EP, backend="cuda", wgrad_dtype="bf16",
-                         device_scratch_capacity_factor=float(EP))
+                         device_scratch_capacity_factor=float(EP),
+                         save_route_outputs=bool(args.save_route_outputs))
         shared_cfg = base.replace(max_moe_layers_per_activation_slot=L,
                                   activation_slot_capacity_factor=factor)
         total = dm.plan_memory(shared_cfg, EP).slot_bytes
@@ -113,7 +116,8 @@ def main():
                 t = time_windows(lambda: run_all(ctx, layers, policy), graph=True)
                 saved_rank = int(saved.sum(0)[rank]) if policy == "per_layer" else int(saved[0, rank])
             n_replay = flags.count("R")
-            rows.append(dict(commit=commit, gpu=gpu, ep=EP, case=f"packing_f{factor}", T=T, D=D,
+            case = f"packing_f{factor}" + ("" if args.save_route_outputs else "_no_routes")
+            rows.append(dict(commit=commit, gpu=gpu, ep=EP, case=case, T=T, D=D,
                              F=F, K=K, E_local=E_local, imbalance="/".join(map(str, IMBALANCE)),
                              path=policy, mode="10fwd+10bwd", ms=round(t.median_ms, 3),
                              ms_min=round(t.min_ms, 3), ms_max=round(t.max_ms, 3),
