@@ -13,10 +13,10 @@ Kernels:
     publish_grad_routes  grad_routes[t,k] = s[t,k] * gy[t]; grad_s[t,k] = <gy[t], routes[t,k]>
     reduce_routes   gx[t] = sum_k [id>=0] grad_routes_in[t,k]     (fp32 sum, owner side)
   expert-side score gradients (Config.save_route_outputs=False):
-    publish_grad_y    grad_routes[t,k] = gy[t] (unscaled) for active routes; the owner's
-                      published scores and zeroed score-gradient sums
-    route_score_ptrs  per received row: the address of its route's score in the owner's
-                      routing region (from the row's combine address)
+    publish_grad_y    gy[t] once per token (unscaled) at the start of the owner's combine
+                      region; the owner's published scores and zeroed score-gradient sums
+    route_score_ptrs  per received row: the addresses of its route's score in the owner's
+                      routing region and of its token's gy row (from the row's combine address)
     score_grad_rows   per row: grad_s = <u, h2> stored to the owner, then u *= s, h2 *= s
     swiglu_fwd / swiglu_bwd   elementwise activation on h1 = [g | u] rows
     device_check    trap with a message naming the cause and the numbers
@@ -210,67 +210,74 @@ def publish_grad_routes(gy_TD: torch.Tensor, routes_addr: torch.Tensor, ids_TK: 
 
 
 @triton.jit
-def _publish_grad_y_kernel(gy_ptr, ids_ptr, scores_ptr, grad_routes_ptr, own_scores_ptr,
-                           own_score_grads_ptr, D: tl.constexpr, K: tl.constexpr,
-                           BLOCK_D: tl.constexpr):
+def _publish_grad_y_kernel(gy_ptr, scores_ptr, out_ptr, own_scores_ptr, own_score_grads_ptr,
+                           D: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr,
+                           K_PAD: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    d0 = tl.arange(0, BLOCK_D)
-    for k in tl.static_range(K):
-        eid = tl.load(ids_ptr + t * K + k).to(tl.int32)
-        tl.store(own_scores_ptr + t * K + k, tl.load(scores_ptr + t * K + k).to(tl.float32))
-        tl.store(own_score_grads_ptr + t * K + k, 0.0)
-        for c0 in range(0, D, BLOCK_D):
-            d = c0 + d0
-            dm = (d < D) & (eid >= 0)
-            gy = tl.load(gy_ptr + t * D + d, mask=dm, other=0.0)
-            tl.store(grad_routes_ptr + (t * K + k) * D + d, gy.to(tl.bfloat16), mask=dm)
+    k = tl.arange(0, K_PAD)
+    km = k < K
+    tl.store(own_scores_ptr + t * K + k, tl.load(scores_ptr + t * K + k, mask=km).to(tl.float32),
+             mask=km)
+    tl.store(own_score_grads_ptr + t * K + k, tl.zeros([K_PAD], dtype=tl.float32), mask=km)
+    for c0 in range(0, D, BLOCK_D):
+        d = c0 + tl.arange(0, BLOCK_D)
+        dm = d < D
+        gy = tl.load(gy_ptr + t * D + d, mask=dm, other=0.0)
+        tl.store(out_ptr + t * D + d, gy.to(tl.bfloat16), mask=dm)
 
 
-def publish_grad_y(gy_TD: torch.Tensor, ids_TK: torch.Tensor, scores_TK: torch.Tensor,
-                   grad_routes_TKD: torch.Tensor, own_scores_TK: torch.Tensor,
-                   own_score_grads_TK: torch.Tensor) -> None:
-    """Owner side of the expert-side score gradients: grad_routes[t,k] = bf16(gy[t]) (not scaled)
-    for active routes; own_scores[t,k] = scores[t,k] (fp32, for the experts to read);
-    own_score_grads[t,k] = 0 (the experts accumulate into it)."""
+def publish_grad_y(gy_TD: torch.Tensor, scores_TK: torch.Tensor, out_TD: torch.Tensor,
+                   own_scores_TK: torch.Tensor, own_score_grads_TK: torch.Tensor) -> None:
+    """Owner side of the expert-side score gradients: out[t] = bf16(gy[t]) once per token (the
+    experts read it for each of the token's routes; not scaled); own_scores[t,k] = scores[t,k]
+    (fp32, for the experts to read); own_score_grads[t,k] = 0 (the experts accumulate into
+    it)."""
     T, D = gy_TD.shape
-    K = ids_TK.shape[1]
+    K = scores_TK.shape[1]
     if T == 0:
         return
-    _publish_grad_y_kernel[(T,)](gy_TD, ids_TK, scores_TK, grad_routes_TKD, own_scores_TK,
-                                 own_score_grads_TK, D=D, K=K, BLOCK_D=1024, num_warps=4)
+    _publish_grad_y_kernel[(T,)](gy_TD, scores_TK, out_TD, own_scores_TK, own_score_grads_TK,
+                                 D=D, K=K, BLOCK_D=1024, K_PAD=max(2, triton.next_power_of_2(K)),
+                                 num_warps=4)
 
 
 @triton.jit
 def _route_score_ptrs_kernel(combine_ptrs, num_rows_ptr, combine_base_ptr, routing_base_ptr,
-                             out_ptr, n, region_bytes, scores_offset, EP: tl.constexpr,
-                             ROW_BYTES: tl.constexpr, BLOCK: tl.constexpr):
+                             score_out_ptr, gy_out_ptr, n, region_bytes, scores_offset,
+                             EP: tl.constexpr, K: tl.constexpr, ROW_BYTES: tl.constexpr,
+                             BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = i < tl.load(num_rows_ptr)
     c = tl.load(combine_ptrs + i, mask=live, other=0)
-    out = tl.zeros([BLOCK], dtype=tl.int64)
+    score = tl.zeros([BLOCK], dtype=tl.int64)
+    gy = tl.zeros([BLOCK], dtype=tl.int64)
     for r in tl.static_range(EP):
         base = tl.load(combine_base_ptr + r)
         inside = (c >= base) & (c < base + region_bytes) & (c != 0)
         route = (c - base) // ROW_BYTES
-        out = tl.where(inside, tl.load(routing_base_ptr + r) + scores_offset + route * 4, out)
-    tl.store(out_ptr + i, out, mask=i < n)
+        score = tl.where(inside, tl.load(routing_base_ptr + r) + scores_offset + route * 4, score)
+        gy = tl.where(inside, base + (route // K) * ROW_BYTES, gy)
+    tl.store(score_out_ptr + i, score, mask=i < n)
+    tl.store(gy_out_ptr + i, gy, mask=i < n)
 
 
 def route_score_ptrs(combine_ptrs: torch.Tensor, num_rows: torch.Tensor,
                      combine_base_EP: torch.Tensor, combine_region_bytes: int,
-                     routing_base_EP: torch.Tensor, scores_offset: int, row_bytes: int,
-                     out: torch.Tensor) -> None:
-    """out[i] = address of the owner's published score of received row i's route (0 for rows
-    at or past num_rows, or with combine address 0): the owner r is the rank whose combine
-    region holds combine_ptrs[i], the route its row index there."""
-    n = out.numel()
+                     routing_base_EP: torch.Tensor, scores_offset: int, row_bytes: int, K: int,
+                     score_out: torch.Tensor, gy_out: torch.Tensor) -> None:
+    """For received row i (route t*K + k of owner r, found from combine_ptrs[i]: r is the rank
+    whose combine region holds it): score_out[i] = address of the owner's published score of
+    that route; gy_out[i] = address of grad_y row t, which the owner publishes once per token
+    at the start of its combine region (`publish_grad_y`). Both 0 for rows at or past num_rows
+    or with combine address 0."""
+    n = score_out.numel()
     if n == 0:
         return
     BLOCK = 256
     _route_score_ptrs_kernel[(triton.cdiv(n, BLOCK),)](
-        combine_ptrs, num_rows, combine_base_EP, routing_base_EP, out, n, combine_region_bytes,
-        scores_offset, EP=combine_base_EP.numel(), ROW_BYTES=row_bytes, BLOCK=BLOCK,
-        num_warps=4)
+        combine_ptrs, num_rows, combine_base_EP, routing_base_EP, score_out, gy_out, n,
+        combine_region_bytes, scores_offset, EP=combine_base_EP.numel(), K=K,
+        ROW_BYTES=row_bytes, BLOCK=BLOCK, num_warps=4)
 
 
 @triton.jit

@@ -159,10 +159,9 @@ VARIANTS["rows_swiglu_bwd"] = lambda: K_rows.swiglu_bwd(p, p, p, offs[-1:], 3072
                                                         1.702, 7.0, h2_addr=p)
 _f32 = torch.empty(2048, 6)
 VARIANTS["rows_publish_grad_y"] = lambda: K_rows.publish_grad_y(
-    torch.empty(2048, 7168, dtype=bf), torch.empty(2048, 6, dtype=torch.int32), _f32,
-    torch.empty(2048, 6, 7168, dtype=bf), _f32, _f32)
+    torch.empty(2048, 7168, dtype=bf), _f32, torch.empty(2048, 7168, dtype=bf), _f32, _f32)
 VARIANTS["rows_route_score_ptrs"] = lambda: K_rows.route_score_ptrs(
-    rows_tab, offs[-1:], p.repeat(2), 1 << 28, p.repeat(2), 24704, 14336, rows_tab)
+    rows_tab, offs[-1:], p.repeat(2), 1 << 28, p.repeat(2), 24704, 14336, 6, rows_tab, rows_tab)
 VARIANTS["rows_score_grad_rows"] = lambda: K_rows.score_grad_rows(p, p, rows_tab, offs[-1:],
                                                                   3072, 49152, R)
 import megatron_dist_moe as dm

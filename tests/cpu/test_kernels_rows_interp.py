@@ -69,11 +69,10 @@ BODY = textwrap.dedent(r'''
     assert torch.allclose(gs, rgs, atol=1e-4, rtol=1e-4) and (gs[~live] == 0).all(), "grad scores"
     # expert-side score gradients (save_route_outputs=False): owner publish, row score
     # addresses, per-row score gradient
-    gr2 = torch.full((T, Kk, D), 3.0).to(bf)
+    gr2 = torch.full((T + 2, D), 3.0).to(bf)
     own_s = torch.full((T, Kk), 9.0); own_g = torch.full((T, Kk), 9.0)
-    K.publish_grad_y(gy, ids, s, gr2, own_s, own_g)
-    assert torch.equal(gr2[live], gy[:, None, :].expand(T, Kk, D)[live]), "publish_grad_y rows"
-    assert (gr2[~live] == 3).all(), "publish_grad_y wrote an inactive route"
+    K.publish_grad_y(gy, s, gr2, own_s, own_g)
+    assert torch.equal(gr2[:T], gy) and (gr2[T:] == 3).all(), "publish_grad_y rows"
     assert torch.equal(own_s, s) and (own_g == 0).all(), "publish_grad_y scores / zeroed sums"
     # two "owners": combine regions of 4 routes of D bf16 each, routing regions with scores at 64
     comb = [torch.zeros(4, D, dtype=bf) for _ in range(2)]
@@ -81,8 +80,12 @@ BODY = textwrap.dedent(r'''
     cb = torch.tensor([c.data_ptr() for c in comb]); rb = torch.tensor([r.data_ptr() for r in rout])
     cptr = torch.tensor([cb[1] + 2 * D * 2, cb[0] + 3 * D * 2, 0, cb[1], 77, 88], dtype=torch.int64)
     sptr = torch.full((6,), -1, dtype=torch.int64)
-    K.route_score_ptrs(cptr, torch.tensor([4], dtype=torch.int32), cb, 4 * D * 2, rb, 64, D * 2, sptr)
+    gptr = torch.full((6,), -1, dtype=torch.int64)
+    K.route_score_ptrs(cptr, torch.tensor([4], dtype=torch.int32), cb, 4 * D * 2, rb, 64, D * 2,
+                       2, sptr, gptr)
     assert sptr.tolist() == [int(rb[1]) + 64 + 8, int(rb[0]) + 64 + 12, 0, int(rb[1]) + 64, 0, 0], sptr
+    # routes 2, 3, 0 with K = 2 belong to tokens 1, 1, 0: their grad_y rows at the region start
+    assert gptr.tolist() == [int(cb[1]) + D * 2, int(cb[0]) + D * 2, 0, int(cb[1]), 0, 0], gptr
     u = torch.randn(5, F).to(bf); h2 = torch.randn(5, F).to(bf)
     scores = torch.rand(4) + 0.5
     grads = torch.full((4,), 9.0)

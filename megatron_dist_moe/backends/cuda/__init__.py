@@ -86,10 +86,11 @@ class CudaBackend:
                                                cfg.top_k, ctx.num_local_experts, dev)
             # Config.save_route_outputs=False: per received row, the address of its route's score
             # in the owner's routing region (built in each backward from the combine table)
-            self.score_ptrs = None
+            self.score_ptrs = self.gy_ptrs = None
             if not cfg.inference and not cfg.save_route_outputs:
                 self.score_ptrs = torch.zeros(max(1, self.max_rows), dtype=torch.int64,
                                               device=dev)
+                self.gy_ptrs = torch.zeros_like(self.score_ptrs)
             self.p_dispatch = K_rows.device_ptr(self.sym.dispatch)
             self.p_combine = K_rows.device_ptr(self.sym.combine)
             self.bk = make_bookkeeping(ctx.plan, ctx.planner, ctx.rank, self.act_base,
@@ -195,19 +196,22 @@ class CudaBackend:
             K_rows.publish_grad_routes(grad_y_TD, ba.routes_read, saved.ids_TK, saved.scores_TK,
                                        self._routes_view(self.sym.combine, T), grad_scores)
         else:
-            # Owner: grad_y per route (unscaled) into combine, its scores where the experts read
-            # them, zeroed score-gradient sums; the experts compute the score gradients. (No
-            # barrier after the replay: it wrote no peer memory, and barrier 2 orders the rest.)
-            K_rows.publish_grad_y(grad_y_TD, saved.ids_TK, saved.scores_TK,
-                                  self._routes_view(self.sym.combine, T), self.sym.scores_TK[:T],
+            # Owner: grad_y once per token (unscaled) at the start of combine, its scores where
+            # the experts read them, zeroed score-gradient sums; the experts compute the score
+            # gradients. (No barrier after the replay: it wrote no peer memory, and barrier 2
+            # orders the rest.)
+            K_rows.publish_grad_y(grad_y_TD, saved.scores_TK,
+                                  self.sym.combine[: T * D].view(T, D), self.sym.scores_TK[:T],
                                   self.sym.score_grads_TK[:T])
             plan = self.ctx.plan
             K_rows.route_score_ptrs(tabs.combine_ptrs, tabs.num_rows, self.sym.combine_base_EP,
                                     plan.combine_bytes, self.sym.routing_base_EP,
-                                    plan.route_scores_offset, D * 2, self.score_ptrs)
+                                    plan.route_scores_offset, D * 2, K, self.score_ptrs,
+                                    self.gy_ptrs)
         self.sym.barrier(2)
         grad_w13, grad_w2 = self.experts.backward(
-            tabs, saved.w13, saved.w2, gather_ptrs=tabs.combine_ptrs,
+            tabs, saved.w13, saved.w2,
+            gather_ptrs=tabs.combine_ptrs if keep_routes else self.gy_ptrs,
             scatter_ptrs=tabs.dispatch_route_ptrs, xg_addr=ba.xg, h1_addr=ba.h1, sp=ba.sp,
             wgrad_dtype=cfg.wgrad_dtype,
             score_ptrs=None if keep_routes else self.score_ptrs,
