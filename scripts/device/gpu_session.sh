@@ -65,6 +65,7 @@ for s in $sections; do case $s in
   scoregrads) # Config.save_route_outputs=False: correctness on 1 and 2 GPUs, then A/B vs default
           run sg_check1 torchrun --nproc-per-node=1 tests/gpu/dist_check.py --quick --save-route-outputs 0
           [ "$NGPU" -ge 2 ] && run sg_check2 torchrun --nproc-per-node=2 tests/gpu/dist_check.py --save-route-outputs 0
+          run sg_packing torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py --save-route-outputs 0
           run sg_ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT" \
               --b-config save_route_outputs=0 ;;
   nvlink) # pull (peer loads) vs push (peer stores) row traffic, alone and next to a dense GEMM

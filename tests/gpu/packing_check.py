@@ -51,6 +51,8 @@ def expected_flags(cfg, plan, probs, E_loc, EP, rank):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
+    ap.add_argument("--save-route-outputs", default="1", choices=["0", "1"],
+                    help="Config.save_route_outputs (0: score gradients on the expert side)")
     args = ap.parse_args()
     rank, EP = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -59,7 +61,8 @@ def main():
     T, D, F, K, E_loc = 128, 256, 256, 4, 4
     base = dm.Config(num_local_input_tokens=T, hidden_dim=D, intermediate_dim=F, top_k=K,
                      num_experts=E_loc * EP, backend="cuda", max_moe_layers_per_activation_slot=L,
-                     device_scratch_capacity_factor=float(EP), wgrad_dtype="fp32")
+                     device_scratch_capacity_factor=float(EP), wgrad_dtype="fp32",
+                     save_route_outputs=args.save_route_outputs == "1")
     plan0 = dm.plan_memory(base, EP)
     budgets = {"fits": dict(activation_slot_capacity_factor=float(EP) * 1.2),
                "tight": dict(activation_slot_capacity_factor=0.3)}
