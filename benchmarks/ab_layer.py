@@ -36,6 +36,7 @@ import megatron_dist_moe as dm  # noqa: E402
 from baselines import a2a_grouped_mm_experts  # noqa: E402
 from bench_layer import CASES, check_against_reference, make_routing, useful_flops  # noqa: E402
 from common import ITERS, WARMUP, append_csv, capture_graph, git_commit  # noqa: E402
+from common import parse_config_overrides as parse_config  # noqa: E402
 
 
 def parse_switches(text: str) -> dict[str, str]:
@@ -68,31 +69,6 @@ def switches(env: dict[str, str]):
             else:
                 os.environ[k] = v
         G.CLAIM_SLICE_K = old_slice
-
-
-def parse_config(text: str) -> dict:
-    """'save_route_outputs=0 pipeline=staged' -> Config overrides (ints, floats, 0/1 -> bools
-    for bool fields, else strings); field names are checked against Config."""
-    import dataclasses
-
-    fields = {f.name: f for f in dataclasses.fields(dm.Config)}
-    out = {}
-    for item in text.replace(",", " ").split():
-        name, eq, value = item.partition("=")
-        if not eq or name not in fields:
-            raise ValueError(f"config override {item!r}: expected FIELD=value with a Config field")
-        kind = fields[name].type if isinstance(fields[name].type, str) else fields[name].type.__name__
-        if "bool" in kind:
-            if value not in ("0", "1", "True", "False"):
-                raise ValueError(f"config override {item!r}: a bool field takes 0/1")
-            out[name] = value in ("1", "True")
-        elif "int" in kind and "float" not in kind:
-            out[name] = int(value)
-        elif "float" in kind:
-            out[name] = float(value)
-        else:
-            out[name] = value
-    return out
 
 
 def round_order(rounds: int) -> list[str]:

@@ -33,7 +33,14 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 import megatron_dist_moe as dm  # noqa: E402
 from baselines import a2a_grouped_mm_experts  # noqa: E402
-from common import append_csv, git_commit, plot_rows, profile_graph, time_windows  # noqa: E402
+from common import (  # noqa: E402
+    append_csv,
+    git_commit,
+    parse_config_overrides,
+    plot_rows,
+    profile_graph,
+    time_windows,
+)
 from megatron_baseline import (  # noqa: E402  (imports megatron.core only when used)
     MegatronA2AExperts,
     destroy_megatron_state,
@@ -132,6 +139,8 @@ def main():
                     help="megatron_a2a: Megatron's fused weighted SwiGLU (bias_activation_fusion)")
     ap.add_argument("--modes", default="fwd,fwdbwd")
     ap.add_argument("--profile", action="store_true", help="write per-kernel times of our path")
+    ap.add_argument("--set", default="", dest="overrides",
+                    help='Config overrides of our paths, e.g. "save_route_outputs=0"')
     args = ap.parse_args()
     rank = int(os.environ.get("RANK", 0))
     EP = int(os.environ.get("WORLD_SIZE", 1))
@@ -139,6 +148,7 @@ def main():
     dev = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("nccl", device_id=dev)
     paths = resolve_paths(args.paths, rank)
+    overrides = parse_config_overrides(args.overrides)
     os.makedirs(args.out, exist_ok=True)
     csv_path = os.path.join(args.out, "bench_layer.csv")
     gpu = torch.cuda.get_device_name()
@@ -213,7 +223,9 @@ def main():
                                 top_k=K, num_experts=E_local * EP, backend="cuda",
                                 device_scratch_capacity_factor=scratch_factor,
                                 activation_slot_capacity_factor=scratch_factor,
-                                wgrad_dtype="bf16")
+                                wgrad_dtype="bf16").replace(**overrides)
+                if overrides:
+                    row_note = f"{note}; set {args.overrides}"
                 ctx = dm.create_context(config=cfg, device=dev)
                 y = dm.routed_experts(x, ids, s, w13, w2, ctx)
                 gx, = torch.autograd.grad(y, (x,), gy)

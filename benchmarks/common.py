@@ -131,6 +131,33 @@ def profile_graph(fn: Callable[[], None], path: str, replays: int = 5, group=Non
     del g
 
 
+def parse_config_overrides(text: str) -> dict:
+    """'save_route_outputs=0 pipeline=staged' -> Config overrides (ints, floats, 0/1 -> bools
+    for bool fields, else strings); field names are checked against Config."""
+    import dataclasses
+
+    import megatron_dist_moe as dm
+
+    fields = {f.name: f for f in dataclasses.fields(dm.Config)}
+    out = {}
+    for item in text.replace(",", " ").split():
+        name, eq, value = item.partition("=")
+        if not eq or name not in fields:
+            raise ValueError(f"config override {item!r}: expected FIELD=value with a Config field")
+        kind = fields[name].type if isinstance(fields[name].type, str) else fields[name].type.__name__
+        if "bool" in kind:
+            if value not in ("0", "1", "True", "False"):
+                raise ValueError(f"config override {item!r}: a bool field takes 0/1")
+            out[name] = value in ("1", "True")
+        elif "int" in kind and "float" not in kind:
+            out[name] = int(value)
+        elif "float" in kind:
+            out[name] = float(value)
+        else:
+            out[name] = value
+    return out
+
+
 CSV_FIELDS = ["commit", "gpu", "ep", "case", "T", "D", "F", "K", "E_local", "imbalance", "path",
               "mode", "ms", "ms_min", "ms_max", "useful_tflops", "ratio_to_baseline", "note"]
 
