@@ -95,6 +95,9 @@ class GroupedGemmConfig:
     over them instead of stalling one (see `_claim_slices_phase`). claim_ahead_slices: how many
     slices of its next m-tile a program copies ahead (about num_n programs visit an m-tile and
     roughly half of them in the wave before; 2 each covers the ~14 slices of a 7168-wide row).
+    flatten: let Triton fuse the persistent tile loop with the K loop (`tl.range(flatten=True)`),
+    so the next tile's first loads are issued before this tile's epilogue; None: the module
+    default FLATTEN ($DIST_MOE_GEMM_FLATTEN, off). Not applied to claim-mode launches.
     """
 
     block_m: int = 128
@@ -108,6 +111,7 @@ class GroupedGemmConfig:
     claim_ahead: int = 1
     claim_slice_k: Optional[int] = None
     claim_ahead_slices: int = 2
+    flatten: Optional[bool] = None
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k", "copy_k"):
@@ -682,6 +686,7 @@ def _grouped_mm_kernel(
     A_CLAIM: tl.constexpr = False, CLAIM_AHEAD: tl.constexpr = 0, COPY_K: tl.constexpr = 64,
     PROXY_FENCE: tl.constexpr = False, SLICE_K: tl.constexpr = 0,
     AHEAD_SLICES: tl.constexpr = 1, SCORE_GRADS: tl.constexpr = False,
+    FLATTEN: tl.constexpr = False,
 ):
     # A_CLAIM: a_addr_ptr is a_copy_out, read as a dense A once `_claim_phase` made the tile's
     # rows valid; a_rows_ptr gives the rows to copy there; ready_ptr/epoch_ptr: `ClaimFlags`.
@@ -724,7 +729,7 @@ def _grouped_mm_kernel(
             w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * W_ROWS, Kd], strides=[Kd, 1],
                                                block_shape=[BN, BLOCK_K])
 
-    for t in tl.range(pid, total, nprog):
+    for t in tl.range(pid, total, nprog, flatten=FLATTEN):
         e, row_start, row_end, m_first, pid_m, pid_n = _tile_coords(
             t, e_idx, cum, tiles, starts, ends, m_tiles, num_n, GROUP_M)
 
@@ -954,6 +959,10 @@ def _grouped_mm_wgrad_kernel(
 # How the gathered A tile reaches a_copy_out: from the registers that feed the dot (False) or
 # through a second load (True). Set from the GPU checks; see tests/gpu/test_grouped_gemm_gpu.py.
 COPY_RELOAD = env_switch("DIST_MOE_COPY_RELOAD", True)
+# Flattened persistent loops (GroupedGemmConfig.flatten=None takes this). Off until timed on the
+# GPU machine: on sm_90 it changes the code (PTX 1.4-1.8x larger, spills 72 -> 108 B in the
+# SwiGLU-backward epilogue, none elsewhere) but its speed is unmeasured.
+FLATTEN = env_switch("DIST_MOE_GEMM_FLATTEN", False)
 # Claim-mode slice width used when a config leaves claim_slice_k at None (0: whole m-tiles). 512
 # since the 2026-11-30 guide-load run on 2xH200: staged fwd 3.49 -> 3.30 ms, fwd+bwd 9.99 ->
 # 9.61 ms (docs/perf_notes.md).
@@ -1016,6 +1025,7 @@ def _launch_mm(args: _MMArgs, config: GroupedGemmConfig, num_programs: Optional[
         A_CLAIM=args.claim is not None, CLAIM_AHEAD=config.claim_ahead, COPY_K=copy_k,
         PROXY_FENCE=args.claim is not None and config.tma and not _interpreting(),
         SLICE_K=slice_k, AHEAD_SLICES=config.claim_ahead_slices, SCORE_GRADS=args.score_grads,
+        FLATTEN=(FLATTEN if config.flatten is None else config.flatten) and args.claim is None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 

@@ -225,6 +225,81 @@ def test_dgrad_swiglu_bwd_epilogue_matches_unfused(lens, d, f, tma, clamped, cla
 
 @pytest.mark.parametrize("tma", TMA)
 @pytest.mark.parametrize("lens,d,f", SHAPES)
+def test_dgrad_score_grads_epilogue_matches_row_kernel(lens, d, f, tma):
+    """Expert-side score gradients (save_route_outputs=False): the fused W2 DGRAD epilogue
+    against DGRAD -> rows.swiglu_fwd -> rows.score_grad_rows -> rows.swiglu_bwd. grad_h1 and
+    s*h2 must match to one bf16 rounding of s*u (the fused path rounds s*u once, the unfused
+    path rounds u first); the score gradients (fp32 atomics over N tiles vs one row sum) to fp32
+    summation order."""
+    from megatron_dist_moe.kernels import rows as K_rows
+    torch.manual_seed(13)
+    e, r = len(lens), sum(lens)
+    max_rows = r + 16
+    offs = _offsets(lens)
+    w2 = _weights(e, d, f, f ** -0.5)
+    gy = torch.randn(max_rows, d, device=DEV).to(BF16)
+    h1 = (torch.randn(max_rows, 2 * f, device=DEV) * 2).to(BF16)
+    cfg = replace(CONFIG_TABLE[("dgrad", "large")], tma=tma)
+    nrows = offs[-1:].clone()
+    buf = torch.zeros(2 * max_rows, dtype=F32, device=DEV)           # scores | score grads
+    buf[:max_rows] = torch.rand(max_rows, device=DEV) + 0.25
+    sptr = buf.data_ptr() + torch.arange(max_rows, device=DEV, dtype=torch.int64) * 4
+    # unfused reference path
+    u = _poisoned(max_rows, f)
+    grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=max_rows, a=gy, out=u, config=cfg)
+    h2_ref = _poisoned(max_rows, f)
+    K_rows.swiglu_fwd(device_ptr(h1), device_ptr(h2_ref), nrows, f, max_rows, False, 1.702, 7.0)
+    K_rows.score_grad_rows(device_ptr(u), device_ptr(h2_ref), sptr, nrows, f, 4 * max_rows,
+                           max_rows)
+    gs_ref = buf[max_rows:max_rows + r].clone()
+    gh1_ref = _poisoned(max_rows, 2 * f)
+    K_rows.swiglu_bwd(device_ptr(h1), device_ptr(u), device_ptr(gh1_ref), nrows, f, max_rows,
+                      False, 1.702, 7.0)
+    # fused
+    buf[max_rows:] = 0
+    h1_fused, h2 = h1.clone(), _poisoned(max_rows, f)
+    grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=max_rows, a=gy, epilogue="swiglu_bwd",
+                     h1=device_ptr(h1_fused), h2=device_ptr(h2), config=cfg, score_ptrs=sptr,
+                     score_grad_delta=4 * max_rows)
+    torch.cuda.synchronize()
+    gs = buf[max_rows:max_rows + r]
+    # u enters the unfused sum rounded to bf16 (relative 2^-9 per element): ~2e-3 norm-wise
+    assert _rel(gs, gs_ref) < 1e-2, f"score gradients differ: {_rel(gs, gs_ref):.2e}"
+    assert (buf[max_rows + r:] == 0).all(), "score gradients past R written"
+    assert _rel(h2[:r], h2_ref[:r]) < 1e-2, f"s*h2 differs: {_rel(h2[:r], h2_ref[:r]):.2e}"
+    assert _rel(h1_fused[:r], gh1_ref[:r]) < 1e-2, (
+        f"grad_h1 differs: {_rel(h1_fused[:r], gh1_ref[:r]):.2e}")
+
+
+@pytest.mark.parametrize("lens,d,f", SHAPES)
+def test_flattened_loops_give_the_same_bits(lens, d, f):
+    """DIST_MOE_GEMM_FLATTEN (tile loop fused with the K loop) changes scheduling only: every
+    epilogue gives the same bits as the plain persistent loop."""
+    torch.manual_seed(14)
+    e, r = len(lens), sum(lens)
+    max_rows, offs = r + 16, _offsets(lens)
+    x = torch.randn(max_rows, d, device=DEV).to(BF16)
+    w13, w2 = _weights(e, 2 * f, d, d ** -0.5 * 2), _weights(e, d, f, f ** -0.5)
+    h1_in = (torch.randn(max_rows, 2 * f, device=DEV) * 2).to(BF16)
+    out = {}
+    for flat in (False, True):
+        fwd = replace(CONFIG_TABLE[("fwd", "large")], flatten=flat)
+        dgr = replace(CONFIG_TABLE[("dgrad", "large")], flatten=flat)
+        h1, h2 = _poisoned(max_rows, 2 * f), _poisoned(max_rows, f)
+        grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=max_rows, a=x, epilogue="swiglu",
+                       h1=h1, h2=h2, config=fwd)
+        g = _poisoned(max_rows, f)
+        grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=max_rows, a=x, out=g, config=dgr)
+        hb, h2b = h1_in.clone(), _poisoned(max_rows, f)
+        grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=max_rows, a=x,
+                         epilogue="swiglu_bwd", h1=hb, h2=h2b, config=dgr)
+        out[flat] = [t[:r] for t in (h1, h2, g, hb, h2b)]
+    for name, a, b in zip(("h1", "h2", "dgrad", "grad_h1", "h2 rebuilt"), out[False], out[True]):
+        assert torch.equal(a, b), f"{name}: flattened loop differs in {int((a != b).sum())} values"
+
+
+@pytest.mark.parametrize("tma", TMA)
+@pytest.mark.parametrize("lens,d,f", SHAPES)
 def test_wgrad(lens, d, f, tma):
     torch.manual_seed(4)
     e, r, offs = len(lens), sum(lens), _offsets(lens)
