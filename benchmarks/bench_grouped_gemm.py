@@ -59,6 +59,9 @@ SWEEP = [
     GroupedGemmConfig(128, 128, 64, 8, 8, 4, tma=False),
     GroupedGemmConfig(128, 128, 64, 8, 8, 5, tma=True),
     GroupedGemmConfig(256, 128, 64, 8, 8, 3, tma=True),
+    # flattened persistent loops (the next tile's loads overlap this tile's epilogue)
+    GroupedGemmConfig(128, 256, 64, 8, 8, 4, tma=True, flatten=True),
+    GroupedGemmConfig(128, 256, 64, 8, 8, 3, tma=True, flatten=True),
 ]
 # WGRAD-only candidates (its K loop runs over an expert's rows, ~2048: short, so the pipeline
 # fill and the epilogue weigh more): longer K steps, deeper or shallower pipelines, grouping.
@@ -88,6 +91,8 @@ def _cfg_name(cfg: GroupedGemmConfig, claim: bool = False) -> str:
     name = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}s{cfg.num_stages}w{cfg.num_warps}" + ("tma" if cfg.tma else "")
     if not claim and cfg.group_m != 8:
         name += f"g{cfg.group_m}"
+    if cfg.flatten:
+        name += "-flat"
     if claim:
         name += f"-a{cfg.claim_ahead}k{cfg.copy_k}g{cfg.group_m}"
         if cfg.claim_slice_k:
@@ -408,6 +413,8 @@ def main(argv=None) -> int:
             if args.sweep:
                 best = None
                 for cfg in SWEEP + (WGRAD_SWEEP if kernel.startswith("wgrad") else []):
+                    if cfg.flatten and (kernel.startswith("wgrad") or kernel in CLAIM_KERNELS):
+                        continue   # flattening applies to the plain grouped-GEMM loop only
                     name = _cfg_name(cfg, claim=kernel in CLAIM_KERNELS)
                     try:
                         e_cfg = prob.check(kernel, cfg)
