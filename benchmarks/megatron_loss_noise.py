@@ -3,7 +3,8 @@
     python benchmarks/megatron_loss_noise.py RUN_A.csv RUN_B.csv [...] --out OUTDIR
 
 Each CSV is one `examples/tiny_gpt_dist_moe.py --compare --csv` run (columns step,
-loss_alltoall, loss_dist_moe, ...). Two runs with the same seed give two alltoall curves from
+loss_alltoall, loss_dist_moe, ...; with --repeat-alltoall also loss_alltoall_repeat, a second
+alltoall model from the same weights and batches, which gives a noise pair within one run). Two runs with the same seed give two alltoall curves from
 identical weights and batches: on the GPU they still separate (non-deterministic bf16 reductions
 amplified by the loss spikes of early training), and the gap between them is the noise band.
 Every pair of curves is compared over step windows by the largest gap of the 10-step moving
@@ -34,6 +35,8 @@ def load_curves(paths: list[str]) -> dict[str, list[float]]:
                              "loss_dist_moe columns")
         for kind in ("alltoall", "dist_moe"):
             curves[f"{kind}#{i}"] = [float(r[f"loss_{kind}"]) for r in rows]
+        if "loss_alltoall_repeat" in rows[0]:   # --repeat-alltoall: a noise pair in one run
+            curves[f"alltoall#{i}r"] = [float(r["loss_alltoall_repeat"]) for r in rows]
     return curves
 
 

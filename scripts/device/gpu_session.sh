@@ -51,12 +51,13 @@ for s in $sections; do case $s in
             done
             python3 benchmarks/compare_candidates.py "$OUT"
           fi ;;
-  megatron) # ~0.3 s per step per dispatcher at 2 microbatches: one seed of 300 steps fits a call
+  megatron) # ~0.3 s per step per model at 2 microbatches; 3 models (alltoall twice: the noise band):
+            # one seed of 300 steps takes ~6 min
             for seed in ${SEEDS:-1234}; do
               TMO=${TMO:-590} run "megatron_$seed" torchrun --nproc-per-node="$NGPU" \
                 examples/tiny_gpt_dist_moe.py --preset small --num-microbatches "${MB:-2}" \
                 --steps "${STEPS:-300}" --compare --te off --seed "$seed" \
-                --dist-moe-backend "${MOE_BACKEND:-cuda}" ${MEGATRON_ARGS:-} \
+                --dist-moe-backend "${MOE_BACKEND:-cuda}" --repeat-alltoall ${MEGATRON_ARGS:-} \
                 --csv "$OUT/megatron_cmp_${MOE_BACKEND:-cuda}_$seed.csv"
             done ;;
   ab) # interleaved A/B in one process (benchmarks/ab_layer.py): AB_B (required), AB_A, AB_ARGS

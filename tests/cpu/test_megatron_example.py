@@ -61,3 +61,27 @@ def test_example_fp32_flag_is_checked(argv, message, capsys):
     assert message in capsys.readouterr().err
     args = ex.parse_args(["--fp32", "--device", "cuda", "--dist-moe-backend", "reference"])
     assert args.fp32 and not ex.use_te(args)
+
+
+def test_example_repeat_alltoall_gives_a_noise_pair(tmp_path):
+    """--repeat-alltoall trains a second alltoall model from the same weights and batches; on
+    CPU (deterministic) it repeats the first exactly, and the noise tool reads the column."""
+    out_csv = tmp_path / "rep.csv"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "examples", "tiny_gpt_dist_moe.py"), "--device", "cpu",
+         "--nproc", "2", "--steps", "4", "--warmup-steps", "1", "--compare", "--repeat-alltoall",
+         "--csv", str(out_csv)],
+        capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "loss_alltoall_repeat" in proc.stdout or "alltoall_repeat" in proc.stdout
+    rows = list(csv.DictReader(open(out_csv)))
+    assert all(r["loss_alltoall"] == r["loss_alltoall_repeat"] for r in rows), rows
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import megatron_loss_noise as mln
+    finally:
+        sys.path.pop(0)
+    curves = mln.load_curves([str(out_csv)])
+    assert set(curves) == {"alltoall#0", "alltoall#0r", "dist_moe#0"}
+    kinds = {(r["a"], r["b"]): r["kind"] for r in mln.compare(curves, [(0, 4)])}
+    assert kinds[("alltoall#0", "alltoall#0r")] == "noise"
