@@ -14,8 +14,8 @@ whole interquartile range lies below (above) zero.
 
 Switches are environment variables read when a context is built (DIST_MOE_ROUTING,
 DIST_MOE_BOOKKEEPING, DIST_MOE_FUSE_SWIGLU_BWD, DIST_MOE_WGRAD_OVERLAP, DIST_MOE_GEMM) or at
-import (DIST_MOE_CLAIM_SLICE_K, DIST_MOE_GEMM_FLATTEN: set on the module here while each
-setting's graphs are captured). Correctness first:
+import (DIST_MOE_CLAIM_SLICE_K, DIST_MOE_GEMM_FLATTEN, DIST_MOE_WGRAD_PERSISTENT: set on the
+module here while each setting's graphs are captured). Correctness first:
 A's and B's outputs and input gradients are compared with baseline (a) (all-to-all +
 torch._grouped_mm) before any timing; a mismatch exits 1. Writes OUT/ab_layer.csv (the common
 benchmark columns, ratio = A ms / B ms) and OUT/ab_layer.png (paired differences per round).
@@ -57,12 +57,14 @@ def switches(env: dict[str, str]):
     from megatron_dist_moe.kernels import grouped_gemm as G
 
     old_env = {k: os.environ.get(k) for k in env}
-    old_slice, old_flatten = G.CLAIM_SLICE_K, G.FLATTEN
+    old_slice, old_flatten, old_pers = G.CLAIM_SLICE_K, G.FLATTEN, G.WGRAD_PERSISTENT
     os.environ.update(env)
     if "DIST_MOE_CLAIM_SLICE_K" in env:
         G.CLAIM_SLICE_K = int(env["DIST_MOE_CLAIM_SLICE_K"] or G.CLAIM_SLICE_K_DEFAULT)
     if "DIST_MOE_GEMM_FLATTEN" in env:
         G.FLATTEN = env["DIST_MOE_GEMM_FLATTEN"] == "1"
+    if "DIST_MOE_WGRAD_PERSISTENT" in env:
+        G.WGRAD_PERSISTENT = env["DIST_MOE_WGRAD_PERSISTENT"] == "1"
     try:
         yield
     finally:
@@ -71,7 +73,7 @@ def switches(env: dict[str, str]):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        G.CLAIM_SLICE_K, G.FLATTEN = old_slice, old_flatten
+        G.CLAIM_SLICE_K, G.FLATTEN, G.WGRAD_PERSISTENT = old_slice, old_flatten, old_pers
 
 
 def round_order(rounds: int) -> list[str]:

@@ -73,6 +73,10 @@ WGRAD_SWEEP = [
     GroupedGemmConfig(256, 128, 64, 8, 8, 4, tma=True),
     GroupedGemmConfig(128, 128, 128, 8, 8, 3, tma=True),
     GroupedGemmConfig(128, 128, 64, 8, 4, 5, tma=True),
+    # persistent over every expert's tiles, plain and with the flattened loop nest
+    GroupedGemmConfig(128, 256, 64, 8, 8, 4, tma=True, wgrad_persistent=True),
+    GroupedGemmConfig(128, 256, 64, 8, 8, 4, tma=True, wgrad_persistent=True, flatten=True),
+    GroupedGemmConfig(128, 256, 64, 8, 8, 3, tma=True, wgrad_persistent=True, flatten=True),
 ]
 _CLAIM_BASE = GroupedGemmConfig(128, 256, 64, 8, 8, 4, tma=True, claim_slice_k=0)   # whole m-tiles
 CLAIM_SWEEP = (
@@ -91,6 +95,8 @@ def _cfg_name(cfg: GroupedGemmConfig, claim: bool = False) -> str:
     name = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}s{cfg.num_stages}w{cfg.num_warps}" + ("tma" if cfg.tma else "")
     if not claim and cfg.group_m != 8:
         name += f"g{cfg.group_m}"
+    if cfg.wgrad_persistent:
+        name += "-pers"
     if cfg.flatten:
         name += "-flat"
     if claim:
@@ -413,8 +419,9 @@ def main(argv=None) -> int:
             if args.sweep:
                 best = None
                 for cfg in SWEEP + (WGRAD_SWEEP if kernel.startswith("wgrad") else []):
-                    if cfg.flatten and (kernel.startswith("wgrad") or kernel in CLAIM_KERNELS):
-                        continue   # flattening applies to the plain grouped-GEMM loop only
+                    if cfg.flatten and not cfg.wgrad_persistent and (
+                            kernel.startswith("wgrad") or kernel in CLAIM_KERNELS):
+                        continue   # flattening: the plain grouped-GEMM loop, persistent WGRAD
                     name = _cfg_name(cfg, claim=kernel in CLAIM_KERNELS)
                     try:
                         e_cfg = prob.check(kernel, cfg)

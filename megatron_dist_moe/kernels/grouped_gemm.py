@@ -98,6 +98,8 @@ class GroupedGemmConfig:
     flatten: let Triton fuse the persistent tile loop with the K loop (`tl.range(flatten=True)`),
     so the next tile's first loads are issued before this tile's epilogue; None: the module
     default FLATTEN ($DIST_MOE_GEMM_FLATTEN, off). Not applied to claim-mode launches.
+    wgrad_persistent: WGRAD with TMA only: one persistent launch over every expert's tiles
+    (`_grouped_mm_wgrad_persistent_kernel`); None: the module default WGRAD_PERSISTENT.
     """
 
     block_m: int = 128
@@ -112,6 +114,7 @@ class GroupedGemmConfig:
     claim_slice_k: Optional[int] = None
     claim_ahead_slices: int = 2
     flatten: Optional[bool] = None
+    wgrad_persistent: Optional[bool] = None
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k", "copy_k"):
@@ -953,6 +956,65 @@ def _grouped_mm_wgrad_kernel(
     tl.store(out_ptrs, acc.to(OUT_DT), mask=mask)
 
 
+@triton.jit
+def _grouped_mm_wgrad_persistent_kernel(
+    a_addr_ptr, b_addr_ptr, offsets_ptr, out_ptr, M, N,
+    E: tl.constexpr, IN_DT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ACCUMULATE: tl.constexpr, IEEE: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    # Persistent WGRAD (DIST_MOE_WGRAD_PERSISTENT): programs stride over the output tiles of all
+    # experts. One TMA descriptor per operand spans every row; each expert's full BLOCK_K row
+    # blocks go through TMA, its ragged last block through masked loads (a descriptor per
+    # expert, as `_grouped_mm_wgrad_kernel` makes, cannot be rebuilt per tile cheaply). With
+    # FLATTEN, Triton fuses the tile loop with the row loop so the next tile's loads overlap
+    # this tile's epilogue; the products and their order are those of the per-tile kernel.
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_expert = num_m * num_n
+    total = E * per_expert
+    a_base = _load_ptr(a_addr_ptr, IN_DT)
+    b_base = _load_ptr(b_addr_ptr, IN_DT)
+    all_rows = tl.maximum(tl.load(offsets_ptr + E), 1)
+    a_desc = tl.make_tensor_descriptor(a_base, shape=[all_rows, M], strides=[M, 1],
+                                       block_shape=[BLOCK_K, BLOCK_M])
+    b_desc = tl.make_tensor_descriptor(b_base, shape=[all_rows, N], strides=[N, 1],
+                                       block_shape=[BLOCK_K, BLOCK_N])
+    OUT_DT: tl.constexpr = out_ptr.dtype.element_ty
+    for t in tl.range(pid, total, nprog, flatten=FLATTEN):
+        e = t // per_expert
+        pid_m, pid_n = _swizzle(t % per_expert, num_m, num_n, GROUP_M)
+        row_start = tl.load(offsets_ptr + e)
+        row_end = tl.load(offsets_ptr + e + 1)
+        n_full = (row_end - row_start) // BLOCK_K
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for i in tl.range(0, n_full):
+            r = row_start + i * BLOCK_K
+            a = a_desc.load([r, pid_m * BLOCK_M])
+            b = b_desc.load([r, pid_n * BLOCK_N])
+            acc = _dot(a.T, b, acc, IEEE)
+        r_tail = row_start + n_full * BLOCK_K
+        if r_tail < row_end:
+            rk = r_tail + tl.arange(0, BLOCK_K)
+            r_ok = rk < row_end
+            a = tl.load(a_base + rk.to(tl.int64)[:, None] * M + offs_m[None, :],
+                        mask=r_ok[:, None] & (offs_m < M)[None, :], other=0.0)
+            b = tl.load(b_base + rk.to(tl.int64)[:, None] * N + offs_n[None, :],
+                        mask=r_ok[:, None] & (offs_n < N)[None, :], other=0.0)
+            acc = _dot(a.T, b, acc, IEEE)
+        out_ptrs = (out_ptr + e.to(tl.int64) * M * N + offs_m.to(tl.int64)[:, None] * N
+                    + offs_n[None, :])
+        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        if ACCUMULATE:
+            mask = mask & (row_end > row_start)
+            acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, acc.to(OUT_DT), mask=mask)
+
+
 # --------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------
@@ -963,6 +1025,9 @@ COPY_RELOAD = env_switch("DIST_MOE_COPY_RELOAD", True)
 # GPU machine: on sm_90 it changes the code (PTX 1.4-1.8x larger, spills 72 -> 108 B in the
 # SwiGLU-backward epilogue, none elsewhere) but its speed is unmeasured.
 FLATTEN = env_switch("DIST_MOE_GEMM_FLATTEN", False)
+# Persistent WGRAD over all experts' tiles (`_grouped_mm_wgrad_persistent_kernel`; TMA configs
+# only). Off until timed on the GPU machine.
+WGRAD_PERSISTENT = env_switch("DIST_MOE_WGRAD_PERSISTENT", False)
 # Claim-mode slice width used when a config leaves claim_slice_k at None (0: whole m-tiles). 512
 # since the 2026-11-30 guide-load run on 2xH200: staged fwd 3.49 -> 3.30 ms, fwd+bwd 9.99 ->
 # 9.61 ms (docs/perf_notes.md).
@@ -1147,6 +1212,8 @@ def grouped_mm_wgrad(
     accumulate: bool = False,
     dtype: Optional[torch.dtype] = None,
     config: Optional[GroupedGemmConfig] = None,
+    persistent: Optional[bool] = None,
+    num_programs: Optional[int] = None,
 ) -> None:
     """WGRAD grouped GEMM: out[e] (+)= a_e.T @ b_e over the rows of expert e (fp32 accumulation).
 
@@ -1157,6 +1224,9 @@ def grouped_mm_wgrad(
                     interpreter). Experts with no rows get zeros, or stay untouched when
                     accumulate=True (which needs an fp32 out: out[e] += a_e.T @ b_e).
     dtype           dtype of a and b; default: theirs when tensors, else bfloat16.
+    persistent      TMA configs: one persistent launch over every expert's tiles (None: the
+                    module default WGRAD_PERSISTENT, $DIST_MOE_WGRAD_PERSISTENT, off), with
+                    num_programs programs (default: one per SM).
     """
     assert out.dim() == 3 and out.is_contiguous(), "out must be a contiguous [E, M, N] tensor"
     assert out.dtype in _TL_DTYPES, f"out dtype {out.dtype} not supported"
@@ -1176,6 +1246,20 @@ def grouped_mm_wgrad(
             _ensure_tma_allocator()
     grid = (num_experts * triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     if grid[0] == 0:
+        return
+    if persistent is None:
+        persistent = (WGRAD_PERSISTENT if config.wgrad_persistent is None
+                      else config.wgrad_persistent)
+    if config.tma and persistent:
+        flatten = FLATTEN if config.flatten is None else config.flatten
+        _grouped_mm_wgrad_persistent_kernel[(min(grid[0], num_programs or
+                                                 _default_num_programs(out.device)),)](
+            a_addr_ptr=a_addr, b_addr_ptr=b_addr, offsets_ptr=expert_offsets, out_ptr=out, M=m,
+            N=n, E=num_experts, IN_DT=_TL_DTYPES[dtype], BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+            ACCUMULATE=accumulate, IEEE=dtype == torch.float32 or _interpreting(),
+            FLATTEN=flatten, num_warps=config.num_warps, num_stages=config.num_stages,
+        )
         return
     _grouped_mm_wgrad_kernel[grid](
         a_addr_ptr=a_addr, b_addr_ptr=b_addr, offsets_ptr=expert_offsets, out_ptr=out, M=m, N=n,

@@ -152,6 +152,13 @@ VARIANTS = {
         dtype=bf, config=G.CONFIG_TABLE[("wgrad", "large")]),
     "wgrad_plain_bf16": lambda: G.grouped_mm_wgrad(p, p, offs, torch.empty(E, D, F, dtype=bf),
         dtype=bf, config=replace(G.CONFIG_TABLE[("wgrad", "large")], tma=False)),
+    "wgradpersistent_bf16": lambda: G.grouped_mm_wgrad(p, p, offs,
+        torch.empty(E, 2 * F, D, dtype=bf), dtype=bf, config=G.CONFIG_TABLE[("wgrad", "large")],
+        persistent=True, num_programs=132),
+    "wgradpersistent_flatten_bf16": lambda: G.grouped_mm_wgrad(p, p, offs,
+        torch.empty(E, 2 * F, D, dtype=bf), dtype=bf,
+        config=replace(G.CONFIG_TABLE[("wgrad", "large")], flatten=True), persistent=True,
+        num_programs=132),
 }
 ws = KR.RouteWorkspace(2, 2048, 6, 6, "cpu")
 route = lambda: KR.route_tables(ws, p.repeat(2), 2048, 6, 0, 12, 8192, p.repeat(2), p.repeat(2),
@@ -193,7 +200,9 @@ JIT = {"rows_device_check": (K_rows, "_device_check_kernel"),
        "bookkeeping_fwd": (KB, "plan_forward_kernel"),
        "bookkeeping_fwd_inference": (KB, "plan_forward_kernel"),
        "bookkeeping_bwd": (KB, "plan_backward_kernel"),
-       "wgrad": (G, "_grouped_mm_wgrad_kernel"), "routing_count": (KR, "_route_count_kernel"),
+       "wgrad": (G, "_grouped_mm_wgrad_kernel"),
+       "wgradpersistent": (G, "_grouped_mm_wgrad_persistent_kernel"),
+       "routing_count": (KR, "_route_count_kernel"),
        "routing_place": (KR, "_route_place_kernel")}
 
 names = sys.argv[1:] or list(VARIANTS)
@@ -225,7 +234,8 @@ VARIANTS = ["fwd_swiglu_tma", "fwd_swiglu_gather_copy", "fwd_swiglu_claim",
             "fwd_swiglu_claim_sliced", "fwd_w2_scatter_clamped", "dgrad_w2_claim_sliced",
             "dgrad_w2_swiglu_bwd_tma", "dgrad_w2_swiglu_bwd_claim_sliced",
             "dgrad_w2_swiglu_bwd_score_grads", "rows_publish_grad_y", "rows_route_score_ptrs",
-            "fwd_swiglu_tma_flatten", "dgrad_w2_swiglu_bwd_flatten",
+            "fwd_swiglu_tma_flatten", "dgrad_w2_swiglu_bwd_flatten", "wgradpersistent_bf16",
+            "wgradpersistent_flatten_bf16",
             "rows_score_grad_rows",
             "dgrad_w13_tma", "wgrad_tma_fp32", "wgrad_plain_bf16", "routing_count",
             "routing_place", "bookkeeping_fwd", "bookkeeping_fwd_inference", "bookkeeping_bwd",
@@ -242,6 +252,7 @@ EXPECT = {
     "dgrad_w2_claim_sliced": dict(wgmma=1, ld_acquire=1, atom_release=1, atom_max=2),
     "wgrad_tma_fp32": dict(wgmma=1, tma_load=1),
     "dgrad_w2_swiglu_bwd_score_grads": dict(wgmma=1, tma_load=1),
+    "wgradpersistent_bf16": dict(wgmma=1, tma_load=1),
     "routing_place": dict(trap=1, printf=4),
     "rows_device_check": dict(trap=1, printf=4),
 }

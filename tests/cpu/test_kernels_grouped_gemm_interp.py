@@ -208,6 +208,33 @@ def check_dgrad_store():
     _close("ragged N dgrad", out, grouped_mm_dgrad_ref(a, w, offs, compute_dtype=torch.float64), torch.float32)
 
 
+def check_wgrad_persistent():
+    """Persistent WGRAD (one TMA descriptor over all rows, ragged tails by masked loads): every
+    expert's tiles whatever the grid, empty experts zero (or untouched when accumulating)."""
+    import torch
+    from megatron_dist_moe.kernels.grouped_gemm import grouped_mm_wgrad
+    from megatron_dist_moe.kernels.grouped_gemm_ref import grouped_mm_wgrad_ref
+    for lens, m, n, progs in (([0, 5, 37], 128, 64, 1), ([40, 0, 3, 0, 16], 64, 80, 3),
+                              ([33, 64, 1], 64, 64, 7)):
+        e, offs, r = len(lens), _offsets(lens), sum(lens)
+        a, b = torch.randn(r, m), torch.randn(r, n)
+        out = torch.full((e, m, n), NAN)
+        grouped_mm_wgrad(a, b, offs, out, config=_cfg(tma=True), persistent=True,
+                         num_programs=progs)
+        ref = grouped_mm_wgrad_ref(a, b, offs, compute_dtype=torch.float64)
+        _close(f"persistent wgrad lens={lens} progs={progs}", out, ref, torch.float32)
+        prev = torch.randn(e, m, n)
+        full = torch.tensor([ln > 0 for ln in lens])
+        prev[~full] = NAN
+        acc = prev.clone()
+        grouped_mm_wgrad(a, b, offs, acc, accumulate=True, config=_cfg(tma=True),
+                         persistent=True, num_programs=progs)
+        ref = grouped_mm_wgrad_ref(a, b, offs, out=prev, accumulate=True,
+                                   compute_dtype=torch.float64)
+        _close("persistent wgrad accumulate", acc[full], ref[full], torch.float32)
+        _untouched("persistent wgrad accumulate, empty experts", acc[~full])
+
+
 def check_wgrad():
     import torch
     from megatron_dist_moe.kernels.grouped_gemm import grouped_mm_wgrad, device_ptr
