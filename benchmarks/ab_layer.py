@@ -35,7 +35,13 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 import megatron_dist_moe as dm  # noqa: E402
 from baselines import a2a_grouped_mm_experts  # noqa: E402
-from bench_layer import CASES, check_against_reference, make_routing, useful_flops  # noqa: E402
+from bench_layer import (  # noqa: E402
+    CASES,
+    check_against_reference,
+    dist_moe_fns,
+    make_layer_inputs,
+    useful_flops,
+)
 from common import ITERS, WARMUP, append_csv, capture_graph, git_commit  # noqa: E402
 from common import parse_config_overrides as parse_config  # noqa: E402
 
@@ -148,18 +154,9 @@ def main():
     dist.init_process_group("nccl", device_id=dev)
     c = CASES[args.case]
     T, D, F, K, E_local = c["T"], c["D"], c["F"], c["K"], c["E_local"]
-    gen = torch.Generator().manual_seed(1234 + rank)
-    ids, scores = make_routing(T, K, E_local, EP, c["imbalance"], gen, dev)
-    x = torch.randn(T, D, generator=gen).to(torch.bfloat16).to(dev).requires_grad_()
-    s = scores.float().requires_grad_()
-    w13 = (torch.randn(E_local, 2 * F, D, generator=gen) / D ** 0.5).to(torch.bfloat16).to(dev).requires_grad_()
-    w2 = (torch.randn(E_local, D, F, generator=gen) / F ** 0.5).to(torch.bfloat16).to(dev).requires_grad_()
-    gy = torch.randn(T, D, generator=gen).to(torch.bfloat16).to(dev)
-    rows_all = torch.zeros(EP, dtype=torch.int64, device=dev)   # scratch sized as bench_layer
-    owner = ids.to(torch.int64)[ids >= 0] // E_local
-    rows_all.scatter_add_(0, owner, torch.ones_like(owner))
-    dist.all_reduce(rows_all)
-    factor = max(2.0, float(rows_all.max()) / (T * K) * 1.05)
+    inp = make_layer_inputs(c, rank, EP, dev)    # the same inputs and scratch as bench_layer
+    x, ids, s, w13, w2, gy = (inp[k] for k in ("x", "ids", "s", "w13", "w2", "gy"))
+    factor = inp["scratch_factor"]
     y = a2a_grouped_mm_experts(x, ids, s, w13, w2)
     ref_gx, = torch.autograd.grad(y, (x,), gy)
     ref_y = y.detach()
@@ -180,14 +177,7 @@ def main():
                                            y.detach(), gx, ref_y, ref_gx, rank):
                 sys.exit(1)
             del y, gx
-
-            def fwd(ctx=ctx):
-                with torch.no_grad():
-                    dm.routed_experts(x, ids, s, w13, w2, ctx)
-
-            def fwdbwd(ctx=ctx):
-                y = dm.routed_experts(x, ids, s, w13, w2, ctx)
-                torch.autograd.grad(y, (x, s, w13, w2), gy)
+            fwd, fwdbwd = dist_moe_fns(ctx, inp)
             for mode in args.modes.split(","):
                 g = capture_graph(fwd if mode == "fwd" else fwdbwd)
                 for _ in range(WARMUP):

@@ -85,6 +85,37 @@ def make_routing(T, K, E_local, EP, imbalance, gen, device):
     return ids.to(torch.int32).to(device), scores.to(device)
 
 
+def make_layer_inputs(c: dict, rank: int, EP: int, dev) -> dict:
+    """One case's inputs on this rank (x, ids, s, w13, w2 with grads where autograd needs them,
+    gy), the rows each rank receives (all-reduced) and the scratch factor that holds them."""
+    T, D, F, K, E_local = c["T"], c["D"], c["F"], c["K"], c["E_local"]
+    gen = torch.Generator().manual_seed(1234 + rank)
+    ids, scores = make_routing(T, K, E_local, EP, c["imbalance"], gen, dev)
+    x = (torch.randn(T, D, generator=gen)).to(torch.bfloat16).to(dev).requires_grad_()
+    s = scores.float().requires_grad_()
+    w13 = (torch.randn(E_local, 2 * F, D, generator=gen) / D ** 0.5).to(torch.bfloat16).to(dev).requires_grad_()
+    w2 = (torch.randn(E_local, D, F, generator=gen) / F ** 0.5).to(torch.bfloat16).to(dev).requires_grad_()
+    gy = torch.randn(T, D, generator=gen).to(torch.bfloat16).to(dev)
+    rows_all = torch.zeros(EP, dtype=torch.int64, device=dev)
+    owner = ids.to(torch.int64)[ids >= 0] // E_local
+    rows_all.scatter_add_(0, owner, torch.ones_like(owner))
+    dist.all_reduce(rows_all)
+    return dict(x=x, ids=ids, s=s, w13=w13, w2=w2, gy=gy, rows_EP=rows_all.tolist(),
+                scratch_factor=max(2.0, float(rows_all.max()) / (T * K) * 1.05))
+
+
+def dist_moe_fns(ctx, p: dict):
+    """(fwd, fwdbwd) callables of our path on context ctx over make_layer_inputs' p."""
+    def fwd():
+        with torch.no_grad():
+            dm.routed_experts(p["x"], p["ids"], p["s"], p["w13"], p["w2"], ctx)
+
+    def fwdbwd():
+        y = dm.routed_experts(p["x"], p["ids"], p["s"], p["w13"], p["w2"], ctx)
+        torch.autograd.grad(y, (p["x"], p["s"], p["w13"], p["w2"]), p["gy"])
+    return fwd, fwdbwd
+
+
 def useful_flops(T, K, D, F, mode):
     f = 6 * T * K * D * F
     return f if mode == "fwd" else 3 * f
@@ -158,19 +189,10 @@ def main():
     for case in args.cases.split(","):
         c = CASES[case]
         T, D, F, K, E_local = c["T"], c["D"], c["F"], c["K"], c["E_local"]
-        gen = torch.Generator().manual_seed(1234 + rank)
-        ids, scores = make_routing(T, K, E_local, EP, c["imbalance"], gen, dev)
-        x = (torch.randn(T, D, generator=gen)).to(torch.bfloat16).to(dev).requires_grad_()
-        s = scores.float().requires_grad_()
-        w13 = (torch.randn(E_local, 2 * F, D, generator=gen) / D ** 0.5).to(torch.bfloat16).to(dev).requires_grad_()
-        w2 = (torch.randn(E_local, D, F, generator=gen) / F ** 0.5).to(torch.bfloat16).to(dev).requires_grad_()
-        gy = torch.randn(T, D, generator=gen).to(torch.bfloat16).to(dev)
-        rows_all = torch.zeros(EP, dtype=torch.int64, device=dev)
-        owner = ids.to(torch.int64)[ids >= 0] // E_local
-        rows_all.scatter_add_(0, owner, torch.ones_like(owner))
-        dist.all_reduce(rows_all)
-        scratch_factor = max(2.0, float(rows_all.max()) / (T * K) * 1.05)
-        note = f"rows per rank {rows_all.tolist()}"
+        inp = make_layer_inputs(c, rank, EP, dev)
+        x, ids, s, w13, w2, gy = (inp[k] for k in ("x", "ids", "s", "w13", "w2", "gy"))
+        scratch_factor = inp["scratch_factor"]
+        note = f"rows per rank {inp['rows_EP']}"
         if rank == 0:
             print(f"[{case}] T={T} D={D} F={F} K={K} E_local={E_local} EP={EP} {note}", flush=True)
 
@@ -235,13 +257,7 @@ def main():
                     ctx.close()
                     continue
 
-                def fwd(ctx=ctx):
-                    with torch.no_grad():
-                        dm.routed_experts(x, ids, s, w13, w2, ctx)
-
-                def fwdbwd(ctx=ctx):
-                    y = dm.routed_experts(x, ids, s, w13, w2, ctx)
-                    torch.autograd.grad(y, (x, s, w13, w2), gy)
+                fwd, fwdbwd = dist_moe_fns(ctx, inp)
                 graph = True
             for mode in args.modes.split(","):
                 fn = fwd if mode == "fwd" else fwdbwd

@@ -262,18 +262,21 @@ class ReferenceBackend:
             yield e, a, a + n
             a += n
 
-    def _experts_fwd(self, x_g, h1, h2, w13_END, w2_EDF, routes: _Routes) -> torch.Tensor:
-        """Fill h1 and h2 (arena views) from x_g; return h3 rows [R, D] (storage dtype)."""
+    def _experts_fwd(self, x_g, h1, h2, w13_END, w2_EDF, routes: _Routes,
+                     with_w2: bool = True) -> torch.Tensor | None:
+        """Fill h1 and h2 (arena views) from x_g; return h3 rows [R, D] (storage dtype), or None
+        without the W2 GEMM (with_w2=False)."""
         cfg = self.ctx.config
         acc = self._acc_dtype(x_g.dtype)
-        h3 = torch.empty_like(x_g)
+        h3 = torch.empty_like(x_g) if with_w2 else None
         for e, a, b in self._segments(routes):
             if a == b:
                 continue
             h1[a:b].copy_(x_g[a:b].to(acc) @ w13_END[e].to(acc).T)
             h2[a:b].copy_(swiglu_fwd(h1[a:b].to(acc), cfg.activation, cfg.swiglu_alpha,
                                      cfg.swiglu_limit))
-            h3[a:b].copy_(h2[a:b].to(acc) @ w2_EDF[e].to(acc).T)
+            if with_w2:
+                h3[a:b].copy_(h2[a:b].to(acc) @ w2_EDF[e].to(acc).T)
         return h3
 
     def _replay(self, x_TD, w13_END, w2_EDF, routes: _Routes, x_g, h1, h2,
@@ -282,16 +285,10 @@ class ReferenceBackend:
         after h2, as a backward replay without saved route outputs does)."""
         K = self.ctx.config.top_k
         self._dispatch(x_TD[routes.send_flat_idx // K], routes, x_g)
+        h3 = self._experts_fwd(x_g, h1, h2, w13_END, w2_EDF, routes,
+                               with_w2=routes_TKD is not None)
         if routes_TKD is None:
-            cfg = self.ctx.config
-            acc = self._acc_dtype(x_g.dtype)
-            for e, a, b in self._segments(routes):
-                if a < b:
-                    h1[a:b].copy_(x_g[a:b].to(acc) @ w13_END[e].to(acc).T)
-                    h2[a:b].copy_(swiglu_fwd(h1[a:b].to(acc), cfg.activation, cfg.swiglu_alpha,
-                                             cfg.swiglu_limit))
             return
-        h3 = self._experts_fwd(x_g, h1, h2, w13_END, w2_EDF, routes)
         flat = routes_TKD.view(-1, routes_TKD.shape[-1])
         flat.zero_()     # inactive routes hold exact zeros, never stale bytes
         flat[routes.send_flat_idx] = self._return(h3, routes)

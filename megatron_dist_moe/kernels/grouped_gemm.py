@@ -945,12 +945,18 @@ def _grouped_mm_wgrad_kernel(
             a_ptrs += BLOCK_K * M
             b_ptrs += BLOCK_K * N
 
+    _store_wgrad_tile(acc, out_ptr, e, offs_m, offs_n, M, N, row_start, row_end, ACCUMULATE)
+
+
+@triton.jit
+def _store_wgrad_tile(acc, out_ptr, e, offs_m, offs_n, M, N, row_start, row_end,
+                      ACCUMULATE: tl.constexpr):
+    """out[e] tile (+)= acc; with ACCUMULATE an empty expert leaves out[e] untouched."""
     OUT_DT: tl.constexpr = out_ptr.dtype.element_ty
     out_ptrs = (out_ptr + e.to(tl.int64) * M * N + offs_m.to(tl.int64)[:, None] * N
                 + offs_n[None, :])
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if ACCUMULATE:
-        # Empty experts leave out[e] untouched.
         mask = mask & (row_end > row_start)
         acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptrs, acc.to(OUT_DT), mask=mask)
@@ -982,7 +988,6 @@ def _grouped_mm_wgrad_persistent_kernel(
                                        block_shape=[BLOCK_K, BLOCK_M])
     b_desc = tl.make_tensor_descriptor(b_base, shape=[all_rows, N], strides=[N, 1],
                                        block_shape=[BLOCK_K, BLOCK_N])
-    OUT_DT: tl.constexpr = out_ptr.dtype.element_ty
     for t in tl.range(pid, total, nprog, flatten=FLATTEN):
         e = t // per_expert
         pid_m, pid_n = _swizzle(t % per_expert, num_m, num_n, GROUP_M)
@@ -1006,13 +1011,7 @@ def _grouped_mm_wgrad_persistent_kernel(
             b = tl.load(b_base + rk.to(tl.int64)[:, None] * N + offs_n[None, :],
                         mask=r_ok[:, None] & (offs_n < N)[None, :], other=0.0)
             acc = _dot(a.T, b, acc, IEEE)
-        out_ptrs = (out_ptr + e.to(tl.int64) * M * N + offs_m.to(tl.int64)[:, None] * N
-                    + offs_n[None, :])
-        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-        if ACCUMULATE:
-            mask = mask & (row_end > row_start)
-            acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptrs, acc.to(OUT_DT), mask=mask)
+        _store_wgrad_tile(acc, out_ptr, e, offs_m, offs_n, M, N, row_start, row_end, ACCUMULATE)
 
 
 # --------------------------------------------------------------------------------------------
