@@ -101,6 +101,9 @@ class DistMoEOptions:
         if self.wgrad_dtype not in WGRAD_DTYPES:
             raise ValueError(f"--dist-moe-wgrad-dtype must be one of {WGRAD_DTYPES}, got "
                              f"{self.wgrad_dtype!r}")
+        if self.save_route_outputs not in (True, False):   # bool, or 0 / 1 from the flag
+            raise ValueError(f"--dist-moe-save-route-outputs must be 0 or 1 (true/false), got "
+                             f"{self.save_route_outputs!r}")
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> "DistMoEOptions":

@@ -170,3 +170,5 @@ def test_save_route_outputs_option_reaches_config_and_plan():
     T, K, D = 256, keep.top_k, keep.hidden_dim
     assert pk.layer.full_state(T * K) - pl.layer.full_state(T * K) == T * K * D * 2
     assert pl.routing_bytes - pk.routing_bytes == 2 * T * K * 4
+    with pytest.raises(ValueError, match="--dist-moe-save-route-outputs"):
+        DistMoEOptions(save_route_outputs="no")
