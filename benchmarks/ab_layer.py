@@ -137,7 +137,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--a", default="", help="switches of A (default: none, i.e. the defaults)")
     ap.add_argument("--b", default="", help='switches of B, e.g. "DIST_MOE_WGRAD_OVERLAP=1"')
-    ap.add_argument("--a-config", default="", help='Config overrides of A, e.g. "save_route_outputs=0"')
+    ap.add_argument("--a-config", default="", help='Config overrides of A, e.g. "save_route_outputs=1"')
     ap.add_argument("--b-config", default="", help="Config overrides of B")
     ap.add_argument("--case", default="guide", choices=sorted(CASES))
     ap.add_argument("--pipeline", default="standard", choices=["standard", "staged"])

@@ -171,7 +171,7 @@ def main():
     ap.add_argument("--modes", default="fwd,fwdbwd")
     ap.add_argument("--profile", action="store_true", help="write per-kernel times of our path")
     ap.add_argument("--set", default="", dest="overrides",
-                    help='Config overrides of our paths, e.g. "save_route_outputs=0"')
+                    help='Config overrides of our paths, e.g. "save_route_outputs=1"')
     args = ap.parse_args()
     rank = int(os.environ.get("RANK", 0))
     EP = int(os.environ.get("WORLD_SIZE", 1))

@@ -72,8 +72,9 @@ def main():
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--factors", default="2.5,1.0")
     ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--save-route-outputs", type=int, choices=[0, 1], default=1,
-                    help="Config.save_route_outputs (0: a third less full state per layer)")
+    ap.add_argument("--save-route-outputs", type=int, choices=[0, 1], default=0,
+                    help="Config.save_route_outputs (0, the default: a third less full state per "
+                         "layer; 1: the guide's layout with the route outputs)")
     args = ap.parse_args()
     rank, EP = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -116,7 +117,7 @@ def main():
                 t = time_windows(lambda: run_all(ctx, layers, policy), graph=True)
                 saved_rank = int(saved.sum(0)[rank]) if policy == "per_layer" else int(saved[0, rank])
             n_replay = flags.count("R")
-            case = f"packing_f{factor}" + ("" if args.save_route_outputs else "_no_routes")
+            case = f"packing_f{factor}" + ("_routes" if args.save_route_outputs else "")
             rows.append(dict(commit=commit, gpu=gpu, ep=EP, case=case, T=T, D=D,
                              F=F, K=K, E_local=E_local, imbalance="/".join(map(str, IMBALANCE)),
                              path=policy, mode="10fwd+10bwd", ms=round(t.median_ms, 3),

@@ -92,11 +92,12 @@ class Config:
                                              the routing topology T x EP x min(K, E_local)).
         host_scratch_capacity_factor         optional total (device + pinned host, VMM) factor.
         wgrad_dtype   "bf16" | "fp32": stored dtype of the expert weight gradients.
-        save_route_outputs  True: a full-save layer keeps its route outputs h3 [T, K, D] for the
-                      score gradients (the design guide's layout). False: the expert side
-                      computes each route's score gradient from its W2 DGRAD row,
-                      grad_s = <W2^T grad_y, h2>, so the full state is x_g and h1 only (a third
-                      smaller at the guide shape) and a replay skips the W2 GEMM.
+        save_route_outputs  False (default): the expert side computes each route's score
+                      gradient from its W2 DGRAD row, grad_s = <W2^T grad_y, h2>, so the full
+                      state is x_g and h1 only (a third smaller at the guide shape) and a
+                      replay skips the W2 GEMM; measured 0.15 ms faster per guide-load fwd+bwd
+                      on 2xH200. True: a full-save layer keeps its route outputs h3 [T, K, D]
+                      for the score gradients (the design guide's layout).
         activation    "swiglu" | "swiglu_clamped" (GPT-OSS form, uses swiglu_alpha and
                       swiglu_limit: g = min(g, limit), u = clamp(u, -limit, limit),
                       h2 = g * sigmoid(alpha * g) * (u + 1)).
@@ -119,7 +120,7 @@ class Config:
     device_scratch_capacity_factor: float = 2.0
     host_scratch_capacity_factor: float | None = None
     wgrad_dtype: str = "fp32"
-    save_route_outputs: bool = True
+    save_route_outputs: bool = False
     activation: str = "swiglu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0

@@ -1020,13 +1020,14 @@ def _grouped_mm_wgrad_persistent_kernel(
 # How the gathered A tile reaches a_copy_out: from the registers that feed the dot (False) or
 # through a second load (True). Set from the GPU checks; see tests/gpu/test_grouped_gemm_gpu.py.
 COPY_RELOAD = env_switch("DIST_MOE_COPY_RELOAD", True)
-# Flattened persistent loops (GroupedGemmConfig.flatten=None takes this). Off until timed on the
-# GPU machine: on sm_90 it changes the code (PTX 1.4-1.8x larger, spills 72 -> 108 B in the
-# SwiGLU-backward epilogue, none elsewhere) but its speed is unmeasured.
+# Flattened persistent loops (GroupedGemmConfig.flatten=None takes this). Off: measured on 2xH200
+# (2026-11-30, interleaved A/B) guide fwd +0.65 ms, fwd+bwd +0.66 ms slower (PTX 1.4-1.8x
+# larger, spills 72 -> 108 B in the SwiGLU-backward epilogue).
 FLATTEN = env_switch("DIST_MOE_GEMM_FLATTEN", False)
 # Persistent WGRAD over all experts' tiles (`_grouped_mm_wgrad_persistent_kernel`; TMA configs
-# only). Off until timed on the GPU machine.
-WGRAD_PERSISTENT = env_switch("DIST_MOE_WGRAD_PERSISTENT", False)
+# only). On since the 2026-11-30 (fourth) run on 2xH200: W13 WGRAD 1.829 -> 1.693 ms alone,
+# guide fwd+bwd -0.12 ms in the interleaved A/B (docs/perf_notes.md).
+WGRAD_PERSISTENT = env_switch("DIST_MOE_WGRAD_PERSISTENT", True)
 # Claim-mode slice width used when a config leaves claim_slice_k at None (0: whole m-tiles). 512
 # since the 2026-11-30 guide-load run on 2xH200: staged fwd 3.49 -> 3.30 ms, fwd+bwd 9.99 ->
 # 9.61 ms (docs/perf_notes.md).
@@ -1224,7 +1225,7 @@ def grouped_mm_wgrad(
                     accumulate=True (which needs an fp32 out: out[e] += a_e.T @ b_e).
     dtype           dtype of a and b; default: theirs when tensors, else bfloat16.
     persistent      TMA configs: one persistent launch over every expert's tiles (None: the
-                    module default WGRAD_PERSISTENT, $DIST_MOE_WGRAD_PERSISTENT, off), with
+                    module default WGRAD_PERSISTENT, $DIST_MOE_WGRAD_PERSISTENT, on), with
                     num_programs programs (default: one per SM).
     """
     assert out.dim() == 3 and out.is_contiguous(), "out must be a contiguous [E, M, N] tensor"

@@ -92,7 +92,7 @@ class DistMoEOptions:
     device_scratch_capacity_factor: float = 2.0
     host_scratch_capacity_factor: float | None = None
     wgrad_dtype: str = "fp32"
-    save_route_outputs: bool = True
+    save_route_outputs: bool = False
     num_local_input_tokens: int | None = None
 
     def __post_init__(self) -> None:

@@ -125,9 +125,9 @@ def add_dist_moe_arguments(parser):
     group.add_argument("--dist-moe-wgrad-dtype", choices=["fp32", "bf16"], default=None,
                        help=f"expert weight-gradient accumulation dtype (default {d.wgrad_dtype})")
     group.add_argument("--dist-moe-save-route-outputs", type=int, choices=[0, 1], default=None,
-                       help="1 (default): a full-save layer keeps its route outputs for the "
-                            "score gradients; 0: the experts compute them, a third less saved "
-                            "state per layer")
+                       help="0 (default): the experts compute the score gradients, a third "
+                            "less saved state per layer; 1: a full-save layer keeps its route "
+                            "outputs for them")
     group.add_argument("--dist-moe-num-local-input-tokens", type=int, default=None,
                        help="token rows per rank per MoE layer (default seq_length x "
                             "micro_batch_size / CP, / TP with --sequence-parallel)")

@@ -6,7 +6,8 @@
 #           (default: env check)
 # Knobs: CHECK_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS (extra arguments), TMO (seconds per step),
 #        CANDS (opt-in switches for 'candcheck' / 'candbench'), AB_A AB_B AB_ARGS ('ab'), SEEDS, STEPS, MB (microbatches) and
-#        MOE_BACKEND (cuda | reference: isolates the CUDA backend's numerics) and MEGATRON_ARGS
+#        MOE_BACKEND (cuda | reference: isolates the CUDA backend's numerics), PERTURB (the repeat
+#        alltoall model starts from weights x (1 + PERTURB N(0,1)): a rounding-sized noise band) and MEGATRON_ARGS
 #        (e.g. --fp32, with MOE_BACKEND=reference) for 'megatron'.
 # megatron-core travels as a wheel in .whl/ (carry it); it is installed into /tmp/site here.
 # Logs go to $OUT (or ./out) so the device tool brings them back.
@@ -57,18 +58,20 @@ for s in $sections; do case $s in
               TMO=${TMO:-590} run "megatron_$seed" torchrun --nproc-per-node="$NGPU" \
                 examples/tiny_gpt_dist_moe.py --preset small --num-microbatches "${MB:-2}" \
                 --steps "${STEPS:-300}" --compare --te off --seed "$seed" \
-                --dist-moe-backend "${MOE_BACKEND:-cuda}" --repeat-alltoall ${MEGATRON_ARGS:-} \
+                --dist-moe-backend "${MOE_BACKEND:-cuda}" --repeat-alltoall \
+                ${PERTURB:+--repeat-perturb "$PERTURB"} ${MEGATRON_ARGS:-} \
                 --csv "$OUT/megatron_cmp_${MOE_BACKEND:-cuda}_$seed.csv"
             done ;;
   ab) # interleaved A/B in one process (benchmarks/ab_layer.py): AB_B (required), AB_A, AB_ARGS
       run ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT" \
           --a "${AB_A:-}" --b "${AB_B?set AB_B, e.g. AB_B=DIST_MOE_WGRAD_OVERLAP=1 (empty: the defaults)}" ${AB_ARGS:-} ;;
-  scoregrads) # Config.save_route_outputs=False: correctness on 1 and 2 GPUs, then A/B vs default
-          run sg_check1 torchrun --nproc-per-node=1 tests/gpu/dist_check.py --quick --save-route-outputs 0
-          [ "$NGPU" -ge 2 ] && run sg_check2 torchrun --nproc-per-node=2 tests/gpu/dist_check.py --save-route-outputs 0
-          run sg_packing torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py --save-route-outputs 0
+  scoregrads) # the guide's layout, Config.save_route_outputs=True (the default is False since
+          # 2026-11-30): correctness on 1 and 2 GPUs, then A/B against the default
+          run sg_check1 torchrun --nproc-per-node=1 tests/gpu/dist_check.py --quick --save-route-outputs 1
+          [ "$NGPU" -ge 2 ] && run sg_check2 torchrun --nproc-per-node=2 tests/gpu/dist_check.py --save-route-outputs 1
+          run sg_packing torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py --save-route-outputs 1
           run sg_ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT" \
-              --b-config save_route_outputs=0 ;;
+              --b-config save_route_outputs=1 ;;
   nvlink) # pull (peer loads) vs push (peer stores) row traffic, alone and next to a dense GEMM
           run nvlink torchrun --nproc-per-node=2 benchmarks/bench_nvlink_rows.py --out "$OUT" --gemm ;;
   layer) run layer torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py --out "$OUT" ${LAYER_ARGS:-} ;;

@@ -28,17 +28,24 @@ def test_plan_prints_explain(name, capsys):
 
 def test_plan_imbalance_table(capsys):
     rc = cli.main(["plan", "--config", str(CONFIGS / "deepseek_v3.yaml"), "--ep", "64",
-                   "--imbalance", "1,4,8", "--layers", "4"])
+                   "--imbalance", "1,4,8", "--layers", "4", "--set", "save_route_outputs=true"])
     out = capsys.readouterr().out
     assert rc == 0
     lines = [ln.split() for ln in out.splitlines() if ln.strip().startswith("L")]
     assert [ln[0] for ln in lines] == ["L0", "L1", "L2", "L3"]
     assert [ln[5] for ln in lines] == ["save", "save", "replay", "replay"]
     assert "rewinds every cursor: yes" in out
+    # the default layout (no route outputs) saves less per layer, and the slot, sized in
+    # balanced full states, shrinks with it: the 4x layer no longer fits
+    rc = cli.main(["plan", "--config", str(CONFIGS / "deepseek_v3.yaml"), "--ep", "64",
+                   "--imbalance", "1,4,8", "--layers", "4"])
+    lines = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("L")]
+    assert rc == 0 and [ln[5] for ln in lines] == ["save", "replay", "replay", "replay"]
 
 
 def test_simulation_uses_the_planner():
-    c = dm.load_config(CONFIGS / "tiny.yaml", max_moe_layers_per_activation_slot=3)
+    c = dm.load_config(CONFIGS / "tiny.yaml", max_moe_layers_per_activation_slot=3,
+                       save_route_outputs=True)   # the numbers below: the guide's layout
     plan = dm.plan_memory(c, ep_size=4)
     assert cli.imbalanced_rows(plan, 1.0) == [128] * 4
     # 4 x 128 routes in all: the tracked rank takes 2.5 x 128 = 320, the others share 192

@@ -159,10 +159,10 @@ def test_save_route_outputs_option_reaches_config_and_plan():
     import megatron_dist_moe as dm
     from types import SimpleNamespace
 
-    opts = options_from_args(SimpleNamespace(dist_moe_save_route_outputs=0))
-    assert opts.save_route_outputs == 0
-    keep = dist_moe_config(tc(), num_local_input_tokens=256)
-    lean = dist_moe_config(tc(), num_local_input_tokens=256, options=opts)
+    opts = options_from_args(SimpleNamespace(dist_moe_save_route_outputs=1))
+    assert opts.save_route_outputs == 1
+    keep = dist_moe_config(tc(), num_local_input_tokens=256, options=opts)
+    lean = dist_moe_config(tc(), num_local_input_tokens=256)   # the default
     assert keep.save_route_outputs is True and lean.save_route_outputs is False
     pk, pl = dm.plan_memory(keep, ep_size=2), dm.plan_memory(lean, ep_size=2)
     # the route outputs (T*K*D*2 bytes) leave the full state; two [T, K] fp32 tables join the

@@ -12,6 +12,9 @@ from megatron_dist_moe.memory_plan import align128
 
 
 def cfg(**kw):
+    """The by-hand numbers below use the design guide's layout (route outputs saved) unless a
+    test asks for the default, save_route_outputs=False."""
+    kw.setdefault("save_route_outputs", True)
     return dm.Config(**kw)
 
 

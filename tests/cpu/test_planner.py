@@ -23,10 +23,11 @@ def run_slot(plan, rows_per_layer, rank, slot=0, planned=None):
 
 
 # -- the guide's worked example (§01/§04): T=2, K=2, D=F=256, EP=2, four layers in one slot -------
+# The hand-worked numbers here and below use the guide's layout (route outputs saved).
 def guide_plan(slot_bytes):
     c = dm.Config(num_local_input_tokens=2, hidden_dim=256, intermediate_dim=256, top_k=2,
                   num_experts=4, max_moe_layers_per_activation_slot=4,
-                  activation_slot_bytes=slot_bytes)
+                  activation_slot_bytes=slot_bytes, save_route_outputs=True)
     return dm.plan_memory(c, ep_size=2)
 
 
@@ -90,7 +91,7 @@ HAND_SAVED = [[4096] * 4, [5888, 10496, 8192, 8192], [6400, 11008, 8704, 8704],
 def hand_plan(num_slots=1):
     c = dm.Config(num_local_input_tokens=4, hidden_dim=64, intermediate_dim=64, top_k=2,
                   num_experts=8, max_moe_layers_per_activation_slot=5, activation_slot_bytes=12800,
-                  num_activation_slots=num_slots)
+                  num_activation_slots=num_slots, save_route_outputs=True)
     return dm.plan_memory(c, ep_size=4)
 
 

@@ -51,7 +51,7 @@ def expected_flags(cfg, plan, probs, E_loc, EP, rank):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
-    ap.add_argument("--save-route-outputs", default="1", choices=["0", "1"],
+    ap.add_argument("--save-route-outputs", default="0", choices=["0", "1"],
                     help="Config.save_route_outputs (0: score gradients on the expert side)")
     args = ap.parse_args()
     rank, EP = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
