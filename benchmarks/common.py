@@ -128,6 +128,21 @@ def profile_graph(fn: Callable[[], None], path: str, replays: int = 5, group=Non
             w.writeheader()
             w.writerows(parts)
         print(format_table(parts), flush=True)
+        # where the idle time sits: kernel start/end times on the device (open the trace in
+        # Perfetto, or: profile_breakdown.py --gaps TRACE.json)
+        import json
+
+        from profile_breakdown import format_gaps, idle_gaps, kernel_intervals
+
+        trace_path = os.path.splitext(path)[0] + "_trace.json"
+        prof.export_chrome_trace(trace_path)
+        with open(trace_path) as f:
+            intervals = kernel_intervals(json.load(f))
+        if intervals:
+            gaps = format_gaps(idle_gaps(intervals, replays))
+            with open(path, "a") as f:
+                f.write("\n\nidle time by transition (per iteration)\n" + gaps + "\n")
+            print(gaps, flush=True)
     del g
 
 

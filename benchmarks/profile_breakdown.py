@@ -1,6 +1,7 @@
 """Where the time goes: a graph-replay kernel profile folded into the parts BENCHMARKS.md reports.
 
     python benchmarks/profile_breakdown.py PROFILE.txt --iter-ms 9.28 [--replays 5] [--csv OUT.csv]
+    python benchmarks/profile_breakdown.py --gaps TRACE.json [--replays 5]
 
 PROFILE.txt is what `bench_layer.py --profile` writes (torch.profiler's key_averages table over
 N CUDA-graph replays, `common.profile_graph`). Each kernel name is put in one part (first match
@@ -8,6 +9,11 @@ in PARTS); a part's time is its kernels' CUDA time per iteration. "idle" is the 
 (from the benchmark) minus all kernel time: gaps between graph nodes and waits outside
 kernels. Kernel times of concurrent streams add up, so idle can come out negative when side
 streams overlap.
+
+`--gaps` reads the Chrome trace that `bench_layer.py --profile` also writes (kernel start and end
+times on the device) and attributes the idle time: every stretch where no kernel runs on the GPU
+is charged to the transition (kernel that ended last -> kernel that starts next), and the
+transitions are listed by idle time per iteration.
 """
 
 from __future__ import annotations
@@ -96,14 +102,87 @@ def format_table(parts: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def kernel_intervals(trace) -> list[tuple[str, float, float]]:
+    """(name, start us, end us) of every kernel / memcpy / memset in a Chrome trace (a dict with
+    traceEvents, or the event list), sorted by start."""
+    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    out = [(e["name"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
+           for e in events
+           if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    return sorted(out, key=lambda iv: (iv[1], iv[2]))
+
+
+def short_name(name: str, width: int = 48) -> str:
+    """Kernel names for a table: templates and argument lists dropped, cut to `width`."""
+    n = re.sub(r"^void\s+", "", name)
+    n = re.sub(r"<.*$", "", n)
+    n = re.sub(r"\(.*$", "", n)
+    return n if len(n) <= width else n[:width - 1] + "~"
+
+
+def idle_gaps(intervals: list[tuple[str, float, float]], replays: int) -> dict:
+    """Busy/idle time of the device and idle time per transition, per iteration.
+
+    Returns {span_ms, busy_ms, idle_ms, overlap_ms, transitions: [{after, before, ms, count,
+    mean_us}] by ms descending}; *_ms per iteration (divided by replays); overlap is kernel time
+    that ran concurrently with other kernels (side streams)."""
+    if replays < 1:
+        raise ValueError(f"replays={replays}: must be >= 1")
+    if not intervals:
+        raise ValueError("no kernel intervals in the trace")
+    ivs = sorted(intervals, key=lambda iv: (iv[1], iv[2]))
+    busy_end, last = ivs[0][2], ivs[0][0]
+    busy, total = ivs[0][2] - ivs[0][1], ivs[0][2] - ivs[0][1]
+    trans: dict[tuple[str, str], list[float]] = {}
+    for name, start, end in ivs[1:]:
+        total += end - start
+        if start > busy_end:
+            t = trans.setdefault((short_name(last), short_name(name)), [0.0, 0])
+            t[0] += start - busy_end
+            t[1] += 1
+            busy += end - start
+            busy_end, last = end, name
+        elif end > busy_end:
+            busy += end - busy_end
+            busy_end, last = end, name
+    span = ivs[-1][2] if ivs[-1][2] > busy_end else busy_end
+    span -= ivs[0][1]
+    rows = [dict(after=a, before=b, ms=round(us / 1e3 / replays, 4),
+                 count=round(n / replays, 2), mean_us=round(us / n, 2))
+            for (a, b), (us, n) in trans.items()]
+    rows.sort(key=lambda r: -r["ms"])
+    return dict(span_ms=round(span / 1e3 / replays, 4), busy_ms=round(busy / 1e3 / replays, 4),
+                idle_ms=round((span - busy) / 1e3 / replays, 4),
+                overlap_ms=round((total - busy) / 1e3 / replays, 4), transitions=rows)
+
+
+def format_gaps(g: dict, top: int = 15) -> str:
+    lines = [f"device span {g['span_ms']:.3f} ms per iteration: busy {g['busy_ms']:.3f}, idle "
+             f"{g['idle_ms']:.3f}, concurrent kernel time {g['overlap_ms']:.3f}",
+             "| idle after | before | ms per iteration | gaps per iteration | mean gap us |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['after']} | {r['before']} | {r['ms']:.4f} | {r['count']:g} | {r['mean_us']:.1f} |"
+              for r in g["transitions"][:top]]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("profile")
+    ap.add_argument("profile", nargs="?")
+    ap.add_argument("--gaps", metavar="TRACE.json", help="attribute idle time from a Chrome trace")
     ap.add_argument("--replays", type=int, default=5)
     ap.add_argument("--iter-ms", type=float, default=None,
                     help="the benchmark's iteration time, for the idle row")
     ap.add_argument("--csv", default=None)
     args = ap.parse_args(argv)
+    if args.gaps:
+        import json
+
+        with open(args.gaps) as f:
+            print(format_gaps(idle_gaps(kernel_intervals(json.load(f)), args.replays)))
+        return 0
+    if not args.profile:
+        ap.error("give PROFILE.txt or --gaps TRACE.json")
     with open(args.profile) as f:
         text = f.read()
     m = re.search(r"over (\d+) graph replays", text)

@@ -74,3 +74,40 @@ def test_every_triton_kernel_in_the_package_has_a_part():
     names = [n for n in names if n.endswith("_kernel")]   # launched kernels, not helpers
     assert len(names) >= 14, names
     assert [n for n in names if pb.part_of(n) == pb.OTHER] == []
+
+
+def _trace(events):
+    """A Chrome trace as torch.profiler writes it: kernels are complete ('X') events."""
+    return {"traceEvents": [{"ph": "X", "cat": cat, "name": n, "ts": ts, "dur": dur,
+                             "args": {"stream": 7}} for cat, n, ts, dur in events]
+            + [{"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0, "dur": 5}]}
+
+
+def test_idle_gaps_charges_each_gap_to_its_transition(tmp_path):
+    # two replays of: GEMM 100 us, gap 20, gather 30 (a side-stream kernel runs inside the
+    # GEMM), gap 5, barrier 10; then 50 us until the next replay
+    one = [("kernel", "_grouped_mm_kernel", 0, 100), ("kernel", "_side_kernel", 40, 20),
+           ("kernel", "_gather_rows_kernel", 120, 30),
+           ("kernel", "void c10d::symmetric_memory::barrier_kernel<int>(unsigned int*)", 155, 10)]
+    events = one + [(c, n, ts + 215, d) for c, n, ts, d in one]
+    trace = _trace(events)
+    ivs = pb.kernel_intervals(trace)
+    assert len(ivs) == 8 and ivs[0] == ("_grouped_mm_kernel", 0.0, 100.0)
+    g = pb.idle_gaps(ivs, replays=2)
+    # span 215 + 165 = 380 us; busy 2 x 140; idle 2 x 25 + 50 between the replays
+    assert g["span_ms"] == pytest.approx(0.190)
+    assert g["busy_ms"] == pytest.approx(0.140)
+    assert g["idle_ms"] == pytest.approx(0.050)
+    assert g["overlap_ms"] == pytest.approx(0.020)
+    t = {(r["after"], r["before"]): r for r in g["transitions"]}
+    assert t[("_grouped_mm_kernel", "_gather_rows_kernel")]["ms"] == pytest.approx(0.020)
+    assert t[("_grouped_mm_kernel", "_gather_rows_kernel")]["count"] == 1
+    barrier = "c10d::symmetric_memory::barrier_kernel"
+    assert t[(barrier, "_grouped_mm_kernel")]["ms"] == pytest.approx(0.025)  # 50 us, once
+    assert t[("_gather_rows_kernel", barrier)]["mean_us"] == pytest.approx(5.0)
+    assert g["transitions"][0]["after"] == barrier   # sorted by idle time
+    path = tmp_path / "trace.json"
+    path.write_text(__import__("json").dumps(trace))
+    assert pb.main(["--gaps", str(path), "--replays", "2"]) == 0
+    with pytest.raises(ValueError, match="no kernel intervals"):
+        pb.idle_gaps([], replays=1)
