@@ -36,6 +36,7 @@ import os
 import sys
 import tempfile
 import time
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -97,6 +98,11 @@ def parse_args(argv=None):
                    help="with --compare: train a second alltoall model from the same weights "
                         "and batches (column loss_alltoall_repeat): the run-to-run noise band "
                         "that dist_moe's curve is judged against")
+    p.add_argument("--repeat-perturb", type=float, default=0.0, metavar="EPS",
+                   help="with --repeat-alltoall: start the repeat from the same weights times "
+                        "(1 + EPS * N(0, 1)), the same draw on every rank (e.g. 1e-3, below one "
+                        "bf16 ulp): the spread of a model that differs only by rounding-sized "
+                        "changes, a noise band that does not rely on GPU non-determinism")
     p.add_argument("--fp32", action="store_true",
                    help="GPU: fp32 parameters and activations, no Float16Module (reference "
                         "backend only): separates Megatron's GPU plumbing from bf16 rounding "
@@ -108,6 +114,10 @@ def parse_args(argv=None):
         p.error("--fp32 needs --dist-moe-backend reference (the cuda backend runs bf16 experts)")
     if args.repeat_alltoall and not args.compare:
         p.error("--repeat-alltoall needs --compare")
+    if args.repeat_perturb and not args.repeat_alltoall:
+        p.error("--repeat-perturb needs --repeat-alltoall")
+    if not 0.0 <= args.repeat_perturb < 0.1:
+        p.error(f"--repeat-perturb must be in [0, 0.1), got {args.repeat_perturb}")
     if args.fp32 and args.te == "on":
         p.error("--fp32 runs without Transformer Engine: use --te off")
     for name, value in PRESETS[args.preset].items():
@@ -182,16 +192,28 @@ def build_model(args, dispatcher: str, ep: int, device):
     return model.to(device), config
 
 
+def perturb_weights(model, eps: float, seed: int) -> None:
+    """w <- w * (1 + eps * N(0, 1)), elementwise, drawn on the CPU from (seed, parameter name)
+    so that replicated parameters get the same draw on every rank."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            noise = torch.randn(p.shape, generator=g).to(p.device)
+            p.copy_((p.float() * (1.0 + eps * noise)).to(p.dtype))
+
+
 class Trainer:
     """One model + optimizer; `step()` runs Megatron's schedule over num_microbatches."""
 
-    def __init__(self, args, dispatcher: str, ep: int, device, init_state=None):
+    def __init__(self, args, dispatcher: str, ep: int, device, init_state=None, perturb=0.0):
         import megatron.core.parallel_state as ps
 
         self.args, self.dispatcher, self.device = args, dispatcher, device
         model, self.config = build_model(args, dispatcher, ep, device)
         if init_state is not None:
             model.load_state_dict(init_state)   # alltoall checkpoint -> dist_moe, unchanged
+        if perturb:
+            perturb_weights(model, perturb, args.seed)
         self.init_state = {k: v.clone() if isinstance(v, torch.Tensor) else v
                            for k, v in model.state_dict().items()}   # incl. TE _extra_state
         self.dp_group = ps.get_data_parallel_group()
@@ -310,8 +332,10 @@ def run(rank: int, world: int, args) -> None:
     init_state = None
     for kind in kinds:
         dispatcher = "alltoall" if kind.startswith("alltoall") else kind
-        trainers[kind] = Trainer(args, dispatcher, ep, device, init_state)
-        init_state = trainers[kind].init_state
+        trainers[kind] = Trainer(args, dispatcher, ep, device, init_state,
+                                 perturb=args.repeat_perturb if kind == "alltoall_repeat" else 0.0)
+        if kind != "alltoall_repeat":
+            init_state = trainers[kind].init_state
     tokens_per_step = (args.seq_length * args.micro_batch_size * args.num_microbatches
                        * dist.get_world_size(ps.get_data_parallel_group()))
     if rank == 0:

@@ -49,6 +49,8 @@ def test_example_compare_smoke_run(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--fp32", "--device", "cuda", "--dist-moe-backend", "cuda"], "--fp32 needs --dist-moe-backend reference"),
     (["--fp32", "--device", "cuda", "--dist-moe-backend", "reference", "--te", "on"], "--te off"),
+    (["--compare", "--repeat-perturb", "1e-3"], "--repeat-perturb needs --repeat-alltoall"),
+    (["--compare", "--repeat-alltoall", "--repeat-perturb", "0.5"], "--repeat-perturb must be"),
 ])
 def test_example_fp32_flag_is_checked(argv, message, capsys):
     sys.path.insert(0, os.path.join(REPO, "examples"))
@@ -61,6 +63,32 @@ def test_example_fp32_flag_is_checked(argv, message, capsys):
     assert message in capsys.readouterr().err
     args = ex.parse_args(["--fp32", "--device", "cuda", "--dist-moe-backend", "reference"])
     assert args.fp32 and not ex.use_te(args)
+
+
+def test_perturb_weights_is_rank_independent_and_eps_sized():
+    """--repeat-perturb: w * (1 + eps N(0,1)) drawn from (seed, parameter name), so two models
+    (two ranks) get the same draw; the relative change has standard deviation eps."""
+    import torch
+
+    sys.path.insert(0, os.path.join(REPO, "examples"))
+    try:
+        import tiny_gpt_dist_moe as ex
+    finally:
+        sys.path.pop(0)
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    b = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    b.load_state_dict(a.state_dict())
+    w0 = a[0].weight.detach().clone()
+    ex.perturb_weights(a, 1e-3, seed=7)
+    ex.perturb_weights(b, 1e-3, seed=7)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    rel = (a[0].weight.detach() / w0 - 1.0)
+    assert 0.9e-3 < float(rel.std()) < 1.1e-3 and abs(float(rel.mean())) < 1e-4
+    c = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    c.load_state_dict(b.state_dict())
+    ex.perturb_weights(c, 1e-3, seed=8)   # another seed: another draw
+    assert not torch.equal(c[0].weight, b[0].weight)
 
 
 def test_example_repeat_alltoall_gives_a_noise_pair(tmp_path):
