@@ -27,7 +27,7 @@ import sys
 PARTS = [
     ("grouped GEMMs (FPROP, DGRAD)", r"^_grouped_mm_kernel"),
     ("grouped WGRAD", r"^_grouped_mm_wgrad_(persistent_)?kernel"),
-    ("row gathers and scatters", r"^_(gather|scatter)_rows_kernel"),
+    ("row gathers and scatters", r"^_(gather|scatter|fanout)_rows_kernel"),
     ("owner kernels (combine, grad routes, route reduction)",
      r"^_(combine_routes|publish_grad_routes|publish_grad_y|reduce_routes)_kernel"),
     ("SwiGLU row kernels", r"^_(swiglu_(fwd|bwd)|score_grad_rows)_kernel"),

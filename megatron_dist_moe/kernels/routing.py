@@ -12,7 +12,9 @@ peer addresses the expert kernels read from and write to.
     place  grid (EP, C): every program reads all counts (small), so it knows the expert
            offsets, R, and how many rows of each expert earlier chunks hold; it checks equal T
            across ranks and R <= max_rows, then writes its chunk's rows in order (an in-block
-           scan per expert) and a share of the zero tail [R, max_rows). Program (0, 0) writes
+           scan per expert) and a share of the zero tail [R, max_rows). With fanout it also
+           writes, for every route (r, t, k), the row it lands in here or -1
+           (`rows.fanout_rows` reads each token once and writes all its rows). Program (0, 0) writes
            expert_offsets, num_rows, rows_EP and the status word, and traps (TRAP) on a failed
            check after printing the cause and the numbers.
 
@@ -97,11 +99,11 @@ def _route_count_kernel(base_ptr, scores_ptr, counts_ptr, owners_ptr, bad_ptr,
 @triton.jit
 def _route_place_kernel(base_ptr, dispatch_base_ptr, combine_base_ptr, counts_ptr, owners_ptr,
                         bad_ptr, offsets_ptr, num_rows_ptr, rows_ep_ptr, fwd_ptr, comb_ptr,
-                        disp_ptr, status_ptr,
+                        disp_ptr, fan_ptr, status_ptr,
                         T, K, rank, E_local, EP, max_rows, row_bytes, n_chunks,
                         HEADER_BYTES: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
                         TAIL_BLOCK: tl.constexpr, E_PAD: tl.constexpr, EP_PAD: tl.constexpr,
-                        NC_PAD: tl.constexpr, TRAP: tl.constexpr):
+                        NC_PAD: tl.constexpr, TRAP: tl.constexpr, FANOUT: tl.constexpr):
     r = tl.program_id(0)
     c = tl.program_id(1)
     n = T * K
@@ -188,6 +190,8 @@ def _route_place_kernel(base_ptr, dispatch_base_ptr, combine_base_ptr, counts_pt
         tl.store(fwd_ptr + row, d_base + t * row_bytes, mask=mine)
         tl.store(comb_ptr + row, c_base + tk * row_bytes, mask=mine)
         tl.store(disp_ptr + row, d_base + tk * row_bytes, mask=mine)
+        if FANOUT:   # every route of rank r's chunk: its row here, or -1
+            tl.store(fan_ptr + r.to(tl.int64) * n + tk, tl.where(mine, row, -1), mask=ok)
 
     # zero tail: rows [R, max_rows), shared by all programs
     zero = tl.zeros((TAIL_BLOCK,), tl.int64)
@@ -220,7 +224,7 @@ def route_tables(ws: RouteWorkspace, base_EP: torch.Tensor, T: int, K: int, rank
                  num_experts: int, max_rows: int, dispatch_base_EP: torch.Tensor,
                  combine_base_EP: torch.Tensor, row_bytes: int,
                  own_scores_TK: torch.Tensor | None = None, header_bytes: int = 128,
-                 trap: bool = True):
+                 trap: bool = True, fanout: bool = False):
     """Build this rank's routing tables from the peers' routing headers (two launches).
 
     base_EP   int64 [EP]: every rank's routing-region base (int32 T at byte 0, int16 IDs [T, K]
@@ -229,6 +233,9 @@ def route_tables(ws: RouteWorkspace, base_EP: torch.Tensor, T: int, K: int, rank
               [max_rows] each), status int64 [3]).
     trap      trap on a failed check (GPU); False leaves the verdict in `status` only (tests,
               the CPU interpreter, which has no trap).
+    fanout    also return the fan-out table (int32 [EP * T * K]: route (r, t, k) -> its row
+              here, or -1) as an eighth value. Not written on a failed T or overflow check,
+              where num_rows is 0 (`rows.fanout_rows` writes rows below num_rows only).
     """
     dev = base_EP.device
     E_local, EP = ws.E_local, ws.ep_size
@@ -242,6 +249,7 @@ def route_tables(ws: RouteWorkspace, base_EP: torch.Tensor, T: int, K: int, rank
     fwd = torch.empty(max_rows, dtype=torch.int64, device=dev)
     comb = torch.empty(max_rows, dtype=torch.int64, device=dev)
     disp = torch.empty(max_rows, dtype=torch.int64, device=dev)
+    fan = torch.empty(EP * T * K if fanout else 1, dtype=torch.int32, device=dev)
     # one-hot tiles are [BLOCK, E_PAD] and [BLOCK, EP_PAD]: keep each at <= 8192 elements
     block = max(16, min(1024, 8192 // max(ws.E_PAD, ws.EP_PAD)))
     grid = (EP, ws.n_chunks)
@@ -252,7 +260,10 @@ def route_tables(ws: RouteWorkspace, base_EP: torch.Tensor, T: int, K: int, rank
         CHUNK=CHUNK, BLOCK=block, E_PAD=ws.E_PAD, EP_PAD=ws.EP_PAD, num_warps=4)
     _route_place_kernel[grid](
         base_EP, dispatch_base_EP, combine_base_EP, ws.counts, ws.owners, ws.bad, offsets,
-        num_rows, rows_EP, fwd, comb, disp, ws.status, T, K, rank, E_local, EP, max_rows,
-        row_bytes, ws.n_chunks, HEADER_BYTES=header_bytes, CHUNK=CHUNK, BLOCK=block, TAIL_BLOCK=1024, E_PAD=ws.E_PAD,
-        EP_PAD=ws.EP_PAD, NC_PAD=ws.NC_PAD, TRAP=trap, num_warps=4)
+        num_rows, rows_EP, fwd, comb, disp, fan, ws.status, T, K, rank, E_local, EP, max_rows,
+        row_bytes, ws.n_chunks, HEADER_BYTES=header_bytes, CHUNK=CHUNK, BLOCK=block,
+        TAIL_BLOCK=1024, E_PAD=ws.E_PAD, EP_PAD=ws.EP_PAD, NC_PAD=ws.NC_PAD, TRAP=trap,
+        FANOUT=fanout, num_warps=4)
+    if fanout:
+        return offsets, num_rows, rows_EP, fwd, comb, disp, ws.status, fan
     return offsets, num_rows, rows_EP, fwd, comb, disp, ws.status

@@ -79,6 +79,54 @@ def gather_rows(row_ptrs: torch.Tensor, dst_addr: torch.Tensor, num_rows: torch.
 
 
 @triton.jit
+def _fanout_rows_kernel(src_base_ptr, dest_ptr, dst_addr, num_rows_ptr, n_tokens, T,
+                        src_stride_bytes, K: tl.constexpr, K_PAD: tl.constexpr, W: tl.constexpr,
+                        DT: tl.constexpr, BLOCK_W: tl.constexpr):
+    tok = tl.program_id(0)            # flat (source rank r, token t)
+    if tok >= n_tokens:
+        return
+    n = tl.load(num_rows_ptr).to(tl.int64)
+    kk = tl.arange(0, K_PAD)
+    d = tl.load(dest_ptr + tok.to(tl.int64) * K + kk, mask=kk < K, other=-1).to(tl.int64)
+    ok = (d >= 0) & (d < n)
+    if tl.sum(ok.to(tl.int32), 0) == 0:
+        return                        # no route of this token lands here: no peer read
+    r = tok // T
+    src = (tl.load(src_base_ptr + r) + (tok - r * T).to(tl.int64) * src_stride_bytes).to(
+        tl.pointer_type(DT))
+    dst = tl.load(dst_addr).to(tl.pointer_type(DT))
+    cols = tl.arange(0, BLOCK_W)
+    for c0 in range(0, W, BLOCK_W):
+        c = c0 + cols
+        cm = c < W
+        v = tl.load(src + c, mask=cm)  # read once ...
+        for k in tl.static_range(K_PAD):
+            dk = tl.sum(tl.where(kk == k, d, 0), 0)
+            okk = tl.sum(tl.where(kk == k, ok.to(tl.int32), 0), 0) > 0
+            tl.store(dst + dk * W + c, v, mask=cm & okk)   # ... written to every row
+
+
+def fanout_rows(src_base_EP: torch.Tensor, src_stride_bytes: int, dest_rows: torch.Tensor,
+                T: int, K: int, dst_addr: torch.Tensor, num_rows: torch.Tensor, width: int,
+                dtype: torch.dtype) -> None:
+    """dst[dest_rows[(r*T + t)*K + k], :width] = row t of rank r (at src_base_EP[r] + t *
+    src_stride_bytes) for every route whose row is in [0, num_rows) (device). Each token row is
+    read once and written to all of its rows; tokens with no row here are not read at all. The
+    same result as `gather_rows` over the matching row addresses, with a token's peer row read
+    once instead of once per route (one program per token)."""
+    EP = src_base_EP.numel()
+    assert dest_rows.numel() == EP * T * K, (
+        f"dest_rows has {dest_rows.numel()} entries, expected EP*T*K = {EP}*{T}*{K}")
+    assert dest_rows.dtype == torch.int32, f"dest_rows must be int32, got {dest_rows.dtype}"
+    if EP * T == 0:
+        return
+    _fanout_rows_kernel[(EP * T,)](
+        src_base_EP, dest_rows, dst_addr, num_rows, EP * T, T, src_stride_bytes, K=K,
+        K_PAD=max(2, triton.next_power_of_2(K)), W=width, DT=_TL_DTYPE[dtype],
+        BLOCK_W=min(2048, triton.next_power_of_2(width)), num_warps=8)
+
+
+@triton.jit
 def _scatter_rows_kernel(src_addr, row_ptrs, num_rows_ptr, W: tl.constexpr, DT: tl.constexpr,
                          BLOCK_W: tl.constexpr, ROWS: tl.constexpr):
     pid = tl.program_id(0)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as Fn
 
-__all__ = ["act_ref", "act_bwd_ref", "combine_routes_ref", "publish_grad_routes_ref",
-           "reduce_routes_ref", "score_grad_rows_ref"]
+__all__ = ["act_ref", "act_bwd_ref", "combine_routes_ref", "fanout_rows_ref",
+           "publish_grad_routes_ref", "reduce_routes_ref", "score_grad_rows_ref"]
 
 
 def act_ref(h1_R2F: torch.Tensor, F: int, clamped: bool, alpha: float, limit: float) -> torch.Tensor:
@@ -49,3 +49,18 @@ def score_grad_rows_ref(u_RF, h2_RF, s_R):
     u, h = u_RF.float(), h2_RF.float()
     s = s_R.float()[:, None]
     return (u * h).sum(-1), (s * u).to(torch.bfloat16), (s * h).to(torch.bfloat16)
+
+
+def fanout_rows_ref(src_EPTD: torch.Tensor, dest_rows: torch.Tensor, num_rows: int,
+                    out_RD: torch.Tensor) -> torch.Tensor:
+    """out[dest_rows[(r*T + t)*K + k]] = src[r, t] for rows in [0, num_rows); others untouched."""
+    EP, T, D = src_EPTD.shape
+    K = dest_rows.numel() // max(EP * T, 1)
+    dest = dest_rows.view(EP, T, K).to(torch.int64)
+    for r in range(EP):
+        for t in range(T):
+            for k in range(K):
+                row = int(dest[r, t, k])
+                if 0 <= row < num_rows:
+                    out_RD[row] = src_EPTD[r, t]
+    return out_RD

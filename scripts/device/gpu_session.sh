@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device-machine session: environment facts, GPU correctness checks, benchmarks.
 # Usage (on the GPU machine, repo root): bash scripts/device/gpu_session.sh [sections...]
-# Sections: env check packing kernels traps bench claimsweep candcheck candbench ab scoregrads nvlink
-#           layer packbench megatron pack
+# Sections: env check packing kernels traps bench claimsweep candcheck candbench ab scoregrads fanout
+#           nvlink layer packbench megatron pack
 #           (default: env check)
 # Knobs: CHECK_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS (extra arguments), TMO (seconds per step),
 #        CANDS (opt-in switches for 'candcheck' / 'candbench'), AB_A AB_B AB_ARGS ('ab'), SEEDS, STEPS, MB (microbatches) and
@@ -72,6 +72,14 @@ for s in $sections; do case $s in
           run sg_packing torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py --save-route-outputs 1
           run sg_ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT" \
               --b-config save_route_outputs=1 ;;
+  fanout) # DIST_MOE_GATHER_FANOUT=1 (each token row read once over NVLink): kernel tests,
+          # correctness on 1 and 2 GPUs and the packing check, then A/B against the default
+          run fo_kernels python3 -m pytest -q tests/gpu/test_routing_gpu.py -m gpu -k fanout
+          run fo_check1 env DIST_MOE_GATHER_FANOUT=1 torchrun --nproc-per-node=1 tests/gpu/dist_check.py --quick
+          [ "$NGPU" -ge 2 ] && run fo_check2 env DIST_MOE_GATHER_FANOUT=1 torchrun --nproc-per-node=2 tests/gpu/dist_check.py
+          run fo_packing env DIST_MOE_GATHER_FANOUT=1 torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py
+          run fo_ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT" \
+              --b DIST_MOE_GATHER_FANOUT=1 ;;
   nvlink) # pull (peer loads) vs push (peer stores) row traffic, alone and next to a dense GEMM
           run nvlink torchrun --nproc-per-node=2 benchmarks/bench_nvlink_rows.py --out "$OUT" --gemm ;;
   layer) run layer torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py --out "$OUT" ${LAYER_ARGS:-} ;;

@@ -68,18 +68,20 @@ TRITON = {"DIST_MOE_GEMM": "triton"}
 TORCH_TABLES = {"DIST_MOE_ROUTING": "torch", "DIST_MOE_BOOKKEEPING": "torch"}
 VARIANTS = {
     "torch_gemm": dict(env=dict(TORCH), pipeline="standard"),
-    "torch_gemm,torch_routing,torch_bookkeeping": dict(env={**TORCH, **TORCH_TABLES},
-                                                       pipeline="standard"),
+    "torch_gemm,torch_routing,torch_bookkeeping,saved_routes": dict(
+        env={**TORCH, **TORCH_TABLES}, pipeline="standard", cfg=dict(save_route_outputs=True)),
     "triton_gemm,standard": dict(env=dict(TRITON), pipeline="standard"),
-    "triton_gemm,standard,unfused_swiglu_bwd,clamped": dict(
+    "triton_gemm,standard,unfused_swiglu_bwd,clamped,saved_routes": dict(
         env={**TRITON, "DIST_MOE_FUSE_SWIGLU_BWD": "0"}, pipeline="standard",
-        activation="swiglu_clamped"),
-    "triton_gemm,staged,whole_tile_claims,torch_tables": dict(
-        env={**TRITON, **TORCH_TABLES, "DIST_MOE_CLAIM_SLICE_K": "0"}, pipeline="staged"),
+        activation="swiglu_clamped", cfg=dict(save_route_outputs=True)),
+    "triton_gemm,staged,whole_tile_claims,torch_tables,saved_routes": dict(
+        env={**TRITON, **TORCH_TABLES, "DIST_MOE_CLAIM_SLICE_K": "0"}, pipeline="staged",
+        cfg=dict(save_route_outputs=True)),
     "triton_gemm,staged,claim_slice_32": dict(
         env={**TRITON, "DIST_MOE_CLAIM_SLICE_K": "32"}, pipeline="staged"),
-    # Config.save_route_outputs=False: score gradients on the expert side (fused epilogue,
-    # the row kernel of the unfused path, and the torch GEMM engine)
+    # Config.save_route_outputs=False (the default; "saved_routes" above is True): score
+    # gradients on the expert side (fused epilogue, the row kernel of the unfused path, and the
+    # torch GEMM engine)
     "expert_score_grads,triton_gemm,staged": dict(
         env=dict(TRITON), pipeline="staged", cfg=dict(save_route_outputs=False)),
     "expert_score_grads,triton_gemm,standard,unfused_swiglu_bwd,clamped": dict(
@@ -87,6 +89,12 @@ VARIANTS = {
         activation="swiglu_clamped", cfg=dict(save_route_outputs=False)),
     "expert_score_grads,torch_gemm": dict(env=dict(TORCH), pipeline="standard",
                                           cfg=dict(save_route_outputs=False)),
+    # fan-out gathers (each token row read once): x in forward and replay, grad_y per token
+    "gather_fanout,triton_gemm,standard": dict(
+        env={**TRITON, "DIST_MOE_GATHER_FANOUT": "1"}, pipeline="standard"),
+    "gather_fanout,torch_gemm,torch_tables,saved_routes": dict(
+        env={**TORCH, **TORCH_TABLES, "DIST_MOE_GATHER_FANOUT": "1"}, pipeline="standard",
+        cfg=dict(save_route_outputs=True)),
 }
 for v, (name, variant) in enumerate(VARIANTS.items()):
     try:
@@ -98,12 +106,14 @@ for v, (name, variant) in enumerate(VARIANTS.items()):
     print("RESULT " + json.dumps(out), flush=True)
 '''
 
-NAMES = ["torch_gemm", "torch_gemm,torch_routing,torch_bookkeeping", "triton_gemm,standard",
-         "triton_gemm,standard,unfused_swiglu_bwd,clamped",
-         "triton_gemm,staged,whole_tile_claims,torch_tables", "triton_gemm,staged,claim_slice_32",
+NAMES = ["torch_gemm", "torch_gemm,torch_routing,torch_bookkeeping,saved_routes",
+         "triton_gemm,standard", "triton_gemm,standard,unfused_swiglu_bwd,clamped,saved_routes",
+         "triton_gemm,staged,whole_tile_claims,torch_tables,saved_routes",
+         "triton_gemm,staged,claim_slice_32",
          "expert_score_grads,triton_gemm,staged",
          "expert_score_grads,triton_gemm,standard,unfused_swiglu_bwd,clamped",
-         "expert_score_grads,torch_gemm"]
+         "expert_score_grads,torch_gemm", "gather_fanout,triton_gemm,standard",
+         "gather_fanout,torch_gemm,torch_tables,saved_routes"]
 
 
 @pytest.fixture(scope="module")

@@ -100,12 +100,19 @@ VARIANTS = {
                                          "DIST_MOE_BOOKKEEPING": "torch"}, pipeline="standard"),
     "triton_gemm,standard,clamped": dict(env={"DIST_MOE_GEMM": "triton"}, pipeline="standard",
                                          activation="swiglu_clamped"),
-    "triton_gemm,staged,claim_slice_16": dict(
-        env={"DIST_MOE_GEMM": "triton", "DIST_MOE_CLAIM_SLICE_K": "16"}, pipeline="staged"),
+    "triton_gemm,staged,claim_slice_16,saved_routes": dict(
+        env={"DIST_MOE_GEMM": "triton", "DIST_MOE_CLAIM_SLICE_K": "16"}, pipeline="staged",
+        cfg=dict(save_route_outputs=True)),
     # score gradients summed on the expert side, stored into the other rank's routing region
     "expert_score_grads,triton_gemm,standard": dict(
         env={"DIST_MOE_GEMM": "triton"}, pipeline="standard",
         cfg=dict(save_route_outputs=False)),
+    # fan-out gathers: each token row read once from its owner (x, and grad_y per token)
+    "gather_fanout,triton_gemm,standard": dict(
+        env={"DIST_MOE_GEMM": "triton", "DIST_MOE_GATHER_FANOUT": "1"}, pipeline="standard"),
+    "gather_fanout,torch_gemm,torch_tables,saved_routes": dict(
+        env={"DIST_MOE_GEMM": "torch", "DIST_MOE_ROUTING": "torch", "DIST_MOE_GATHER_FANOUT": "1"},
+        pipeline="standard", cfg=dict(save_route_outputs=True)),
 }
 
 for routing in ("torch", "triton"):
@@ -120,8 +127,9 @@ for v, (name, variant) in enumerate(VARIANTS.items()):
     print("RESULT " + json.dumps(res), flush=True)
 '''
 
-NAMES = ["torch_gemm,torch_tables", "triton_gemm,standard,clamped", "triton_gemm,staged,claim_slice_16",
-         "expert_score_grads,triton_gemm,standard"]
+NAMES = ["torch_gemm,torch_tables", "triton_gemm,standard,clamped",
+         "triton_gemm,staged,claim_slice_16,saved_routes", "expert_score_grads,triton_gemm,standard",
+         "gather_fanout,triton_gemm,standard", "gather_fanout,torch_gemm,torch_tables,saved_routes"]
 
 
 @pytest.fixture(scope="module")

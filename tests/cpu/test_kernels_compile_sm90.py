@@ -166,8 +166,14 @@ route = lambda: KR.route_tables(ws, p.repeat(2), 2048, 6, 0, 12, 8192, p.repeat(
                                 14336, own_scores_TK=torch.empty(2048, 6), trap=True)
 VARIANTS["routing_count"] = route
 VARIANTS["routing_place"] = route
+VARIANTS["routing_place_fanout"] = lambda: KR.route_tables(
+    ws, p.repeat(2), 2048, 6, 0, 12, 8192, p.repeat(2), p.repeat(2), 14336,
+    own_scores_TK=torch.empty(2048, 6), trap=True, fanout=True)
 _i64 = torch.zeros(4, dtype=torch.int64)
 VARIANTS["rows_device_check"] = lambda: K_rows.device_check(_i64, _i64, _i64)
+VARIANTS["rows_fanout"] = lambda: K_rows.fanout_rows(
+    p.repeat(2), 14336, torch.full((2 * 2048 * 6,), -1, dtype=torch.int32), 2048, 6, p,
+    offs[-1:], 7168, bf)
 VARIANTS["rows_swiglu_bwd"] = lambda: K_rows.swiglu_bwd(p, p, p, offs[-1:], 3072, R, True,
                                                         1.702, 7.0, h2_addr=p)
 _f32 = torch.empty(2048, 6)
@@ -194,6 +200,7 @@ VARIANTS["bookkeeping_fwd"] = lambda: _bk.forward(_tabs, 2048, True)
 VARIANTS["bookkeeping_fwd_inference"] = lambda: _bk.forward(_tabs, 2048, False)
 VARIANTS["bookkeeping_bwd"] = lambda: _bk.backward(None, _rec, _tabs, 2048)
 JIT = {"rows_device_check": (K_rows, "_device_check_kernel"),
+       "rows_fanout": (K_rows, "_fanout_rows_kernel"),
        "rows_swiglu_bwd": (K_rows, "_swiglu_bwd_kernel"),
        "rows_publish_grad_y": (K_rows, "_publish_grad_y_kernel"),
        "rows_route_score_ptrs": (K_rows, "_route_score_ptrs_kernel"),
@@ -204,7 +211,8 @@ JIT = {"rows_device_check": (K_rows, "_device_check_kernel"),
        "wgrad": (G, "_grouped_mm_wgrad_kernel"),
        "wgradpersistent": (G, "_grouped_mm_wgrad_persistent_kernel"),
        "routing_count": (KR, "_route_count_kernel"),
-       "routing_place": (KR, "_route_place_kernel")}
+       "routing_place": (KR, "_route_place_kernel"),
+       "routing_place_fanout": (KR, "_route_place_kernel")}
 
 names = sys.argv[1:] or list(VARIANTS)
 for name in names:
@@ -240,7 +248,7 @@ VARIANTS = ["fwd_swiglu_tma", "fwd_swiglu_gather_copy", "fwd_swiglu_claim",
             "rows_score_grad_rows",
             "dgrad_w13_tma", "wgrad_tma_fp32", "wgrad_plain_bf16", "routing_count",
             "routing_place", "bookkeeping_fwd", "bookkeeping_fwd_inference", "bookkeeping_bwd",
-            "rows_device_check", "rows_swiglu_bwd"]
+            "rows_device_check", "rows_swiglu_bwd", "rows_fanout", "routing_place_fanout"]
 
 MAX_SPILL_BYTES = 256
 
@@ -255,6 +263,7 @@ EXPECT = {
     "dgrad_w2_swiglu_bwd_score_grads": dict(wgmma=1, tma_load=1),
     "wgradpersistent_bf16": dict(wgmma=1, tma_load=1),
     "routing_place": dict(trap=1, printf=4),
+    "routing_place_fanout": dict(trap=1, printf=4),
     "rows_device_check": dict(trap=1, printf=4),
 }
 

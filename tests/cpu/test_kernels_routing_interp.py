@@ -35,7 +35,7 @@ def regions(ids_EPTK, T_EP, T_max):
 
 
 def case(name, *, EP, T, K, E_local, rank, max_rows, T_max=None, seed=0, inactive=0.2,
-         hot=None, T_EP=None, bad=None, scores=None, expect=0):
+         hot=None, T_EP=None, bad=None, scores=None, expect=0, fanout=True):
     g = torch.Generator().manual_seed(seed)
     T_max = T_max or T
     E = EP * E_local
@@ -61,8 +61,8 @@ def case(name, *, EP, T, K, E_local, rank, max_rows, T_max=None, seed=0, inactiv
             sc[t, k] = v
     ws = KR.RouteWorkspace(EP, T_max, K, E_local, "cpu")
     got = KR.route_tables(ws, base, T, K, rank, E, max_rows, disp_base, comb_base, row_bytes,
-                          own_scores_TK=sc, trap=False)
-    offs, nrows, rows_EP, fwd, comb, disp, status = got
+                          own_scores_TK=sc, trap=False, fanout=fanout)
+    offs, nrows, rows_EP, fwd, comb, disp, status = got[:7]
     code, a, b = status.tolist()
     out = {"name": name, "code": code, "a": a, "b": b}
     if code != expect:
@@ -76,7 +76,7 @@ def case(name, *, EP, T, K, E_local, rank, max_rows, T_max=None, seed=0, inactiv
         return out
     # the torch oracle (its checks pass on this input)
     ref = build_routing_tables(ids16, T_EP, T, rank, E_local, E, max_rows, disp_base, comb_base,
-                               row_bytes, own_scores_TK=sc, device_checks=False)
+                               row_bytes, own_scores_TK=sc, device_checks=False, fanout=fanout)
     R = int(ref.num_rows)
     pairs = dict(expert_offsets=(offs, ref.expert_offsets), num_rows=(nrows, ref.num_rows),
                  rows_EP=(rows_EP, ref.rows_EP), fwd=(fwd, ref.fwd_gather_ptrs),
@@ -86,13 +86,39 @@ def case(name, *, EP, T, K, E_local, rank, max_rows, T_max=None, seed=0, inactiv
             diff = (x.cpu() != y.cpu()).nonzero().flatten()[:5].tolist()
             out["error"] = f"{k} differs at {diff} (R={R})"
             return out
+    if fanout:
+        # the fan-out table: equal to the torch one, and route (r, t, k) -> row i exactly where
+        # row i's gather address is rank r's token t
+        fan = got[7]
+        if len(got) != 8 or not torch.equal(fan, ref.fanout.dest_rows):
+            out["error"] = "fan-out table differs from the torch one"
+            return out
+        dest = fan.view(EP, T, K).to(torch.int64) if T else fan.view(EP, 0, K)
+        seen = torch.zeros(max(R, 1), dtype=torch.int32)
+        for r in range(EP):
+            for t in range(T):
+                for k in range(K):
+                    i = int(dest[r, t, k])
+                    mine = rank * E_local <= int(ids16[r, t, k]) < (rank + 1) * E_local
+                    if (i >= 0) != mine or (i >= 0 and (i >= R or int(fwd[i]) !=
+                                                       int(disp_base[r]) + t * row_bytes)):
+                        out["error"] = f"fan-out row {i} for route {(r, t, k)} (R={R})"
+                        return out
+                    if i >= 0:
+                        seen[i] += 1
+        if R and not bool((seen == 1).all()):
+            out["error"] = "fan-out table does not name every row exactly once"
+            return out
+    elif len(got) != 7:
+        out["error"] = "route_tables(fanout=False) returned a fan-out table"
+        return out
     out["R"] = R
     return out
 
 
 CASES = [
     dict(name="ep2_guide_like", EP=2, T=300, K=6, E_local=6, rank=0, max_rows=4000, scores="clean"),
-    dict(name="ep2_rank1", EP=2, T=300, K=6, E_local=6, rank=1, max_rows=4000),
+    dict(name="ep2_rank1", EP=2, T=300, K=6, E_local=6, rank=1, max_rows=4000, fanout=False),
     dict(name="multi_chunk", EP=2, T=1500, K=6, E_local=4, rank=1, max_rows=20000, seed=3),
     dict(name="ep4_k1_tmax", EP=4, T=50, T_max=64, K=1, E_local=3, rank=2, max_rows=300, seed=4),
     dict(name="ep1", EP=1, T=77, K=2, E_local=5, rank=0, max_rows=200, seed=5),

@@ -32,6 +32,31 @@ BODY = textwrap.dedent(r'''
     exp = src[idx].clone(); exp[1] = 0
     assert torch.equal(dst[:5], exp), "gather"
     assert torch.isnan(dst[5:].float()).all(), "gather wrote past n"
+    # fan-out gather: each token row read once, written to every row it routes to here; rows
+    # at or past n untouched; equal to gather_rows over the matching addresses
+    EPf, Tf, Kf, W = 2, 5, 3, 40                   # W < BLOCK_W and not a power of two
+    srcs = [torch.randn(Tf + 1, W).to(bf) for _ in range(EPf)]   # token t at t * W * 2 bytes
+    base = torch.tensor([x.data_ptr() for x in srcs], dtype=torch.int64)
+    dest = torch.full((EPf * Tf * Kf,), -1, dtype=torch.int32)
+    perm = torch.randperm(EPf * Tf * Kf)[:11]      # 11 routes land here, in a shuffled order
+    dest[perm] = torch.arange(11, dtype=torch.int32)
+    dest[perm[10]] = 12                            # a row past n = 11: never written
+    outf = torch.full((13, W), float("nan")).to(bf)
+    K.fanout_rows(base, W * 2, dest, Tf, Kf, K.device_ptr(outf), torch.tensor([11], dtype=torch.int32), W, bf)
+    reff = R.fanout_rows_ref(torch.stack([x[:Tf] for x in srcs]), dest, 11,
+                             torch.full((13, W), float("nan")).to(bf))
+    assert torch.equal(outf[:10], reff[:10]) and torch.isnan(outf[10:].float()).all(), "fanout"
+    gp = torch.zeros(13, dtype=torch.int64)
+    for j, i in enumerate(dest.tolist()):
+        if 0 <= i < 11:
+            r, t = divmod(j // Kf, Tf)
+            gp[i] = int(base[r]) + t * W * 2
+    viag = torch.full((13, W), float("nan")).to(bf)
+    K.gather_rows(gp, K.device_ptr(viag), torch.tensor([10], dtype=torch.int32), W, bf, 13)
+    assert torch.equal(viag[:10], outf[:10]), "fanout vs gather_rows"
+    outz = torch.full((13, W), 5.0).to(bf)         # num_rows 0 (a failed routing check)
+    K.fanout_rows(base, W * 2, dest, Tf, Kf, K.device_ptr(outz), torch.tensor([0], dtype=torch.int32), W, bf)
+    assert (outz == 5).all(), "fanout wrote with num_rows = 0"
     # scatter: 0 = skip
     out = torch.full((20, D), 7.0).to(bf)
     sp = torch.zeros(8, dtype=torch.int64)

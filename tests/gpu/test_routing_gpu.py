@@ -86,3 +86,35 @@ def test_route_tables_in_cuda_graph():
                                    4096, bases, bases, 256, device_checks=False)
         assert torch.equal(out[3], ref.fwd_gather_ptrs), f"replay {it}: tables differ"
         assert torch.equal(out[0], ref.expert_offsets), f"replay {it}: offsets differ"
+
+
+@pytest.mark.parametrize("EP,T,K,E_local,rank", [(2, 2048, 6, 6, 0), (2, 2048, 8, 8, 1),
+                                                 (4, 333, 3, 2, 2)])
+def test_fanout_gather_equals_the_row_gather(EP, T, K, E_local, rank):
+    """DIST_MOE_GATHER_FANOUT: the fan-out table equals the torch one, and rows.fanout_rows
+    (each token read once) writes exactly what gather_rows (one read per route) writes."""
+    from megatron_dist_moe.kernels import rows as K_rows
+
+    g = torch.Generator(device=DEV).manual_seed(T * K)
+    E, D = EP * E_local, 7168
+    ids = torch.randint(0, E, (EP, T, K), generator=g, device=DEV)
+    ids[torch.rand(EP, T, K, generator=g, device=DEV) < 0.1] = -1
+    ids16 = ids.to(torch.int16)
+    T_EP = torch.full((EP,), T, dtype=torch.int32, device=DEV)
+    bufs, base = _regions(ids16, T_EP)
+    x = [torch.randn(T, D, generator=g, device=DEV).to(torch.bfloat16) for _ in range(EP)]
+    disp = torch.tensor([t.data_ptr() for t in x], dtype=torch.int64, device=DEV)
+    comb = disp + 0
+    max_rows = EP * T * min(K, E_local)
+    ws = KR.RouteWorkspace(EP, T, K, E_local, DEV)
+    offs, nrows, _, fwd, _, _, status, fan = KR.route_tables(
+        ws, base, T, K, rank, E, max_rows, disp, comb, D * 2, trap=False, fanout=True)
+    ref = build_routing_tables(ids16, T_EP, T, rank, E_local, E, max_rows, disp, comb, D * 2,
+                               device_checks=False, fanout=True)
+    assert status.tolist() == [0, 0, 0] and torch.equal(fan, ref.fanout.dest_rows)
+    a = torch.full((max_rows, D), float("nan"), device=DEV).to(torch.bfloat16)
+    b = a.clone()
+    K_rows.gather_rows(fwd, K_rows.device_ptr(a), nrows, D, torch.bfloat16, max_rows)
+    K_rows.fanout_rows(disp, D * 2, fan, T, K, K_rows.device_ptr(b), nrows, D, torch.bfloat16)
+    R = int(nrows)
+    assert torch.equal(a[:R], b[:R]) and torch.isnan(b[R:].float()).all()

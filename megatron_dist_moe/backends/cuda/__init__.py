@@ -28,7 +28,7 @@ from ...planner import LayerRecord
 from .arena import make_arena
 from .bookkeeping import make_bookkeeping
 from .experts import ExpertPipeline
-from .routing import RoutingTables, build_routing_tables
+from .routing import FanoutTable, RoutingTables, build_routing_tables
 from .symmetric import SymmetricBuffers
 
 __all__ = ["CudaBackend"]
@@ -122,21 +122,24 @@ class CudaBackend:
         self.sym.dispatch[: T * D].view(T, D).copy_(x_TD)
 
     def _routing(self, T: int, scores_TK: torch.Tensor | None) -> RoutingTables:
+        fanout = self.experts.fanout   # the fan-out table only where the gathers use it
         if self.route_ws is not None:
             from ...kernels.routing import route_tables
-            offs, nrows, rows_EP, fwd, comb, disp, _status = route_tables(
+            offs, nrows, rows_EP, fwd, comb, disp, _status, *fan = route_tables(
                 self.route_ws, self.sym.routing_base_EP, T, self.cfg.top_k, self.ctx.rank,
                 self.cfg.num_experts, self.max_rows, self.sym.dispatch_base_EP,
                 self.sym.combine_base_EP, row_bytes=self.cfg.hidden_dim * 2,
-                own_scores_TK=scores_TK, header_bytes=ROUTING_HEADER_BYTES)
-            return RoutingTables(expert_offsets=offs, num_rows=nrows, rows_EP=rows_EP,
-                                 fwd_gather_ptrs=fwd, combine_ptrs=comb, dispatch_route_ptrs=disp,
-                                 max_rows=self.max_rows)
+                own_scores_TK=scores_TK, header_bytes=ROUTING_HEADER_BYTES, fanout=fanout)
+            return RoutingTables(
+                expert_offsets=offs, num_rows=nrows, rows_EP=rows_EP, fwd_gather_ptrs=fwd,
+                combine_ptrs=comb, dispatch_route_ptrs=disp, max_rows=self.max_rows,
+                fanout=FanoutTable(fan[0], T, self.cfg.top_k, self.sym.dispatch_base_EP,
+                                   self.sym.combine_base_EP) if fanout else None)
         ids_all, T_all = self.sym.gather_routing(T)
         return build_routing_tables(
             ids_all, T_all, T, self.ctx.rank, self.ctx.num_local_experts, self.cfg.num_experts,
             self.max_rows, self.sym.dispatch_base_EP, self.sym.combine_base_EP,
-            row_bytes=self.cfg.hidden_dim * 2, own_scores_TK=scores_TK)
+            row_bytes=self.cfg.hidden_dim * 2, own_scores_TK=scores_TK, fanout=fanout)
 
     def _routes_view(self, buf: torch.Tensor, T: int) -> torch.Tensor:
         K, D = self.cfg.top_k, self.cfg.hidden_dim

@@ -98,11 +98,32 @@ class ExpertPipeline:
         # SwiGLU backward fused into the W2 DGRAD epilogue (grad_h2 never stored; grad_h1
         # written over h1 in place); the default since it ran on 2xH200 (-0.26 ms fwd+bwd).
         self.fuse_swiglu_bwd = env_switch("DIST_MOE_FUSE_SWIGLU_BWD", True)
+        # Fan-out gathers (DIST_MOE_GATHER_FANOUT): read each token row once over NVLink and
+        # write it into all of its rows here (`rows.fanout_rows`), instead of one peer read per
+        # route; for the x gather (forward and replay) and, without saved route outputs, the
+        # grad_y gather. Not for the staged pipeline, whose GEMM claims its own rows. Opt-in
+        # until measured on the GPU machine.
+        self.fanout = (env_switch("DIST_MOE_GATHER_FANOUT", False)
+                       and (pipeline != "staged" or self.gemm == "torch"))
         self.claim = None
         if pipeline == "staged" and self.gemm == "triton":
             from ...kernels.grouped_gemm import ClaimFlags
             # one set of flags: every claimed launch of this context runs on one stream
             self.claim = ClaimFlags(max_rows, None, num_local_experts, device)
+
+    def _gather(self, tabs: RoutingTables, row_ptrs: torch.Tensor, dst_addr: torch.Tensor,
+                nrows: torch.Tensor, token_rows_at: str | None) -> None:
+        """Rows i < nrows of dst = the rows at row_ptrs[i]; with fan-out gathers and a source
+        laid out one row per token ('dispatch': x, 'combine': grad_y published per token), the
+        same rows from one read per token (`rows.fanout_rows`)."""
+        D = self.cfg.hidden_dim
+        fan = tabs.fanout if self.fanout else None
+        if fan is not None and token_rows_at is not None:
+            base = fan.dispatch_base_EP if token_rows_at == "dispatch" else fan.combine_base_EP
+            K_rows.fanout_rows(base, D * 2, fan.dest_rows, fan.T, fan.K, dst_addr, nrows, D,
+                               torch.bfloat16)
+        else:
+            K_rows.gather_rows(row_ptrs, dst_addr, nrows, D, torch.bfloat16, self.max_rows)
 
     # -- forward -----------------------------------------------------------------------------
     def forward(self, tabs: RoutingTables, w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor,
@@ -119,8 +140,7 @@ class ExpertPipeline:
         offs, nrows = rows if rows is not None else (tabs.expert_offsets, tabs.num_rows)
         if self.gemm == "torch":
             xg = torch.empty(Rm, D, dtype=torch.bfloat16, device=self.device)
-            K_rows.gather_rows(tabs.fwd_gather_ptrs, K_rows.device_ptr(xg), nrows, D,
-                               torch.bfloat16, Rm)
+            self._gather(tabs, tabs.fwd_gather_ptrs, K_rows.device_ptr(xg), nrows, "dispatch")
             h1 = torch._grouped_mm(xg, w13_E2FD.transpose(1, 2), offs=offs[1:])
             h2 = torch.empty(Rm, F, dtype=torch.bfloat16, device=self.device)
             K_rows.swiglu_fwd(K_rows.device_ptr(h1), K_rows.device_ptr(h2), nrows, F, Rm,
@@ -140,7 +160,7 @@ class ExpertPipeline:
                            a_row_ptrs=tabs.fwd_gather_ptrs, a_copy_out=xg_addr,
                            claim_flags=self.claim, epilogue="swiglu", h1=h1_addr, h2=sp.h2, **act)
         else:
-            K_rows.gather_rows(tabs.fwd_gather_ptrs, xg_addr, nrows, D, torch.bfloat16, Rm)
+            self._gather(tabs, tabs.fwd_gather_ptrs, xg_addr, nrows, "dispatch")
             grouped_mm_fwd(w=w13_E2FD, expert_offsets=offs, max_rows=Rm, a=xg_addr,
                            epilogue="swiglu", h1=h1_addr, h2=sp.h2, **act)
         if scatter_ptrs is not None:
@@ -185,7 +205,9 @@ class ExpertPipeline:
             grouped_mm_dgrad(w=w2_EDF, expert_offsets=offs, max_rows=Rm, a_row_ptrs=gather_ptrs,
                              a_copy_out=sp.g3, claim_flags=self.claim, **w2_out)
         else:
-            K_rows.gather_rows(gather_ptrs, sp.g3, nrows, D, torch.bfloat16, Rm)
+            # grad_y is published once per token without saved route outputs (score_ptrs)
+            self._gather(tabs, gather_ptrs, sp.g3, nrows,
+                         "combine" if score_ptrs is not None else None)
             grouped_mm_dgrad(w=w2_EDF, expert_offsets=offs, max_rows=Rm, a=sp.g3, **w2_out)
         if score_ptrs is not None and not self.fuse_swiglu_bwd:
             # grad_s = <u, h2> to the owners; grad_h2 = s u and h2 = s h2 in place
@@ -225,7 +247,8 @@ class ExpertPipeline:
         K_rows.copy_rows(xg_addr, K_rows.device_ptr(xg), nrows, D, Rm)
         K_rows.copy_rows(h1_addr, K_rows.device_ptr(h1), nrows, 2 * F, Rm)
         g3 = torch.empty(Rm, D, **bf)
-        K_rows.gather_rows(gather_ptrs, K_rows.device_ptr(g3), nrows, D, torch.bfloat16, Rm)
+        self._gather(tabs, gather_ptrs, K_rows.device_ptr(g3), nrows,
+                     "combine" if score_ptrs is not None else None)
         grad_h2 = torch._grouped_mm(g3, w2_EDF, offs=offs[1:])
         h2 = torch.empty(Rm, F, **bf)
         K_rows.swiglu_fwd(K_rows.device_ptr(h1), K_rows.device_ptr(h2), nrows, F, Rm,

@@ -11,7 +11,10 @@ R stays on the device. No host synchronisation: only sort / scatter / gather / w
                                                                   (and where grad_h3 is read)
     dispatch_route_ptrs[i] = dispatch_base[r] + (t*K + k) * D * 2 where W13 DGRAD returns the
                                                                   route input gradient
-Rows i >= R hold address 0 (gathers read zeros, scatters skip).
+Rows i >= R hold address 0 (gathers read zeros, scatters skip). With fan-out gathers
+(DIST_MOE_GATHER_FANOUT) the tables also carry, for every route (r, t, k) of every rank, the row
+it lands in here or -1 (`FanoutTable`): `rows.fanout_rows` then reads each token row once over
+NVLink and writes it into all of its rows, where `gather_rows` reads it once per route.
 """
 
 from __future__ import annotations
@@ -22,7 +25,16 @@ import torch
 
 from ...kernels import rows as K_rows
 
-__all__ = ["RoutingTables", "build_routing_tables", "routing_tables_ref_order"]
+__all__ = ["FanoutTable", "RoutingTables", "build_routing_tables", "routing_tables_ref_order"]
+
+
+@dataclass
+class FanoutTable:
+    dest_rows: torch.Tensor           # [EP * T * K] int32: row of route (r, t, k) here, or -1
+    T: int
+    K: int
+    dispatch_base_EP: torch.Tensor    # [EP] int64: where x rows live (token t at t * D * 2)
+    combine_base_EP: torch.Tensor     # [EP] int64: where grad_y rows live (published per token)
 
 
 @dataclass
@@ -34,13 +46,14 @@ class RoutingTables:
     combine_ptrs: torch.Tensor        # [R_max] int64
     dispatch_route_ptrs: torch.Tensor  # [R_max] int64
     max_rows: int
+    fanout: FanoutTable | None = None
 
 
 def build_routing_tables(ids_all_EPTK: torch.Tensor, T_all_EP: torch.Tensor, T: int, rank: int,
                          num_local_experts: int, num_experts: int, max_rows: int,
                          dispatch_base_EP: torch.Tensor, combine_base_EP: torch.Tensor,
                          row_bytes: int, own_scores_TK: torch.Tensor | None = None,
-                         device_checks: bool = True) -> RoutingTables:
+                         device_checks: bool = True, fanout: bool = False) -> RoutingTables:
     """Build the expert-major tables for this rank (see module docstring).
 
     device_checks: trap (message + numbers) on unequal T across ranks, on more received rows than
@@ -116,9 +129,17 @@ def build_routing_tables(ids_all_EPTK: torch.Tensor, T_all_EP: torch.Tensor, T: 
         b = torch.stack([y for _, _, _, y in checks])
         K_rows.device_check(codes, a, b)
 
+    fan = None
+    if fanout:
+        # route (r, t, k) at flat position sel[i] lands in row i; the rest stay -1 (slot N
+        # takes the writes of the rows past R)
+        dest = torch.full((N + 1,), -1, dtype=torch.int32, device=dev)
+        dest.scatter_(0, torch.where(live, sel, N), i.to(torch.int32))
+        fan = FanoutTable(dest_rows=dest[:N], T=T, K=K, dispatch_base_EP=dispatch_base_EP,
+                          combine_base_EP=combine_base_EP)
     return RoutingTables(expert_offsets=offsets, num_rows=num_rows, rows_EP=rows_EP,
                          fwd_gather_ptrs=fwd, combine_ptrs=comb, dispatch_route_ptrs=disp,
-                         max_rows=max_rows)
+                         max_rows=max_rows, fanout=fan)
 
 
 def routing_tables_ref_order(ids_all_EPTK: torch.Tensor, rank: int, E_local: int):
