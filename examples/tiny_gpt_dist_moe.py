@@ -378,8 +378,10 @@ def run(rank: int, world: int, args) -> None:
                   f"{rows[-1]['loss_alltoall']:.4f} / {rows[-1]['loss_dist_moe']:.4f}")
             if args.repeat_alltoall:
                 noise = [abs(r["loss_alltoall"] - r["loss_alltoall_repeat"]) for r in rows]
+                how = (f"weights x (1 + {args.repeat_perturb:g} N(0,1))" if args.repeat_perturb
+                       else "same weights")
                 print(f"max |loss_alltoall - loss_alltoall_repeat| = {max(noise):.4g} "
-                      "(same weights and batches: the run-to-run noise)")
+                      f"({how} and batches: the noise band)")
         if csv_file is not None:
             csv_file.close()
             print(f"wrote {args.csv}")
