@@ -13,9 +13,10 @@ differences B - A with its interquartile range; B is called faster (or slower) o
 whole interquartile range lies below (above) zero.
 
 Switches are environment variables read when a context is built (DIST_MOE_ROUTING,
-DIST_MOE_BOOKKEEPING, DIST_MOE_FUSE_SWIGLU_BWD, DIST_MOE_WGRAD_OVERLAP, DIST_MOE_GEMM) or at
-import (DIST_MOE_CLAIM_SLICE_K, DIST_MOE_GEMM_FLATTEN, DIST_MOE_WGRAD_PERSISTENT: set on the
-module here while each setting's graphs are captured). Correctness first:
+DIST_MOE_BOOKKEEPING, DIST_MOE_FUSE_SWIGLU_BWD, DIST_MOE_WGRAD_OVERLAP, DIST_MOE_GEMM,
+DIST_MOE_GATHER_FANOUT) or at import (DIST_MOE_CLAIM_SLICE_K, DIST_MOE_GEMM_FLATTEN,
+DIST_MOE_WGRAD_PERSISTENT, DIST_MOE_PDL: set on the module here while each setting's graphs are
+captured). Correctness first:
 A's and B's outputs and input gradients are compared with baseline (a) (all-to-all +
 torch._grouped_mm) before any timing; a mismatch exits 1. Writes OUT/ab_layer.csv (the common
 benchmark columns, ratio = A ms / B ms) and OUT/ab_layer.png (paired differences per round).
@@ -61,9 +62,11 @@ def parse_switches(text: str) -> dict[str, str]:
 def switches(env: dict[str, str]):
     """Set the switches (and the module's claim slice width) for a context's build and capture."""
     from megatron_dist_moe.kernels import grouped_gemm as G
+    from megatron_dist_moe.kernels import launch as L
 
     old_env = {k: os.environ.get(k) for k in env}
     old_slice, old_flatten, old_pers = G.CLAIM_SLICE_K, G.FLATTEN, G.WGRAD_PERSISTENT
+    old_pdl = L.PDL
     os.environ.update(env)
     if "DIST_MOE_CLAIM_SLICE_K" in env:
         G.CLAIM_SLICE_K = int(env["DIST_MOE_CLAIM_SLICE_K"] or G.CLAIM_SLICE_K_DEFAULT)
@@ -71,6 +74,8 @@ def switches(env: dict[str, str]):
         G.FLATTEN = env["DIST_MOE_GEMM_FLATTEN"] == "1"
     if "DIST_MOE_WGRAD_PERSISTENT" in env:
         G.WGRAD_PERSISTENT = env["DIST_MOE_WGRAD_PERSISTENT"] == "1"
+    if "DIST_MOE_PDL" in env:
+        L.PDL = env["DIST_MOE_PDL"] == "1"
     try:
         yield
     finally:
@@ -80,6 +85,7 @@ def switches(env: dict[str, str]):
             else:
                 os.environ[k] = v
         G.CLAIM_SLICE_K, G.FLATTEN, G.WGRAD_PERSISTENT = old_slice, old_flatten, old_pers
+        L.PDL = old_pdl
 
 
 def round_order(rounds: int) -> list[str]:

@@ -31,6 +31,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .launch import grid_dependency_wait
+
 __all__ = ["ADDR", "I32", "REC_FIXED", "plan_forward_kernel", "plan_backward_kernel"]
 
 ADDR = dict(XG=0, H1=1, X=2, ROUTES=3, S_XG=4, S_H1=5, S_H2=6, S_G3=7, S_GRAD_H1=8,
@@ -75,7 +77,8 @@ def _scratch_and_layout(addr_ptr, R, start, need, act_base, arena_end, D, F):
 def plan_forward_kernel(offsets_ptr, saved_ptr, position_ptr, selected_ptr, rows_ep_ptr,
                         num_rows_ptr, act_base_ptr, arena_end_ptr, rec_ptr, need_ptr, addr_ptr,
                         i32_ptr, rank, EP, T, D, F, input_bytes, capacity, routes_bytes,
-                        TRAINING: tl.constexpr, EP_PAD: tl.constexpr):
+                        TRAINING: tl.constexpr, EP_PAD: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
     p = tl.arange(0, EP_PAD)
     pm = p < EP
     R = tl.load(num_rows_ptr).to(tl.int64)
@@ -115,7 +118,8 @@ def plan_forward_kernel(offsets_ptr, saved_ptr, position_ptr, selected_ptr, rows
 def plan_backward_kernel(offsets_ptr, saved_ptr, position_ptr, rec_ptr, num_rows_ptr,
                          expert_offsets_ptr, act_base_ptr, arena_end_ptr, combine_addr_ptr,
                          addr_ptr, i32_ptr, pred_offsets_ptr, EP, T, D, F, E_local,
-                         EP_PAD: tl.constexpr, E_PAD: tl.constexpr):
+                         EP_PAD: tl.constexpr, E_PAD: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
     p = tl.arange(0, EP_PAD)
     pm = p < EP
     slot = tl.load(rec_ptr + 0)

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from ..config import env_switch
+from .launch import grid_dependency_wait, pdl_args
 from .rows import swiglu_grad
 
 __all__ = [
@@ -689,8 +690,8 @@ def _grouped_mm_kernel(
     A_CLAIM: tl.constexpr = False, CLAIM_AHEAD: tl.constexpr = 0, COPY_K: tl.constexpr = 64,
     PROXY_FENCE: tl.constexpr = False, SLICE_K: tl.constexpr = 0,
     AHEAD_SLICES: tl.constexpr = 1, SCORE_GRADS: tl.constexpr = False,
-    FLATTEN: tl.constexpr = False,
-):
+    FLATTEN: tl.constexpr = False, PDL: tl.constexpr = False):
+    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
     # A_CLAIM: a_addr_ptr is a_copy_out, read as a dense A once `_claim_phase` made the tile's
     # rows valid; a_rows_ptr gives the rows to copy there; ready_ptr/epoch_ptr: `ClaimFlags`.
     DT: tl.constexpr = w_ptr.dtype.element_ty
@@ -903,8 +904,8 @@ def _grouped_mm_wgrad_kernel(
     a_addr_ptr, b_addr_ptr, offsets_ptr, out_ptr, M, N,
     E: tl.constexpr, IN_DT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
-):
+    ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -967,8 +968,8 @@ def _grouped_mm_wgrad_persistent_kernel(
     a_addr_ptr, b_addr_ptr, offsets_ptr, out_ptr, M, N,
     E: tl.constexpr, IN_DT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ACCUMULATE: tl.constexpr, IEEE: tl.constexpr, FLATTEN: tl.constexpr,
-):
+    ACCUMULATE: tl.constexpr, IEEE: tl.constexpr, FLATTEN: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
     # Persistent WGRAD (DIST_MOE_WGRAD_PERSISTENT): programs stride over the output tiles of all
     # experts. One TMA descriptor per operand spans every row; each expert's full BLOCK_K row
     # blocks go through TMA, its ragged last block through masked loads (a descriptor per
@@ -1091,8 +1092,7 @@ def _launch_mm(args: _MMArgs, config: GroupedGemmConfig, num_programs: Optional[
         PROXY_FENCE=args.claim is not None and config.tma and not _interpreting(),
         SLICE_K=slice_k, AHEAD_SLICES=config.claim_ahead_slices, SCORE_GRADS=args.score_grads,
         FLATTEN=(FLATTEN if config.flatten is None else config.flatten) and args.claim is None,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args(w.device))
 
 
 def grouped_mm_fwd(
@@ -1259,7 +1259,7 @@ def grouped_mm_wgrad(
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
             ACCUMULATE=accumulate, IEEE=dtype == torch.float32 or _interpreting(),
             FLATTEN=flatten, num_warps=config.num_warps, num_stages=config.num_stages,
-        )
+            **pdl_args(out.device))
         return
     _grouped_mm_wgrad_kernel[grid](
         a_addr_ptr=a_addr, b_addr_ptr=b_addr, offsets_ptr=expert_offsets, out_ptr=out, M=m, N=n,
@@ -1267,5 +1267,4 @@ def grouped_mm_wgrad(
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         ACCUMULATE=accumulate, USE_TMA=config.tma,
         IEEE=dtype == torch.float32 or _interpreting(),
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args(out.device))

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import grid_dependency_wait, pdl_args
+
 from . import rows as _rows
 from .rows import trap_on_code
 
@@ -56,7 +58,8 @@ def _route_count_kernel(base_ptr, scores_ptr, counts_ptr, owners_ptr, bad_ptr,
                         T, K, rank, E_local, num_experts, n_chunks,
                         HEADER_BYTES: tl.constexpr, HAS_SCORES: tl.constexpr,
                         CHUNK: tl.constexpr, BLOCK: tl.constexpr, E_PAD: tl.constexpr,
-                        EP_PAD: tl.constexpr):
+                        EP_PAD: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
     r = tl.program_id(0)
     c = tl.program_id(1)
     n = T * K
@@ -103,7 +106,9 @@ def _route_place_kernel(base_ptr, dispatch_base_ptr, combine_base_ptr, counts_pt
                         T, K, rank, E_local, EP, max_rows, row_bytes, n_chunks,
                         HEADER_BYTES: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
                         TAIL_BLOCK: tl.constexpr, E_PAD: tl.constexpr, EP_PAD: tl.constexpr,
-                        NC_PAD: tl.constexpr, TRAP: tl.constexpr, FANOUT: tl.constexpr):
+                        NC_PAD: tl.constexpr, TRAP: tl.constexpr, FANOUT: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
     r = tl.program_id(0)
     c = tl.program_id(1)
     n = T * K
@@ -257,13 +262,13 @@ def route_tables(ws: RouteWorkspace, base_EP: torch.Tensor, T: int, K: int, rank
     _route_count_kernel[grid](
         base_EP, scores, ws.counts, ws.owners, ws.bad, T, K, rank, E_local, num_experts,
         ws.n_chunks, HEADER_BYTES=header_bytes, HAS_SCORES=own_scores_TK is not None,
-        CHUNK=CHUNK, BLOCK=block, E_PAD=ws.E_PAD, EP_PAD=ws.EP_PAD, num_warps=4)
+        CHUNK=CHUNK, BLOCK=block, E_PAD=ws.E_PAD, EP_PAD=ws.EP_PAD, num_warps=4, **pdl_args(dev))
     _route_place_kernel[grid](
         base_EP, dispatch_base_EP, combine_base_EP, ws.counts, ws.owners, ws.bad, offsets,
         num_rows, rows_EP, fwd, comb, disp, fan, ws.status, T, K, rank, E_local, EP, max_rows,
         row_bytes, ws.n_chunks, HEADER_BYTES=header_bytes, CHUNK=CHUNK, BLOCK=block,
         TAIL_BLOCK=1024, E_PAD=ws.E_PAD, EP_PAD=ws.EP_PAD, NC_PAD=ws.NC_PAD, TRAP=trap,
-        FANOUT=fanout, num_warps=4)
+        FANOUT=fanout, num_warps=4, **pdl_args(dev))
     if fanout:
         return offsets, num_rows, rows_EP, fwd, comb, disp, ws.status, fan
     return offsets, num_rows, rows_EP, fwd, comb, disp, ws.status

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import grid_dependency_wait, pdl_args
+
 __all__ = ["device_ptr", "gather_rows", "scatter_rows", "copy_rows", "combine_routes",
            "publish_grad_routes", "reduce_routes", "swiglu_fwd", "swiglu_bwd", "device_check",
            "publish_grad_y", "route_score_ptrs", "score_grad_rows",
@@ -51,7 +53,8 @@ _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float
 # -- gather / scatter / copy ----------------------------------------------------------------
 @triton.jit
 def _gather_rows_kernel(row_ptrs, dst_addr, num_rows_ptr, W: tl.constexpr, DT: tl.constexpr,
-                        BLOCK_W: tl.constexpr, ROWS: tl.constexpr):
+                        BLOCK_W: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
     pid = tl.program_id(0)
     n = tl.load(num_rows_ptr).to(tl.int64)
     rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -75,13 +78,14 @@ def gather_rows(row_ptrs: torch.Tensor, dst_addr: torch.Tensor, num_rows: torch.
     if grid[0]:
         _gather_rows_kernel[grid](row_ptrs, dst_addr, num_rows, W=width, DT=_TL_DTYPE[dtype],
                                   BLOCK_W=min(1024, triton.next_power_of_2(width)), ROWS=ROWS,
-                                  num_warps=4)
+                                  num_warps=4, **pdl_args(row_ptrs.device))
 
 
 @triton.jit
 def _fanout_rows_kernel(src_base_ptr, dest_ptr, dst_addr, num_rows_ptr, n_tokens, T,
                         src_stride_bytes, K: tl.constexpr, K_PAD: tl.constexpr, W: tl.constexpr,
-                        DT: tl.constexpr, BLOCK_W: tl.constexpr):
+                        DT: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
     tok = tl.program_id(0)            # flat (source rank r, token t)
     if tok >= n_tokens:
         return
@@ -123,12 +127,13 @@ def fanout_rows(src_base_EP: torch.Tensor, src_stride_bytes: int, dest_rows: tor
     _fanout_rows_kernel[(EP * T,)](
         src_base_EP, dest_rows, dst_addr, num_rows, EP * T, T, src_stride_bytes, K=K,
         K_PAD=max(2, triton.next_power_of_2(K)), W=width, DT=_TL_DTYPE[dtype],
-        BLOCK_W=min(2048, triton.next_power_of_2(width)), num_warps=8)
+        BLOCK_W=min(2048, triton.next_power_of_2(width)), num_warps=8, **pdl_args(dest_rows.device))
 
 
 @triton.jit
 def _scatter_rows_kernel(src_addr, row_ptrs, num_rows_ptr, W: tl.constexpr, DT: tl.constexpr,
-                         BLOCK_W: tl.constexpr, ROWS: tl.constexpr):
+                         BLOCK_W: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
     pid = tl.program_id(0)
     n = tl.load(num_rows_ptr).to(tl.int64)
     rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -153,11 +158,13 @@ def scatter_rows(src_addr: torch.Tensor, row_ptrs: torch.Tensor, num_rows: torch
     if grid[0]:
         _scatter_rows_kernel[grid](src_addr, row_ptrs, num_rows, W=width, DT=_TL_DTYPE[dtype],
                                    BLOCK_W=min(1024, triton.next_power_of_2(width)), ROWS=ROWS,
-                                   num_warps=4)
+                                   num_warps=4, **pdl_args(row_ptrs.device))
 
 
 @triton.jit
-def _copy_rows_kernel(src_addr, dst_addr, num_rows_ptr, W: tl.constexpr, BLOCK: tl.constexpr):
+def _copy_rows_kernel(src_addr, dst_addr, num_rows_ptr, W: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
     # Copies num_rows * W int16 words (bf16 bit patterns) as a flat range.
     pid = tl.program_id(0)
     total = tl.load(num_rows_ptr).to(tl.int64) * W
@@ -174,14 +181,16 @@ def copy_rows(src_addr: torch.Tensor, dst_addr: torch.Tensor, num_rows: torch.Te
     BLOCK = 4096
     grid = (triton.cdiv(max_rows * width, BLOCK),)
     if grid[0]:
-        _copy_rows_kernel[grid](src_addr, dst_addr, num_rows, W=width, BLOCK=BLOCK, num_warps=4)
+        _copy_rows_kernel[grid](src_addr, dst_addr, num_rows, W=width, BLOCK=BLOCK, num_warps=4,
+                                **pdl_args(num_rows.device))
 
 
 # -- owner side: combine, backward publication, reduction ------------------------------------
 @triton.jit
 def _combine_routes_kernel(routes_ptr, ids_ptr, scores_ptr, y_ptr, save_addr, save_flag_ptr, T,
                            D: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr,
-                           ODT: tl.constexpr, SAVE: tl.constexpr):
+                           ODT: tl.constexpr, SAVE: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
     t = tl.program_id(0).to(tl.int64)
     dblk = tl.program_id(1)
     d = dblk * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -218,13 +227,14 @@ def combine_routes(routes_TKD: torch.Tensor, ids_TK: torch.Tensor, scores_TK: to
     _combine_routes_kernel[grid](routes_TKD, ids_TK, scores_TK, y_TD,
                                  save_addr if save else ids_TK, save_flag if save else ids_TK, T,
                                  D=D, K=K, BLOCK_D=BLOCK_D, ODT=_TL_DTYPE[y_TD.dtype], SAVE=save,
-                                 num_warps=4)
+                                 num_warps=4, **pdl_args(y_TD.device))
 
 
 @triton.jit
 def _publish_grad_routes_kernel(gy_ptr, routes_addr, ids_ptr, scores_ptr, grad_routes_ptr,
                                 grad_scores_ptr, D: tl.constexpr, K: tl.constexpr,
-                                BLOCK_D: tl.constexpr):
+                                BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
     t = tl.program_id(0).to(tl.int64)
     d0 = tl.arange(0, BLOCK_D)
     routes_ptr = tl.load(routes_addr).to(tl.pointer_type(tl.bfloat16))
@@ -254,13 +264,15 @@ def publish_grad_routes(gy_TD: torch.Tensor, routes_addr: torch.Tensor, ids_TK: 
     if T == 0:
         return
     _publish_grad_routes_kernel[(T,)](gy_TD, routes_addr, ids_TK, scores_TK, grad_routes_TKD,
-                                      grad_scores_TK, D=D, K=K, BLOCK_D=1024, num_warps=4)
+                                      grad_scores_TK, D=D, K=K, BLOCK_D=1024, num_warps=4,
+                                      **pdl_args(gy_TD.device))
 
 
 @triton.jit
 def _publish_grad_y_kernel(gy_ptr, scores_ptr, out_ptr, own_scores_ptr, own_score_grads_ptr,
                            D: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr,
-                           K_PAD: tl.constexpr):
+                           K_PAD: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
     t = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, K_PAD)
     km = k < K
@@ -286,14 +298,15 @@ def publish_grad_y(gy_TD: torch.Tensor, scores_TK: torch.Tensor, out_TD: torch.T
         return
     _publish_grad_y_kernel[(T,)](gy_TD, scores_TK, out_TD, own_scores_TK, own_score_grads_TK,
                                  D=D, K=K, BLOCK_D=1024, K_PAD=max(2, triton.next_power_of_2(K)),
-                                 num_warps=4)
+                                 num_warps=4, **pdl_args(gy_TD.device))
 
 
 @triton.jit
 def _route_score_ptrs_kernel(combine_ptrs, num_rows_ptr, combine_base_ptr, routing_base_ptr,
                              score_out_ptr, gy_out_ptr, n, region_bytes, scores_offset,
                              EP: tl.constexpr, K: tl.constexpr, ROW_BYTES: tl.constexpr,
-                             BLOCK: tl.constexpr):
+                             BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = i < tl.load(num_rows_ptr)
     c = tl.load(combine_ptrs + i, mask=live, other=0)
@@ -325,12 +338,13 @@ def route_score_ptrs(combine_ptrs: torch.Tensor, num_rows: torch.Tensor,
     _route_score_ptrs_kernel[(triton.cdiv(n, BLOCK),)](
         combine_ptrs, num_rows, combine_base_EP, routing_base_EP, score_out, gy_out, n,
         combine_region_bytes, scores_offset, EP=combine_base_EP.numel(), K=K,
-        ROW_BYTES=row_bytes, BLOCK=BLOCK, num_warps=4)
+        ROW_BYTES=row_bytes, BLOCK=BLOCK, num_warps=4, **pdl_args(combine_ptrs.device))
 
 
 @triton.jit
 def _score_grad_rows_kernel(u_addr, h2_addr, score_ptrs, num_rows_ptr, grad_delta,
-                            F: tl.constexpr, BLOCK: tl.constexpr):
+                            F: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
     row = tl.program_id(0).to(tl.int64)
     if row >= tl.load(num_rows_ptr):
         return
@@ -361,12 +375,14 @@ def score_grad_rows(u_addr: torch.Tensor, h2_addr: torch.Tensor, score_ptrs: tor
     if max_rows == 0:
         return
     _score_grad_rows_kernel[(max_rows,)](u_addr, h2_addr, score_ptrs, num_rows, grad_delta, F=F,
-                                         BLOCK=min(1024, triton.next_power_of_2(F)), num_warps=4)
+                                         BLOCK=min(1024, triton.next_power_of_2(F)), num_warps=4,
+                                         **pdl_args(score_ptrs.device))
 
 
 @triton.jit
 def _reduce_routes_kernel(routes_ptr, ids_ptr, out_ptr, D: tl.constexpr, K: tl.constexpr,
-                          BLOCK_D: tl.constexpr, ODT: tl.constexpr):
+                          BLOCK_D: tl.constexpr, ODT: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dm = d < D
@@ -387,7 +403,8 @@ def reduce_routes(routes_TKD: torch.Tensor, ids_TK: torch.Tensor, out_TD: torch.
     BLOCK_D = 1024
     _reduce_routes_kernel[(T, triton.cdiv(D, BLOCK_D))](routes_TKD, ids_TK, out_TD, D=D, K=K,
                                                         BLOCK_D=BLOCK_D,
-                                                        ODT=_TL_DTYPE[out_TD.dtype], num_warps=4)
+                                                        ODT=_TL_DTYPE[out_TD.dtype], num_warps=4,
+                                                        **pdl_args(out_TD.device))
 
 
 # -- activation ------------------------------------------------------------------------------
@@ -403,7 +420,8 @@ def _act_fwd(g, u, CLAMPED: tl.constexpr, alpha, limit):
 
 @triton.jit
 def _swiglu_fwd_kernel(h1_addr, h2_addr, num_rows_ptr, F: tl.constexpr, CLAMPED: tl.constexpr,
-                       alpha, limit, BLOCK: tl.constexpr):
+                       alpha, limit, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
     row = tl.program_id(0).to(tl.int64)
     if row >= tl.load(num_rows_ptr):
         return
@@ -423,7 +441,8 @@ def swiglu_fwd(h1_addr: torch.Tensor, h2_addr: torch.Tensor, num_rows: torch.Ten
     if max_rows:
         _swiglu_fwd_kernel[(max_rows,)](h1_addr, h2_addr, num_rows, F=F, CLAMPED=clamped,
                                         alpha=alpha, limit=limit,
-                                        BLOCK=min(2048, triton.next_power_of_2(F)), num_warps=4)
+                                        BLOCK=min(2048, triton.next_power_of_2(F)), num_warps=4,
+                                        **pdl_args(num_rows.device))
 
 
 @triton.jit
@@ -452,7 +471,8 @@ def swiglu_grad(g, u, dh, CLAMPED: tl.constexpr, alpha, limit):
 @triton.jit
 def _swiglu_bwd_kernel(h1_addr, gh2_addr, gh1_addr, h2_addr, num_rows_ptr, F: tl.constexpr,
                        CLAMPED: tl.constexpr, alpha, limit, STORE_H2: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
     row = tl.program_id(0).to(tl.int64)
     if row >= tl.load(num_rows_ptr):
         return
@@ -482,7 +502,8 @@ def swiglu_bwd(h1_addr: torch.Tensor, grad_h2_addr: torch.Tensor, grad_h1_addr: 
                                         h2_addr if h2_addr is not None else h1_addr, num_rows,
                                         F=F, CLAMPED=clamped, alpha=alpha, limit=limit,
                                         STORE_H2=h2_addr is not None,
-                                        BLOCK=min(1024, triton.next_power_of_2(F)), num_warps=4)
+                                        BLOCK=min(1024, triton.next_power_of_2(F)), num_warps=4,
+                                        **pdl_args(num_rows.device))
 
 
 # -- device-side checks ----------------------------------------------------------------------
@@ -521,7 +542,8 @@ def trap_on_code(code, a, b):
 
 
 @triton.jit
-def _device_check_kernel(codes_ptr, a_ptr, b_ptr, n):
+def _device_check_kernel(codes_ptr, a_ptr, b_ptr, n, PDL: tl.constexpr = False):
+    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
     # codes[i] != 0 names a failed condition; a[i], b[i] are the numbers it reports.
     for i in range(n):
         code = tl.load(codes_ptr + i)
@@ -531,4 +553,4 @@ def _device_check_kernel(codes_ptr, a_ptr, b_ptr, n):
 
 def device_check(codes: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """Trap (after printing the cause and the two numbers) if any codes[i] != 0. No host sync."""
-    _device_check_kernel[(1,)](codes, a, b, codes.numel(), num_warps=1)
+    _device_check_kernel[(1,)](codes, a, b, codes.numel(), num_warps=1, **pdl_args(codes.device))

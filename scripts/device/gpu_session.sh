@@ -2,7 +2,7 @@
 # One device-machine session: environment facts, GPU correctness checks, benchmarks.
 # Usage (on the GPU machine, repo root): bash scripts/device/gpu_session.sh [sections...]
 # Sections: env check packing kernels traps bench claimsweep candcheck candbench ab scoregrads fanout
-#           nvlink layer packbench megatron pack
+#           pdl nvlink layer packbench megatron pack
 #           (default: env check)
 # Knobs: CHECK_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS (extra arguments), TMO (seconds per step),
 #        CANDS (opt-in switches for 'candcheck' / 'candbench'), AB_A AB_B AB_ARGS ('ab'), SEEDS, STEPS, MB (microbatches) and
@@ -80,6 +80,13 @@ for s in $sections; do case $s in
           run fo_packing env DIST_MOE_GATHER_FANOUT=1 torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py
           run fo_ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT" \
               --b DIST_MOE_GATHER_FANOUT=1 ;;
+  pdl) # DIST_MOE_PDL=1 (programmatic dependent launch of our kernels, against the idle time
+       # between kernels): correctness on 1 and 2 GPUs, packing, kernel tests, then A/B
+       run pdl_check1 env DIST_MOE_PDL=1 torchrun --nproc-per-node=1 tests/gpu/dist_check.py --quick
+       [ "$NGPU" -ge 2 ] && run pdl_check2 env DIST_MOE_PDL=1 torchrun --nproc-per-node=2 tests/gpu/dist_check.py
+       run pdl_packing env DIST_MOE_PDL=1 torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py
+       run pdl_ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT" \
+           --b DIST_MOE_PDL=1 ;;
   nvlink) # pull (peer loads) vs push (peer stores) row traffic, alone and next to a dense GEMM
           run nvlink torchrun --nproc-per-node=2 benchmarks/bench_nvlink_rows.py --out "$OUT" --gemm ;;
   layer) run layer torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py --out "$OUT" ${LAYER_ARGS:-} ;;

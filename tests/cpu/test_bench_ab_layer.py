@@ -43,15 +43,17 @@ def test_paired_summary_verdicts():
 
 def test_switches_are_restored():
     from megatron_dist_moe.kernels import grouped_gemm as G
+    from megatron_dist_moe.kernels import launch as L
 
     os.environ.pop("DIST_MOE_WGRAD_OVERLAP", None)
-    before = G.CLAIM_SLICE_K, G.FLATTEN, G.WGRAD_PERSISTENT
+    before = G.CLAIM_SLICE_K, G.FLATTEN, G.WGRAD_PERSISTENT, L.PDL
     with ab.switches({"DIST_MOE_WGRAD_OVERLAP": "1", "DIST_MOE_CLAIM_SLICE_K": "64",
-                      "DIST_MOE_GEMM_FLATTEN": "1", "DIST_MOE_WGRAD_PERSISTENT": "1"}):
+                      "DIST_MOE_GEMM_FLATTEN": "1", "DIST_MOE_WGRAD_PERSISTENT": "0",
+                      "DIST_MOE_PDL": "1"}):
         assert os.environ["DIST_MOE_WGRAD_OVERLAP"] == "1" and G.CLAIM_SLICE_K == 64
-        assert G.FLATTEN is True and G.WGRAD_PERSISTENT is True
+        assert G.FLATTEN is True and G.WGRAD_PERSISTENT is False and L.PDL is True
     assert "DIST_MOE_WGRAD_OVERLAP" not in os.environ
-    assert (G.CLAIM_SLICE_K, G.FLATTEN, G.WGRAD_PERSISTENT) == before
+    assert (G.CLAIM_SLICE_K, G.FLATTEN, G.WGRAD_PERSISTENT, L.PDL) == before
 
 
 def test_parse_config_overrides():

@@ -212,16 +212,22 @@ JIT = {"rows_device_check": (K_rows, "_device_check_kernel"),
        "wgradpersistent": (G, "_grouped_mm_wgrad_persistent_kernel"),
        "routing_count": (KR, "_route_count_kernel"),
        "routing_place": (KR, "_route_place_kernel"),
-       "routing_place_fanout": (KR, "_route_place_kernel")}
+       "routing_place_fanout": (KR, "_route_place_kernel"),
+       "rows_fanout_pdl": (K_rows, "_fanout_rows_kernel"),
+       "wgradpersistent_bf16_pdl": (G, "_grouped_mm_wgrad_persistent_kernel")}
 
-names = sys.argv[1:] or list(VARIANTS)
+# "<variant>_pdl": the same launch compiled with DIST_MOE_PDL's grid-dependency prologue
+names = sys.argv[1:] or list(VARIANTS) + [v + "_pdl" for v in
+                                          ("fwd_swiglu_tma", "rows_fanout", "wgradpersistent_bf16")]
 for name in names:
     t0 = time.time()
     res = {"name": name}
     try:
         module, jit_name = JIT.get(name, JIT.get(name.split("_")[0], (G, "_grouped_mm_kernel")))
-        jit, calls = record(jit_name, module, VARIANTS[name])
+        jit, calls = record(jit_name, module, VARIANTS[name.removesuffix("_pdl")])
         kw, nw, ns = calls[-1]
+        if name.endswith("_pdl"):      # DIST_MOE_PDL: the kernel's grid-dependency prologue on
+            kw = dict(kw, PDL=True)
         ptx = compile_call(jit, kw, nw, ns).asm["ptx"]
         res["ok"] = True
         res["spill_bytes"] = spill_bytes(ptx)
@@ -230,7 +236,8 @@ for name in names:
             "ld_acquire": r"ld\.global[.\w]*\.acquire", "atom_release": r"atom\.global[.\w]*\.release",
             "atom_max": r"atom\.global[.\w]*\.max\.s64", "cas": r"atom\.global[.\w]*\.acq_rel[.\w]*\.cas",
             "proxy_fence": r"fence\.proxy\.async\.global", "trap": r"\btrap;",
-            "printf": r"vprintf"}.items()}
+            "printf": r"vprintf", "gdc_wait": r"griddepcontrol\.wait",
+            "gdc_launch": r"griddepcontrol\.launch_dependents"}.items()}
     except Exception as ex:
         import traceback
         res.update(ok=False, error=f"{type(ex).__name__}: {str(ex)[:2000]}",
@@ -248,7 +255,10 @@ VARIANTS = ["fwd_swiglu_tma", "fwd_swiglu_gather_copy", "fwd_swiglu_claim",
             "rows_score_grad_rows",
             "dgrad_w13_tma", "wgrad_tma_fp32", "wgrad_plain_bf16", "routing_count",
             "routing_place", "bookkeeping_fwd", "bookkeeping_fwd_inference", "bookkeeping_bwd",
-            "rows_device_check", "rows_swiglu_bwd", "rows_fanout", "routing_place_fanout"]
+            "rows_device_check", "rows_swiglu_bwd", "rows_fanout", "routing_place_fanout",
+            # DIST_MOE_PDL: the same kernels with the grid-dependency prologue
+            "fwd_swiglu_tma_pdl", "rows_fanout_pdl", "wgradpersistent_bf16_pdl"]
+PDL_VARIANTS = [v for v in VARIANTS if v.endswith("_pdl")]
 
 MAX_SPILL_BYTES = 256
 
@@ -289,3 +299,8 @@ def test_kernel_compiles_for_sm90(compiled, name):
         f"{MAX_SPILL_BYTES}; -1 = no ptxas report)")
     for key, at_least in EXPECT.get(name, {}).items():
         assert res["ptx"][key] >= at_least, f"{name}: PTX has {res['ptx'][key]} {key}, want >= {at_least}"
+    # DIST_MOE_PDL: griddepcontrol only in the PDL builds, and there both instructions
+    want = 1 if name in PDL_VARIANTS else 0
+    assert min(res["ptx"]["gdc_wait"], 1) == want and min(res["ptx"]["gdc_launch"], 1) == want, (
+        f"{name}: griddepcontrol.wait x{res['ptx']['gdc_wait']}, launch_dependents "
+        f"x{res['ptx']['gdc_launch']}")

@@ -118,6 +118,7 @@ class TritonBookkeeping(TorchBookkeeping):
 
     def forward(self, tabs: RoutingTables, T: int, training: bool) -> ForwardAddresses:
         from ...kernels.bookkeeping import ADDR_LEN, I32_LEN, REC_FIXED, plan_forward_kernel
+        from ...kernels.launch import pdl_args
         dev = tabs.num_rows.device
         st = self.planner
         addr = torch.empty(ADDR_LEN, dtype=torch.int64, device=dev)
@@ -128,7 +129,7 @@ class TritonBookkeeping(TorchBookkeeping):
             st.buffer_offsets, st.saved_bytes, st.layer_position, st.selected, tabs.rows_EP,
             tabs.num_rows, self.act_base, self.arena_end, rec, need, addr, i32,
             self.rank, self.EP, T, self.D, self.F, self.plan.input_bytes, self.plan.slot_bytes,
-            self.routes_bytes, TRAINING=training, EP_PAD=self.EP_PAD, num_warps=1)
+            self.routes_bytes, TRAINING=training, EP_PAD=self.EP_PAD, num_warps=1, **pdl_args(dev))
         sp = self._views(addr)
         if not training:
             return ForwardAddresses(None, None, addr[0:1], addr[1:2], sp, None, None, None, None)
@@ -141,6 +142,7 @@ class TritonBookkeeping(TorchBookkeeping):
     def backward(self, record: LayerRecord, rec_vec, tabs: RoutingTables,
                  T: int) -> BackwardAddresses:
         from ...kernels.bookkeeping import ADDR_LEN, I32_LEN, plan_backward_kernel
+        from ...kernels.launch import pdl_args
         assert rec_vec is not None, "a forward taken by the torch bookkeeping"
         dev = tabs.num_rows.device
         st = self.planner
@@ -151,7 +153,7 @@ class TritonBookkeeping(TorchBookkeeping):
             st.buffer_offsets, st.saved_bytes, st.layer_position, rec_vec, tabs.num_rows,
             tabs.expert_offsets, self.act_base, self.arena_end, self.combine_addr, addr, i32,
             offs, self.EP, T, self.D, self.F, self.E_local, EP_PAD=self.EP_PAD,
-            E_PAD=self.E_PAD, num_warps=1)
+            E_PAD=self.E_PAD, num_warps=1, **pdl_args(dev))
         return BackwardAddresses(xg=addr[0:1], h1=addr[1:2], sp=self._views(addr),
                                  x_slot=addr[2:3], routes_read=addr[3:4], x_rows=i32[1:2],
                                  replay_offsets=offs, replay_rows=i32[2:3])
