@@ -132,7 +132,7 @@ def profile_graph(fn: Callable[[], None], path: str, replays: int = 5, group=Non
         # Perfetto, or: profile_breakdown.py --gaps TRACE.json)
         import json
 
-        from profile_breakdown import format_gaps, idle_gaps, kernel_intervals
+        from profile_breakdown import format_gaps, idle_gaps, kernel_intervals, plot_timeline
 
         trace_path = os.path.splitext(path)[0] + "_trace.json"
         prof.export_chrome_trace(trace_path)
@@ -143,6 +143,7 @@ def profile_graph(fn: Callable[[], None], path: str, replays: int = 5, group=Non
             with open(path, "a") as f:
                 f.write("\n\nidle time by transition (per iteration)\n" + gaps + "\n")
             print(gaps, flush=True)
+            plot_timeline(intervals, replays, os.path.splitext(path)[0] + "_timeline.png")
     del g
 
 

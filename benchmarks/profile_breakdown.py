@@ -1,7 +1,7 @@
 """Where the time goes: a graph-replay kernel profile folded into the parts BENCHMARKS.md reports.
 
     python benchmarks/profile_breakdown.py PROFILE.txt --iter-ms 9.28 [--replays 5] [--csv OUT.csv]
-    python benchmarks/profile_breakdown.py --gaps TRACE.json [--replays 5]
+    python benchmarks/profile_breakdown.py --gaps TRACE.json [--replays 5] [--plot OUT.png]
 
 PROFILE.txt is what `bench_layer.py --profile` writes (torch.profiler's key_averages table over
 N CUDA-graph replays, `common.profile_graph`). Each kernel name is put in one part (first match
@@ -166,10 +166,46 @@ def format_gaps(g: dict, top: int = 15) -> str:
     return "\n".join(lines)
 
 
+def plot_timeline(intervals: list[tuple[str, float, float]], replays: int, path: str) -> bool:
+    """One iteration's kernels as bars on a time axis (the middle replay of the trace), colored
+    by part, with the idle stretches shaded: where the gaps are, at a glance. False without
+    matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    ivs = sorted(intervals, key=lambda iv: iv[1])
+    per = max(1, len(ivs) // max(replays, 1))
+    k0 = per * (replays // 2) if len(ivs) >= per * replays else 0
+    one = ivs[k0:k0 + per]
+    t0 = one[0][1]
+    parts = [p for p, _ in PARTS] + [OTHER]
+    colors = plt.get_cmap("tab10")
+    fig, ax = plt.subplots(figsize=(14, 3.2))
+    busy_end = t0
+    for name, start, end in one:
+        if start > busy_end:
+            ax.axvspan((busy_end - t0) / 1e3, (start - t0) / 1e3, color="red", alpha=0.15, lw=0)
+        busy_end = max(busy_end, end)
+        k = parts.index(part_of(name))
+        ax.barh(k, (end - start) / 1e3, left=(start - t0) / 1e3, color=colors(k % 10))
+    ax.set_yticks(range(len(parts)))
+    ax.set_yticklabels(parts, fontsize=7)
+    ax.set_xlabel("ms from the iteration's first kernel (idle shaded red)")
+    ax.set_title(f"one iteration, {len(one)} kernels")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("profile", nargs="?")
     ap.add_argument("--gaps", metavar="TRACE.json", help="attribute idle time from a Chrome trace")
+    ap.add_argument("--plot", metavar="OUT.png", help="with --gaps: one iteration's timeline")
     ap.add_argument("--replays", type=int, default=5)
     ap.add_argument("--iter-ms", type=float, default=None,
                     help="the benchmark's iteration time, for the idle row")
@@ -179,7 +215,10 @@ def main(argv=None) -> int:
         import json
 
         with open(args.gaps) as f:
-            print(format_gaps(idle_gaps(kernel_intervals(json.load(f)), args.replays)))
+            intervals = kernel_intervals(json.load(f))
+        print(format_gaps(idle_gaps(intervals, args.replays)))
+        if args.plot and plot_timeline(intervals, args.replays, args.plot):
+            print(f"wrote {args.plot}")
         return 0
     if not args.profile:
         ap.error("give PROFILE.txt or --gaps TRACE.json")

@@ -108,6 +108,9 @@ def test_idle_gaps_charges_each_gap_to_its_transition(tmp_path):
     assert g["transitions"][0]["after"] == barrier   # sorted by idle time
     path = tmp_path / "trace.json"
     path.write_text(__import__("json").dumps(trace))
-    assert pb.main(["--gaps", str(path), "--replays", "2"]) == 0
+    png = tmp_path / "timeline.png"
+    assert pb.main(["--gaps", str(path), "--replays", "2", "--plot", str(png)]) == 0
+    pytest.importorskip("matplotlib")
+    assert png.stat().st_size > 1000
     with pytest.raises(ValueError, match="no kernel intervals"):
         pb.idle_gaps([], replays=1)
