@@ -42,7 +42,7 @@ class Recorder:
         return record
 
 
-def compile_call(jit, kw, num_warps, num_stages):
+def compile_call(jit, kw, num_warps, num_stages, **options):
     """Compile one recorded launch as Triton would on the GPU: the same constexprs, and the
     16-divisibility hints its launcher derives (16-byte aligned tensors, ints % 16 == 0)."""
     sig, const, attrs = {}, {}, {}
@@ -76,7 +76,7 @@ def compile_call(jit, kw, num_warps, num_stages):
             raise TypeError(f"{p.name}: {type(v)}")
     src = ASTSource(fn=jit, signature=sig, constexprs=const, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=dict(num_warps=num_warps, num_stages=num_stages, **options))
 
 
 def spill_bytes(ptx):
@@ -228,7 +228,10 @@ for name in names:
         kw, nw, ns = calls[-1]
         if name.endswith("_pdl"):      # DIST_MOE_PDL: the kernel's grid-dependency prologue on
             kw = dict(kw, PDL=True)
-        ptx = compile_call(jit, kw, nw, ns).asm["ptx"]
+        pdl = dict(launch_pdl=True) if name.endswith("_pdl") else {}
+        kernel = compile_call(jit, kw, nw, ns, **pdl)
+        assert kernel.metadata.launch_pdl == bool(pdl), "launch_pdl did not reach the metadata"
+        ptx = kernel.asm["ptx"]
         res["ok"] = True
         res["spill_bytes"] = spill_bytes(ptx)
         res["ptx"] = {k: len(re.findall(pat, ptx)) for k, pat in {
