@@ -2,7 +2,7 @@
 # One device-machine session: environment facts, GPU correctness checks, benchmarks.
 # Usage (on the GPU machine, repo root): bash scripts/device/gpu_session.sh [sections...]
 # Sections: env check packing kernels traps bench claimsweep candcheck candbench ab scoregrads fanout
-#           pdl nvlink layer packbench megatron pack
+#           pdl gaps nvlink layer packbench megatron pack
 #           (default: env check)
 # Knobs: CHECK_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS (extra arguments), TMO (seconds per step),
 #        CANDS (opt-in switches for 'candcheck' / 'candbench'), AB_A AB_B AB_ARGS ('ab'), SEEDS, STEPS, MB (microbatches) and
@@ -87,6 +87,9 @@ for s in $sections; do case $s in
        run pdl_packing env DIST_MOE_PDL=1 torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py
        run pdl_ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT" \
            --b DIST_MOE_PDL=1 ;;
+  gaps) # what one kernel boundary costs in a CUDA graph (tiny, after a big-smem GEMM, after a
+        # row copy, after peer stores), plain and with programmatic dependent launch
+        run gaps torchrun --nproc-per-node="$NGPU" benchmarks/bench_kernel_gaps.py --out "$OUT" ;;
   nvlink) # pull (peer loads) vs push (peer stores) row traffic, alone and next to a dense GEMM
           run nvlink torchrun --nproc-per-node=2 benchmarks/bench_nvlink_rows.py --out "$OUT" --gemm ;;
   layer) run layer torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py --out "$OUT" ${LAYER_ARGS:-} ;;
