@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import append_csv, git_commit  # noqa: E402
+from common import append_csv, git_commit, time_windows  # noqa: E402
 
 from megatron_dist_moe.kernels import launch as L  # noqa: E402
 from megatron_dist_moe.kernels.launch import grid_dependency_wait  # noqa: E402
@@ -70,29 +70,11 @@ def summarize(per_launch_us: list[float]) -> dict:
                 us_max=max(per_launch_us))
 
 
-def time_graph(step, launches: int, replays: int, windows: int = 5) -> dict:
-    """us per launch of a graph that holds `launches` launches of `step`."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    g.replay()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(windows):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(replays):
-            g.replay()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) * 1e3 / (replays * launches))
-    return summarize(out)
+def time_graph(step, launches: int, replays: int) -> dict:
+    """us per launch of a graph that holds `launches` launches of `step` (common.time_windows:
+    warm-up, capture, windows of `replays` replays, max over ranks)."""
+    t = time_windows(step, graph=True, iters=replays)
+    return summarize([ms * 1e3 / launches for ms in t.windows_ms])
 
 
 def main(argv=None) -> int:

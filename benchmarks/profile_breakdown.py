@@ -145,8 +145,7 @@ def idle_gaps(intervals: list[tuple[str, float, float]], replays: int) -> dict:
         elif end > busy_end:
             busy += end - busy_end
             busy_end, last = end, name
-    span = ivs[-1][2] if ivs[-1][2] > busy_end else busy_end
-    span -= ivs[0][1]
+    span = busy_end - ivs[0][1]   # busy_end: the latest end of any kernel
     rows = [dict(after=a, before=b, ms=round(us / 1e3 / replays, 4),
                  count=round(n / replays, 2), mean_us=round(us / n, 2))
             for (a, b), (us, n) in trans.items()]

@@ -373,18 +373,12 @@ class ReferenceBackend:
         E_local = w13.shape[0]
         grad_w2 = torch.zeros(E_local, D, F, dtype=acc, device=grad_y_TD.device)
         grad_w13 = torch.zeros(E_local, 2 * F, D, dtype=acc, device=grad_y_TD.device)
+        s_rows = grad_s_rows = None
         if keep_routes:
             # token owner: score gradients from the saved route outputs, and s * grad_y per route
             grad_scores_TK = (gy.unsqueeze(1) * routes_TKD.to(acc)).sum(dim=-1)
             grad_h3 = (saved.scores_TK.to(acc).unsqueeze(-1) * gy.unsqueeze(1)).to(dtype)
             self._dispatch(grad_h3.view(T * K, D)[routes.send_flat_idx], routes, g3)
-            # expert owner: W2 DGRAD / WGRAD (last reads of h2 and g3)
-            for e, a, b in self._segments(routes):
-                if a == b:
-                    continue
-                g3e = g3[a:b].to(acc)
-                grad_w2[e] = g3e.T @ h2[a:b].to(acc)
-                grad_h2[a:b].copy_(g3e @ w2[e].to(acc))
         else:
             # token owner sends grad_y (unscaled) and the score of each route; the expert side
             # computes u = W2^T grad_y, grad_s = <u, h2>, grad_h2 = s u and the W2 WGRAD from
@@ -394,14 +388,18 @@ class ReferenceBackend:
             self._dispatch(saved.scores_TK.to(acc).reshape(-1, 1)[routes.send_flat_idx],
                            routes, s_rows)
             grad_s_rows = torch.zeros(R, 1, dtype=acc, device=grad_y_TD.device)
-            for e, a, b in self._segments(routes):
-                if a == b:
-                    continue
-                g3e, se = g3[a:b].to(acc), s_rows[a:b]
-                u = g3e @ w2[e].to(acc)
-                grad_s_rows[a:b] = (u * h2[a:b].to(acc)).sum(dim=-1, keepdim=True)
-                grad_w2[e] = g3e.T @ (se * h2[a:b].to(acc))
-                grad_h2[a:b].copy_(se * u)
+        # expert owner: W2 DGRAD / WGRAD (last reads of h2 and g3)
+        for e, a, b in self._segments(routes):
+            if a == b:
+                continue
+            g3e, h2e = g3[a:b].to(acc), h2[a:b].to(acc)
+            u = g3e @ w2[e].to(acc)
+            if s_rows is not None:
+                grad_s_rows[a:b] = (u * h2e).sum(dim=-1, keepdim=True)
+                u, h2e = s_rows[a:b] * u, s_rows[a:b] * h2e
+            grad_w2[e] = g3e.T @ h2e
+            grad_h2[a:b].copy_(u)
+        if not keep_routes:
             grad_scores_TK = torch.zeros(T * K, dtype=acc, device=grad_y_TD.device)
             grad_scores_TK[routes.send_flat_idx] = self._return(grad_s_rows, routes).view(-1)
             grad_scores_TK = grad_scores_TK.view(T, K)
