@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device-machine session: environment facts, GPU correctness checks, benchmarks.
 # Usage (on the GPU machine, repo root): bash scripts/device/gpu_session.sh [sections...]
-# Sections: env check packing kernels traps bench claimsweep candcheck candbench ab scoregrads fanout
-#           pdl gaps nvlink layer packbench megatron pack
+# Sections: env check packing kernels traps bench claimsweep candcheck candbench ab scoregrads
+#           rowgather pdl gaps sustained nvlink layer packbench megatron pack
 #           (default: env check)
 # Knobs: CHECK_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS (extra arguments), TMO (seconds per step),
 #        CANDS (opt-in switches for 'candcheck' / 'candbench'), AB_A AB_B AB_ARGS ('ab'), SEEDS, STEPS, MB (microbatches) and
@@ -72,14 +72,14 @@ for s in $sections; do case $s in
           run sg_packing torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py --save-route-outputs 1
           run sg_ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT" \
               --b-config save_route_outputs=1 ;;
-  fanout) # DIST_MOE_GATHER_FANOUT=1 (each token row read once over NVLink): kernel tests,
-          # correctness on 1 and 2 GPUs and the packing check, then A/B against the default
-          run fo_kernels python3 -m pytest -q tests/gpu/test_routing_gpu.py -m gpu -k fanout
-          run fo_check1 env DIST_MOE_GATHER_FANOUT=1 torchrun --nproc-per-node=1 tests/gpu/dist_check.py --quick
-          [ "$NGPU" -ge 2 ] && run fo_check2 env DIST_MOE_GATHER_FANOUT=1 torchrun --nproc-per-node=2 tests/gpu/dist_check.py
-          run fo_packing env DIST_MOE_GATHER_FANOUT=1 torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py
-          run fo_ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT" \
-              --b DIST_MOE_GATHER_FANOUT=1 ;;
+  rowgather) # DIST_MOE_GATHER_FANOUT=0 (one peer read per route; the default since 2026-11-30
+          # reads each token row once): kernel tests, correctness on 1 and 2 GPUs, packing, A/B
+          run rg_kernels python3 -m pytest -q tests/gpu/test_routing_gpu.py -m gpu -k fanout
+          run rg_check1 env DIST_MOE_GATHER_FANOUT=0 torchrun --nproc-per-node=1 tests/gpu/dist_check.py --quick
+          [ "$NGPU" -ge 2 ] && run rg_check2 env DIST_MOE_GATHER_FANOUT=0 torchrun --nproc-per-node=2 tests/gpu/dist_check.py
+          run rg_packing env DIST_MOE_GATHER_FANOUT=0 torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py
+          run rg_ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT" \
+              --b DIST_MOE_GATHER_FANOUT=0 ;;
   pdl) # DIST_MOE_PDL=1 (programmatic dependent launch of our kernels, against the idle time
        # between kernels): correctness on 1 and 2 GPUs, packing, kernel tests, then A/B
        run pdl_check1 env DIST_MOE_PDL=1 torchrun --nproc-per-node=1 tests/gpu/dist_check.py --quick
@@ -90,6 +90,9 @@ for s in $sections; do case $s in
   gaps) # what one kernel boundary costs in a CUDA graph (tiny, after a big-smem GEMM, after a
         # row copy, after peer stores), plain and with programmatic dependent launch
         run gaps torchrun --nproc-per-node="$NGPU" benchmarks/bench_kernel_gaps.py --out "$OUT" ;;
+  sustained) # the same CUDA graph replayed back to back from idle: per-replay ms next to the SM
+             # clock and power (dense bf16 mm 8192^3, guide-load fwd and fwd+bwd)
+             run sustained torchrun --nproc-per-node="$NGPU" benchmarks/bench_sustained.py --out "$OUT" ;;
   nvlink) # pull (peer loads) vs push (peer stores) row traffic, alone and next to a dense GEMM
           run nvlink torchrun --nproc-per-node=2 benchmarks/bench_nvlink_rows.py --out "$OUT" --gemm ;;
   layer) run layer torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py --out "$OUT" ${LAYER_ARGS:-} ;;

@@ -89,11 +89,11 @@ VARIANTS = {
         activation="swiglu_clamped", cfg=dict(save_route_outputs=False)),
     "expert_score_grads,torch_gemm": dict(env=dict(TORCH), pipeline="standard",
                                           cfg=dict(save_route_outputs=False)),
-    # fan-out gathers (each token row read once): x in forward and replay, grad_y per token
-    "gather_fanout,triton_gemm,standard": dict(
-        env={**TRITON, "DIST_MOE_GATHER_FANOUT": "1"}, pipeline="standard"),
-    "gather_fanout,torch_gemm,torch_tables,saved_routes": dict(
-        env={**TORCH, **TORCH_TABLES, "DIST_MOE_GATHER_FANOUT": "1"}, pipeline="standard",
+    # one peer read per route (DIST_MOE_GATHER_FANOUT=0; the default reads each token row once)
+    "row_gather,triton_gemm,standard": dict(
+        env={**TRITON, "DIST_MOE_GATHER_FANOUT": "0"}, pipeline="standard"),
+    "row_gather,torch_gemm,torch_tables,saved_routes": dict(
+        env={**TORCH, **TORCH_TABLES, "DIST_MOE_GATHER_FANOUT": "0"}, pipeline="standard",
         cfg=dict(save_route_outputs=True)),
 }
 for v, (name, variant) in enumerate(VARIANTS.items()):
@@ -112,8 +112,8 @@ NAMES = ["torch_gemm", "torch_gemm,torch_routing,torch_bookkeeping,saved_routes"
          "triton_gemm,staged,claim_slice_32",
          "expert_score_grads,triton_gemm,staged",
          "expert_score_grads,triton_gemm,standard,unfused_swiglu_bwd,clamped",
-         "expert_score_grads,torch_gemm", "gather_fanout,triton_gemm,standard",
-         "gather_fanout,torch_gemm,torch_tables,saved_routes"]
+         "expert_score_grads,torch_gemm", "row_gather,triton_gemm,standard",
+         "row_gather,torch_gemm,torch_tables,saved_routes"]
 
 
 @pytest.fixture(scope="module")

@@ -107,11 +107,11 @@ VARIANTS = {
     "expert_score_grads,triton_gemm,standard": dict(
         env={"DIST_MOE_GEMM": "triton"}, pipeline="standard",
         cfg=dict(save_route_outputs=False)),
-    # fan-out gathers: each token row read once from its owner (x, and grad_y per token)
-    "gather_fanout,triton_gemm,standard": dict(
-        env={"DIST_MOE_GEMM": "triton", "DIST_MOE_GATHER_FANOUT": "1"}, pipeline="standard"),
-    "gather_fanout,torch_gemm,torch_tables,saved_routes": dict(
-        env={"DIST_MOE_GEMM": "torch", "DIST_MOE_ROUTING": "torch", "DIST_MOE_GATHER_FANOUT": "1"},
+    # one peer read per route (DIST_MOE_GATHER_FANOUT=0; the default fans each token row out)
+    "row_gather,triton_gemm,standard": dict(
+        env={"DIST_MOE_GEMM": "triton", "DIST_MOE_GATHER_FANOUT": "0"}, pipeline="standard"),
+    "row_gather,torch_gemm,torch_tables,saved_routes": dict(
+        env={"DIST_MOE_GEMM": "torch", "DIST_MOE_ROUTING": "torch", "DIST_MOE_GATHER_FANOUT": "0"},
         pipeline="standard", cfg=dict(save_route_outputs=True)),
 }
 
@@ -129,7 +129,7 @@ for v, (name, variant) in enumerate(VARIANTS.items()):
 
 NAMES = ["torch_gemm,torch_tables", "triton_gemm,standard,clamped",
          "triton_gemm,staged,claim_slice_16,saved_routes", "expert_score_grads,triton_gemm,standard",
-         "gather_fanout,triton_gemm,standard", "gather_fanout,torch_gemm,torch_tables,saved_routes"]
+         "row_gather,triton_gemm,standard", "row_gather,torch_gemm,torch_tables,saved_routes"]
 
 
 @pytest.fixture(scope="module")
