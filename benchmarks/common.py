@@ -102,12 +102,16 @@ def time_windows(fn: Callable[[], None], graph: bool, group=None, warmup: int = 
 def profile_graph(fn: Callable[[], None], path: str, replays: int = 5, group=None,
                   iter_ms: float | None = None) -> None:
     """Per-kernel CUDA times of `fn` replayed from a CUDA graph (what the timings measure), then
-    the same folded into parts (profile_breakdown.py; `iter_ms` adds the idle row): the table
-    goes to `path`, the parts to `path` with .csv."""
+    the same folded into parts (profile_breakdown.py; `iter_ms` adds the row "timed iteration -
+    profiled kernels"): the table goes to `path`, the parts to `path` with .csv."""
     from torch.profiler import ProfilerActivity, profile
 
     g = capture_graph(fn, group, warm_calls=1)
-    g.replay()
+    # as many back-to-back replays as the timing's warm-up and first window, so the profiled
+    # replays see the clocks of a GPU under sustained load, as the timed windows do
+    # (bench_sustained.py); the synchronize before profiling is a pause of microseconds
+    for _ in range(WARMUP + ITERS):
+        g.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):

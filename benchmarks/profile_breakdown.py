@@ -5,10 +5,12 @@
 
 PROFILE.txt is what `bench_layer.py --profile` writes (torch.profiler's key_averages table over
 N CUDA-graph replays, `common.profile_graph`). Each kernel name is put in one part (first match
-in PARTS); a part's time is its kernels' CUDA time per iteration. "idle" is the iteration time
-(from the benchmark) minus all kernel time: gaps between graph nodes and waits outside
-kernels. Kernel times of concurrent streams add up, so idle can come out negative when side
-streams overlap.
+in PARTS); a part's time is its kernels' CUDA time per iteration. The last row, "timed iteration
+- profiled kernels", is the benchmark's iteration time minus all kernel time of the profiled
+replays: the gaps between graph nodes (which `--gaps` measures on the device), plus any
+difference between the timed windows and the profiled replays themselves (a GPU under sustained
+load runs at lower clocks: bench_sustained.py). Kernel times of concurrent streams add up, so
+the row can come out negative when side streams overlap.
 
 `--gaps` reads the Chrome trace that `bench_layer.py --profile` also writes (kernel start and end
 times on the device) and attributes the idle time: every stretch where no kernel runs on the GPU
@@ -74,6 +76,9 @@ def part_of(name: str) -> str:
     return OTHER
 
 
+TIMED_MINUS_KERNELS = "timed iteration - profiled kernels"
+
+
 def breakdown(rows: list[tuple[str, float, int]], replays: int, iter_ms: float | None
               ) -> list[dict]:
     """[{part, ms, kernels, launches}] per iteration, in PARTS order, then other and idle."""
@@ -91,7 +96,7 @@ def breakdown(rows: list[tuple[str, float, int]], replays: int, iter_ms: float |
     out.append(dict(part="all kernels", ms=round(total, 3), kernels=sum(r["kernels"] for r in out),
                     launches=round(sum(r["launches"] for r in out), 1)))
     if iter_ms is not None:
-        out.append(dict(part="idle (iteration - kernels)", ms=round(iter_ms - total, 3),
+        out.append(dict(part=TIMED_MINUS_KERNELS, ms=round(iter_ms - total, 3),
                         kernels=0, launches=0))
     return out
 
@@ -207,7 +212,7 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", metavar="OUT.png", help="with --gaps: one iteration's timeline")
     ap.add_argument("--replays", type=int, default=5)
     ap.add_argument("--iter-ms", type=float, default=None,
-                    help="the benchmark's iteration time, for the idle row")
+                    help="the benchmark's iteration time, for the timed-minus-kernels row")
     ap.add_argument("--csv", default=None)
     args = ap.parse_args(argv)
     if args.gaps:
