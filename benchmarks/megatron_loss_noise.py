@@ -3,14 +3,23 @@
     python benchmarks/megatron_loss_noise.py RUN_A.csv RUN_B.csv [...] --out OUTDIR
 
 Each CSV is one `examples/tiny_gpt_dist_moe.py --compare --csv` run (columns step,
-loss_alltoall, loss_dist_moe, ...; with --repeat-alltoall also loss_alltoall_repeat, a second
-alltoall model from the same weights and batches, which gives a noise pair within one run). Two runs with the same seed give two alltoall curves from
-identical weights and batches: on the GPU they still separate (non-deterministic bf16 reductions
-amplified by the loss spikes of early training), and the gap between them is the noise band.
-Every pair of curves is compared over step windows by the largest gap of the 10-step moving
-averages and the mean difference; the verdict for dist_moe is "within noise" when, in every
-window, some dist_moe-vs-alltoall gap is no larger than the largest alltoall-vs-alltoall gap
-(or, with one run, when dist_moe's window mean is within 2% of alltoall's).
+loss_alltoall, loss_dist_moe, ...). With --repeat-alltoall it also has loss_alltoall_repeat, a
+second alltoall model from the same (or, with --repeat-perturb, rounding-sized perturbed) weights
+and the same batches: a noise pair within one run. With --repeat-dist-moe it has
+loss_dist_moe_repeat, a second dist_moe model from the same start as the alltoall repeat. Two
+runs with the same seed also give two alltoall curves from identical weights and batches: on
+the GPU they still separate (non-deterministic bf16 reductions amplified by the loss spikes of
+early training).
+
+Two verdicts, both per step window:
+- pairs: every pair of curves is compared by the largest gap of the 10-step moving averages;
+  "within noise" when some dist_moe-vs-alltoall gap is no larger than the largest
+  alltoall-vs-alltoall gap (with one run and no repeat: dist_moe's window mean within 2% of
+  alltoall's);
+- group means (with >= 2 alltoall curves): the mean window loss over the dist_moe curves minus
+  that over the alltoall curves, against the larger of the two groups' spreads (largest minus
+  smallest curve mean): "no systematic difference" when it is within.
+The exit status is 0 only when both hold in every window.
 
 Writes OUTDIR/loss_noise.csv (one row per window and pair) and OUTDIR/loss_noise.png.
 """
@@ -35,8 +44,9 @@ def load_curves(paths: list[str]) -> dict[str, list[float]]:
                              "loss_dist_moe columns")
         for kind in ("alltoall", "dist_moe"):
             curves[f"{kind}#{i}"] = [float(r[f"loss_{kind}"]) for r in rows]
-        if "loss_alltoall_repeat" in rows[0]:   # --repeat-alltoall: a noise pair in one run
-            curves[f"alltoall#{i}r"] = [float(r["loss_alltoall_repeat"]) for r in rows]
+        for kind in ("alltoall", "dist_moe"):   # --repeat-alltoall / --repeat-dist-moe
+            if f"loss_{kind}_repeat" in rows[0]:
+                curves[f"{kind}#{i}r"] = [float(r[f"loss_{kind}_repeat"]) for r in rows]
     return curves
 
 
@@ -62,9 +72,8 @@ def compare(curves: dict[str, list[float]], windows: list[tuple[int, int]]) -> l
             if n <= lo:
                 continue
             ka, kb = a.split("#")[0], b.split("#")[0]
-            kind = "noise" if ka == kb == "alltoall" else ("dist_moe_vs_alltoall"
-                                                            if {ka, kb} == {"alltoall", "dist_moe"}
-                                                            else "other")
+            kind = {("alltoall", "alltoall"): "noise", ("dist_moe", "dist_moe"): "dist_moe_noise"
+                    }.get((ka, kb), "dist_moe_vs_alltoall")
             gap = max(abs(smooth[a][i] - smooth[b][i]) for i in range(lo, n))
             mean_a = sum(curves[a][lo:n]) / (n - lo)
             mean_b = sum(curves[b][lo:n]) / (n - lo)
@@ -72,6 +81,42 @@ def compare(curves: dict[str, list[float]], windows: list[tuple[int, int]]) -> l
                              mean_a=round(mean_a, 4), mean_b=round(mean_b, 4),
                              mean_diff=round(mean_a - mean_b, 4)))
     return rows
+
+
+def group_means(curves: dict[str, list[float]], windows: list[tuple[int, int]]) -> list[dict]:
+    """Per window: every curve's mean loss, the mean over the alltoall curves and over the
+    dist_moe curves, their difference, and each group's spread (largest minus smallest mean)."""
+    out = []
+    for lo, hi in windows:
+        means = {k: sum(v[lo:hi]) / len(v[lo:hi]) for k, v in curves.items() if len(v) > lo}
+        grp = {g: [m for k, m in means.items() if k.split("#")[0] == g]
+               for g in ("alltoall", "dist_moe")}
+        if not grp["alltoall"] or not grp["dist_moe"]:
+            continue
+        out.append(dict(window=f"{lo}-{hi}",
+                        diff=round(sum(grp["dist_moe"]) / len(grp["dist_moe"])
+                                   - sum(grp["alltoall"]) / len(grp["alltoall"]), 4),
+                        spread_alltoall=round(max(grp["alltoall"]) - min(grp["alltoall"]), 4),
+                        spread_dist_moe=round(max(grp["dist_moe"]) - min(grp["dist_moe"]), 4),
+                        n_alltoall=len(grp["alltoall"]), n_dist_moe=len(grp["dist_moe"])))
+    return out
+
+
+def group_verdict(groups: list[dict]) -> tuple[bool, list[str]]:
+    """No systematic difference: in every window the dist_moe group's mean loss is within the
+    larger of the two groups' spreads of the alltoall group's (needs >= 2 alltoall curves)."""
+    ok, lines = True, []
+    for g in groups:
+        if g["n_alltoall"] < 2:
+            continue
+        band = max(g["spread_alltoall"], g["spread_dist_moe"])
+        good = abs(g["diff"]) <= band
+        ok &= good
+        lines.append(f"steps {g['window']}: group means dist_moe - alltoall {g['diff']:+.4f} "
+                     f"({g['n_dist_moe']} vs {g['n_alltoall']} curves), spreads alltoall "
+                     f"{g['spread_alltoall']:.4f} dist_moe {g['spread_dist_moe']:.4f}: "
+                     f"{'no systematic difference' if good else 'SYSTEMATIC difference'}")
+    return ok, lines
 
 
 def verdict(rows: list[dict]) -> tuple[bool, list[str]]:
@@ -139,7 +184,10 @@ def main(argv=None) -> int:
         print(f"{r['window']:>8} {r['a']:>11} vs {r['b']:<11} {r['kind']:<21} "
               f"gap {r['max_gap_ma10']:.3f}  means {r['mean_a']:.4f} / {r['mean_b']:.4f}")
     ok, lines = verdict(rows)
-    print("\n".join(lines))
+    groups = group_means(curves, default_windows(n))
+    gok, glines = group_verdict(groups)
+    print("\n".join(lines + glines))
+    ok &= gok
     plot(curves, os.path.join(args.out, "loss_noise.png"))
     return 0 if ok else 1
 

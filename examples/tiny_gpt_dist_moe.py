@@ -98,10 +98,16 @@ def parse_args(argv=None):
                    help="with --compare: train a second alltoall model from the same weights "
                         "and batches (column loss_alltoall_repeat): the run-to-run noise band "
                         "that dist_moe's curve is judged against")
+    p.add_argument("--repeat-dist-moe", action="store_true",
+                   help="with --compare: also train a second dist_moe model (column "
+                        "loss_dist_moe_repeat) from the alltoall weights, perturbed by "
+                        "--repeat-perturb like the alltoall repeat: dist_moe's own spread, and "
+                        "with --repeat-alltoall a second dispatcher pair from one start")
     p.add_argument("--repeat-perturb", type=float, default=0.0, metavar="EPS",
-                   help="with --repeat-alltoall: start the repeat from the same weights times "
-                        "(1 + EPS * N(0, 1)), the same draw on every rank (e.g. 1e-3, below one "
-                        "bf16 ulp): the spread of a model that differs only by rounding-sized "
+                   help="with --repeat-alltoall / --repeat-dist-moe: start the repeats from the "
+                        "same weights times (1 + EPS * N(0, 1)), the same draw on every rank and "
+                        "for every parameter name both models share (e.g. 1e-3, below one bf16 "
+                        "ulp): the spread of a model that differs only by rounding-sized "
                         "changes, a noise band that does not rely on GPU non-determinism")
     p.add_argument("--fp32", action="store_true",
                    help="GPU: fp32 parameters and activations, no Float16Module (reference "
@@ -114,8 +120,10 @@ def parse_args(argv=None):
         p.error("--fp32 needs --dist-moe-backend reference (the cuda backend runs bf16 experts)")
     if args.repeat_alltoall and not args.compare:
         p.error("--repeat-alltoall needs --compare")
-    if args.repeat_perturb and not args.repeat_alltoall:
-        p.error("--repeat-perturb needs --repeat-alltoall")
+    if args.repeat_dist_moe and not args.compare:
+        p.error("--repeat-dist-moe needs --compare")
+    if args.repeat_perturb and not (args.repeat_alltoall or args.repeat_dist_moe):
+        p.error("--repeat-perturb needs --repeat-alltoall or --repeat-dist-moe")
     if not 0.0 <= args.repeat_perturb < 0.1:
         p.error(f"--repeat-perturb must be in [0, 0.1), got {args.repeat_perturb}")
     if args.fp32 and args.te == "on":
@@ -328,13 +336,16 @@ def run(rank: int, world: int, args) -> None:
     kinds = ["alltoall", "dist_moe"] if args.compare else [args.dispatcher]
     if args.repeat_alltoall:
         kinds.insert(1, "alltoall_repeat")
+    if args.repeat_dist_moe:
+        kinds.append("dist_moe_repeat")
     trainers = {}
     init_state = None
     for kind in kinds:
-        dispatcher = "alltoall" if kind.startswith("alltoall") else kind
+        dispatcher = kind.removesuffix("_repeat")
+        repeat = kind.endswith("_repeat")
         trainers[kind] = Trainer(args, dispatcher, ep, device, init_state,
-                                 perturb=args.repeat_perturb if kind == "alltoall_repeat" else 0.0)
-        if kind != "alltoall_repeat":
+                                 perturb=args.repeat_perturb if repeat else 0.0)
+        if init_state is None:   # every model starts from the first alltoall model's weights
             init_state = trainers[kind].init_state
     tokens_per_step = (args.seq_length * args.micro_batch_size * args.num_microbatches
                        * dist.get_world_size(ps.get_data_parallel_group()))
@@ -382,6 +393,9 @@ def run(rank: int, world: int, args) -> None:
                        else "same weights")
                 print(f"max |loss_alltoall - loss_alltoall_repeat| = {max(noise):.4g} "
                       f"({how} and batches: the noise band)")
+            if args.repeat_dist_moe:
+                noise = [abs(r["loss_dist_moe"] - r["loss_dist_moe_repeat"]) for r in rows]
+                print(f"max |loss_dist_moe - loss_dist_moe_repeat| = {max(noise):.4g}")
         if csv_file is not None:
             csv_file.close()
             print(f"wrote {args.csv}")

@@ -46,7 +46,32 @@ def test_example_compare_smoke_run(tmp_path):
     assert float(rows[-1]["loss_dist_moe"]) < float(rows[0]["loss_dist_moe"]) - 0.05
 
 
+def test_example_repeats_start_from_one_perturbed_state(tmp_path):
+    """--repeat-alltoall --repeat-dist-moe --repeat-perturb: four models; the two repeats start
+    from the same perturbed weights (one draw per shared parameter name), so they agree with
+    each other as closely as the unperturbed pair, while differing from it."""
+    out_csv = tmp_path / "rep.csv"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "examples", "tiny_gpt_dist_moe.py"), "--device", "cpu",
+         "--nproc", "2", "--steps", "6", "--warmup-steps", "1", "--log-interval", "5",
+         "--compare", "--repeat-alltoall", "--repeat-dist-moe", "--repeat-perturb", "1e-2",
+         "--csv", str(out_csv)],
+        capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "max |loss_dist_moe - loss_dist_moe_repeat|" in proc.stdout
+    rows = list(csv.DictReader(open(out_csv)))
+    assert len(rows) == 6 and {"loss_alltoall_repeat", "loss_dist_moe_repeat"} <= set(rows[0])
+    moved = 0.0
+    for r in rows:
+        a, d = float(r["loss_alltoall"]), float(r["loss_dist_moe"])
+        ar, dr = float(r["loss_alltoall_repeat"]), float(r["loss_dist_moe_repeat"])
+        assert abs(a - d) <= 1e-5 * a and abs(ar - dr) <= 1e-5 * ar, r
+        moved = max(moved, abs(a - ar))
+    assert moved > 1e-4   # the perturbation reached the repeats
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--repeat-dist-moe"], "--repeat-dist-moe needs --compare"),
     (["--fp32", "--device", "cuda", "--dist-moe-backend", "cuda"], "--fp32 needs --dist-moe-backend reference"),
     (["--fp32", "--device", "cuda", "--dist-moe-backend", "reference", "--te", "on"], "--te off"),
     (["--compare", "--repeat-perturb", "1e-3"], "--repeat-perturb needs --repeat-alltoall"),

@@ -42,7 +42,7 @@ def test_within_noise_when_dist_moe_gap_is_below_the_alltoall_gap(tmp_path):
     kinds = {(r["a"], r["b"]): r["kind"] for r in rows}
     assert kinds[("alltoall#0", "alltoall#1")] == "noise"
     assert kinds[("alltoall#0", "dist_moe#0")] == "dist_moe_vs_alltoall"
-    assert kinds[("dist_moe#0", "dist_moe#1")] == "other"
+    assert kinds[("dist_moe#0", "dist_moe#1")] == "dist_moe_noise"
 
 
 def test_outside_noise_when_dist_moe_drifts(tmp_path):
@@ -63,3 +63,36 @@ def test_rejects_a_csv_without_both_curves(tmp_path):
     (tmp_path / "x.csv").write_text("step,loss\n0,1.0\n")
     with pytest.raises(ValueError, match="loss_alltoall and loss_dist_moe"):
         mln.main([str(tmp_path / "x.csv")])
+
+
+def _write_repeats(path, a2a, dm, a2a_r, dm_r):
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", "loss_alltoall", "loss_alltoall_repeat", "loss_dist_moe",
+                    "loss_dist_moe_repeat"])
+        for i, row in enumerate(zip(a2a, a2a_r, dm, dm_r)):
+            w.writerow([i, *row])
+
+
+def test_group_means_flag_a_systematic_offset_the_pairs_miss(tmp_path):
+    """One dist_moe curve inside the alltoall band passes the pairwise check, but when the
+    dist_moe group sits above the alltoall group by more than either group's spread, the
+    group-mean verdict fails."""
+    # alltoall at +0 and +0.02, dist_moe at +0.01 and +0.30: dist_moe's spread covers the gap
+    _write_repeats(tmp_path / "a.csv", _curve(130), _curve(130, 0.01), _curve(130, 0.02),
+                   _curve(130, 0.30))
+    assert mln.main([str(tmp_path / "a.csv"), "--out", str(tmp_path / "o")]) == 0
+    # alltoall at +0 and +0.10, dist_moe at +0.16 and +0.17: the closest pair (0.06) is inside
+    # the alltoall band (0.10), but the groups sit 0.115 apart, more than either spread
+    _write_repeats(tmp_path / "b.csv", _curve(130), _curve(130, 0.16), _curve(130, 0.10),
+                   _curve(130, 0.17))
+    assert mln.main([str(tmp_path / "b.csv"), "--out", str(tmp_path / "o")]) == 1
+    ok, _ = mln.verdict(mln.compare(mln.load_curves([str(tmp_path / "b.csv")]), [(0, 130)]))
+    assert ok   # the pairwise check alone passes
+    groups = mln.group_means(mln.load_curves([str(tmp_path / "b.csv")]), [(0, 130)])
+    assert groups[0]["diff"] == pytest.approx(0.115, abs=1e-4)
+    assert groups[0]["spread_alltoall"] == pytest.approx(0.10, abs=1e-4)
+    assert groups[0]["spread_dist_moe"] == pytest.approx(0.01, abs=1e-4)
+    rows = list(csv.DictReader(open(tmp_path / "o" / "loss_noise.csv")))
+    kinds = {(r["a"], r["b"]): r["kind"] for r in rows}
+    assert kinds[("dist_moe#0", "dist_moe#0r")] == "dist_moe_noise"
