@@ -118,11 +118,23 @@ class ClockSampler:
         return parse_smi_lines(out.splitlines(), t0)
 
 
+def agreed_replays(seconds: float, est_ms: float) -> int:
+    """Replays that fill ~`seconds` at `est_ms` each, the same on every rank (the largest): each
+    rank's estimate differs a little, and the per-replay times are all-reduced element by element
+    afterwards, which hangs when the counts differ (the first GPU run of this benchmark did)."""
+    n = torch.tensor([max(2 * BURST, int(seconds * 1e3 / est_ms))], dtype=torch.int64)
+    if dist.is_initialized():
+        if dist.get_backend() == "nccl":
+            n = n.cuda()
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    return int(n.item())
+
+
 def replay_back_to_back(g: torch.cuda.CUDAGraph, seconds: float, est_ms: float,
                         sampler: ClockSampler, idle_s: float) -> tuple[list[float], list[dict]]:
     """Idle, then replay `g` back to back for ~`seconds` with an event between replays: per-replay
     ms (max over ranks) and this rank's clock samples (t_s from the first launch)."""
-    n = max(2 * BURST, int(seconds * 1e3 / est_ms))
+    n = agreed_replays(seconds, est_ms)
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
     torch.cuda.synchronize()
     if dist.is_initialized():

@@ -48,3 +48,22 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "s.png"
     bs.plot({"dense_mm": (ms, samples), "dist_moe_fwdbwd": (ms, samples)}, str(path), "2x H200")
     assert path.stat().st_size > 10_000
+
+
+def _agreed_replays_rank(rank, tmp):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2)
+    # rank 0 estimates 1.40 ms per replay, rank 1 1.41 ms: 2857 vs 2836 replays for 4 s
+    n = bs.agreed_replays(4.0, 1.40 + 0.01 * rank)
+    with open(f"{tmp}/rank{rank}.txt", "w") as f:
+        f.write(str(n))
+    dist.destroy_process_group()
+
+
+def test_agreed_replays_is_the_same_on_every_rank(tmp_path):
+    """Every rank replays the same count (their all-reduce of per-replay times needs equal
+    lengths): the largest of the ranks' own estimates."""
+    import torch.multiprocessing as mp
+    mp.spawn(_agreed_replays_rank, args=(str(tmp_path),), nprocs=2)
+    assert [int((tmp_path / f"rank{r}.txt").read_text()) for r in (0, 1)] == [2857, 2857]
+    assert bs.agreed_replays(4.0, 1e9) == 2 * bs.BURST   # never fewer than the statistics need
