@@ -114,6 +114,12 @@ def profile_graph(fn: Callable[[], None], path: str, replays: int = 5, group=Non
         g.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        if dist.is_initialized():
+            # the profiler's start-up takes different times on different ranks: without this,
+            # the first replays' barriers absorb that skew (profile_breakdown leaves the NCCL
+            # kernel of this barrier out)
+            dist.barrier(group=group)
+            torch.cuda.synchronize()
         for _ in range(replays):
             g.replay()
         torch.cuda.synchronize()

@@ -39,6 +39,9 @@ PARTS = [
     ("torch ops, copies, memsets", r"at::|at_cuda_detail|Memcpy|Memset|elementwise|reduce_kernel"),
 ]
 OTHER = "other kernels"
+# The ranks' alignment barrier that common.profile_graph runs inside the profiler before the
+# profiled replays (NCCL); not part of the layer, which launches no NCCL kernel.
+ALIGNMENT = re.compile(r"^(void\s+)?nccl")
 _ROW = re.compile(r"^\s*(?P<name>.+?)\s{2,}(?P<cols>(?:\S+\s+){9}\S+)\s*$")
 
 
@@ -86,6 +89,8 @@ def breakdown(rows: list[tuple[str, float, int]], replays: int, iter_ms: float |
         raise ValueError(f"replays={replays}: must be >= 1")
     acc: dict[str, list[float]] = {}
     for name, us, calls in rows:
+        if ALIGNMENT.match(name):
+            continue
         a = acc.setdefault(part_of(name), [0.0, 0, 0])
         a[0] += us / 1e3 / replays
         a[1] += 1
@@ -109,11 +114,12 @@ def format_table(parts: list[dict]) -> str:
 
 def kernel_intervals(trace) -> list[tuple[str, float, float]]:
     """(name, start us, end us) of every kernel / memcpy / memset in a Chrome trace (a dict with
-    traceEvents, or the event list), sorted by start."""
+    traceEvents, or the event list), sorted by start; the NCCL alignment barrier left out."""
     events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
     out = [(e["name"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
            for e in events
-           if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+           if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+           and not ALIGNMENT.match(e["name"])]
     return sorted(out, key=lambda iv: (iv[1], iv[2]))
 
 

@@ -114,3 +114,15 @@ def test_idle_gaps_charges_each_gap_to_its_transition(tmp_path):
     assert png.stat().st_size > 1000
     with pytest.raises(ValueError, match="no kernel intervals"):
         pb.idle_gaps([], replays=1)
+
+
+def test_the_alignment_barrier_is_left_out():
+    """common.profile_graph aligns the ranks with an NCCL barrier inside the profiler: its kernel
+    is neither a part nor the start of the device span."""
+    nccl = "ncclDevKernel_AllReduce_Sum_u8_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
+    parts = {r["part"]: r for r in pb.breakdown(
+        [(nccl, 5000.0, 1), ("_grouped_mm_kernel", 2000.0, 2)], replays=2, iter_ms=1.5)}
+    assert pb.OTHER not in parts and parts["all kernels"]["ms"] == pytest.approx(1.0)
+    ivs = pb.kernel_intervals(_trace([("kernel", nccl, 0, 3000),
+                                      ("kernel", "_grouped_mm_kernel", 3500, 100)]))
+    assert ivs == [("_grouped_mm_kernel", 3500.0, 3600.0)]
