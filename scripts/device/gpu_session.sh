@@ -22,16 +22,18 @@ if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/megatron ]; then
 fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PYTHONPATH
 sections=${*:-env check}
+# each step runs under a time limit: $TMO when set, else the step's LIMIT (about three times
+# what it took on 2xH200), else 420 s, so a hung step cannot eat the session's device time
 run() { local name=$1; shift; local t0=$(date +%s)
-  echo "=== $name: $*"; timeout "${TMO:-420}" "$@" 2>&1 | tee "$OUT/$name.log" | tail -n "${TAIL:-40}"
+  echo "=== $name: $*"; timeout "${TMO:-${LIMIT:-420}}" "$@" 2>&1 | tee "$OUT/$name.log" | tail -n "${TAIL:-40}"
   echo "=== $name rc=${PIPESTATUS[0]} in $(( $(date +%s) - t0 ))s"; }
 for s in $sections; do case $s in
   env) nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv
        nvidia-smi topo -m | head -5
        python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' ;;
-  packing) run packing torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py ;;
-  check) run check1 torchrun --nproc-per-node=1 tests/gpu/dist_check.py --quick ${CHECK_ARGS:-}
-         [ "$NGPU" -ge 2 ] && run check2 torchrun --nproc-per-node=2 tests/gpu/dist_check.py ${CHECK_ARGS:-} ;;
+  packing) LIMIT=90 run packing torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py ;;
+  check) LIMIT=100 run check1 torchrun --nproc-per-node=1 tests/gpu/dist_check.py --quick ${CHECK_ARGS:-}
+         [ "$NGPU" -ge 2 ] && LIMIT=150 run check2 torchrun --nproc-per-node=2 tests/gpu/dist_check.py ${CHECK_ARGS:-} ;;
   kernels) run kernels python3 -m pytest -q -x tests/gpu -m gpu -k "not cuda_backend" ;;
   traps) run traps python3 -m pytest -q tests/gpu/test_cuda_backend.py -m gpu -k device_traps ;;
   bench) run bench_gemm python3 benchmarks/bench_grouped_gemm.py --csv "$OUT/bench_gemm.csv" ${BENCH_ARGS:-} ;;
@@ -42,8 +44,8 @@ for s in $sections; do case $s in
           # after the 2026-11-30 run; W13 WGRAD on a side stream stayed opt-in (noise-level).
           CANDS=${CANDS:-DIST_MOE_WGRAD_OVERLAP=1}
           if [ "$s" = candcheck ]; then   # correctness with every candidate on
-            run cand_check env $CANDS torchrun --nproc-per-node="$NGPU" tests/gpu/dist_check.py --engines triton
-            run cand_packing env $CANDS torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py
+            LIMIT=200 run cand_check env $CANDS torchrun --nproc-per-node="$NGPU" tests/gpu/dist_check.py --engines triton
+            LIMIT=90 run cand_packing env $CANDS torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py
           else                             # guide bench: defaults, each candidate alone, all together
             for v in default $CANDS all; do
               case $v in all) vars=$CANDS ;; default) vars="" ;; *) vars=$v ;; esac
@@ -63,36 +65,36 @@ for s in $sections; do case $s in
                 --csv "$OUT/megatron_cmp_${MOE_BACKEND:-cuda}_$seed.csv"
             done ;;
   ab) # interleaved A/B in one process (benchmarks/ab_layer.py): AB_B (required), AB_A, AB_ARGS
-      run ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT" \
+      LIMIT=150 run ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT" \
           --a "${AB_A:-}" --b "${AB_B?set AB_B, e.g. AB_B=DIST_MOE_WGRAD_OVERLAP=1 (empty: the defaults)}" ${AB_ARGS:-} ;;
   scoregrads) # the guide's layout, Config.save_route_outputs=True (the default is False since
           # 2026-11-30): correctness on 1 and 2 GPUs, then A/B against the default
-          run sg_check1 torchrun --nproc-per-node=1 tests/gpu/dist_check.py --quick --save-route-outputs 1
-          [ "$NGPU" -ge 2 ] && run sg_check2 torchrun --nproc-per-node=2 tests/gpu/dist_check.py --save-route-outputs 1
-          run sg_packing torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py --save-route-outputs 1
-          run sg_ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT" \
+          LIMIT=100 run sg_check1 torchrun --nproc-per-node=1 tests/gpu/dist_check.py --quick --save-route-outputs 1
+          [ "$NGPU" -ge 2 ] && LIMIT=150 run sg_check2 torchrun --nproc-per-node=2 tests/gpu/dist_check.py --save-route-outputs 1
+          LIMIT=90 run sg_packing torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py --save-route-outputs 1
+          LIMIT=150 run sg_ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT" \
               --b-config save_route_outputs=1 ;;
   rowgather) # DIST_MOE_GATHER_FANOUT=0 (one peer read per route; the default since 2026-11-30
           # reads each token row once): kernel tests, correctness on 1 and 2 GPUs, packing, A/B
-          run rg_kernels python3 -m pytest -q tests/gpu/test_routing_gpu.py -m gpu -k fanout
-          run rg_check1 env DIST_MOE_GATHER_FANOUT=0 torchrun --nproc-per-node=1 tests/gpu/dist_check.py --quick
-          [ "$NGPU" -ge 2 ] && run rg_check2 env DIST_MOE_GATHER_FANOUT=0 torchrun --nproc-per-node=2 tests/gpu/dist_check.py
-          run rg_packing env DIST_MOE_GATHER_FANOUT=0 torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py
-          run rg_ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT" \
+          LIMIT=60 run rg_kernels python3 -m pytest -q tests/gpu/test_routing_gpu.py -m gpu -k fanout
+          LIMIT=100 run rg_check1 env DIST_MOE_GATHER_FANOUT=0 torchrun --nproc-per-node=1 tests/gpu/dist_check.py --quick
+          [ "$NGPU" -ge 2 ] && LIMIT=150 run rg_check2 env DIST_MOE_GATHER_FANOUT=0 torchrun --nproc-per-node=2 tests/gpu/dist_check.py
+          LIMIT=90 run rg_packing env DIST_MOE_GATHER_FANOUT=0 torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py
+          LIMIT=150 run rg_ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT" \
               --b DIST_MOE_GATHER_FANOUT=0 ;;
   pdl) # DIST_MOE_PDL=1 (programmatic dependent launch of our kernels, against the idle time
        # between kernels): correctness on 1 and 2 GPUs, packing, kernel tests, then A/B
-       run pdl_check1 env DIST_MOE_PDL=1 torchrun --nproc-per-node=1 tests/gpu/dist_check.py --quick
-       [ "$NGPU" -ge 2 ] && run pdl_check2 env DIST_MOE_PDL=1 torchrun --nproc-per-node=2 tests/gpu/dist_check.py
-       run pdl_packing env DIST_MOE_PDL=1 torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py
-       run pdl_ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT" \
+       LIMIT=100 run pdl_check1 env DIST_MOE_PDL=1 torchrun --nproc-per-node=1 tests/gpu/dist_check.py --quick
+       [ "$NGPU" -ge 2 ] && LIMIT=150 run pdl_check2 env DIST_MOE_PDL=1 torchrun --nproc-per-node=2 tests/gpu/dist_check.py
+       LIMIT=90 run pdl_packing env DIST_MOE_PDL=1 torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py
+       LIMIT=150 run pdl_ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT" \
            --b DIST_MOE_PDL=1 ;;
   gaps) # what one kernel boundary costs in a CUDA graph (tiny, after a big-smem GEMM, after a
         # row copy, after peer stores), plain and with programmatic dependent launch
-        run gaps torchrun --nproc-per-node="$NGPU" benchmarks/bench_kernel_gaps.py --out "$OUT" ;;
+        LIMIT=90 run gaps torchrun --nproc-per-node="$NGPU" benchmarks/bench_kernel_gaps.py --out "$OUT" ;;
   sustained) # the same CUDA graph replayed back to back from idle: per-replay ms next to the SM
              # clock and power (dense bf16 mm 8192^3, guide-load fwd and fwd+bwd)
-             run sustained torchrun --nproc-per-node="$NGPU" benchmarks/bench_sustained.py --out "$OUT" ;;
+             LIMIT=150 run sustained torchrun --nproc-per-node="$NGPU" benchmarks/bench_sustained.py --out "$OUT" ;;
   nvlink) # pull (peer loads) vs push (peer stores) row traffic, alone and next to a dense GEMM
           run nvlink torchrun --nproc-per-node=2 benchmarks/bench_nvlink_rows.py --out "$OUT" --gemm ;;
   layer) run layer torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py --out "$OUT" ${LAYER_ARGS:-} ;;
