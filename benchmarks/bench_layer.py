@@ -18,7 +18,10 @@ baseline (a), all bf16 paths of the same function: norm-wise relative difference
 MISMATCH and exit 1), then times each path with the guide's method (benchmarks/common.py), and
 writes CSV rows (commit, GPU, shape, ms, useful TFLOP/s, ratio to the a2a baseline) plus a plot
 to OUTDIR. Both baselines are timed eagerly (their host syncs prevent graph capture).
-Useful FLOPs per GPU: 6·T·K·D·F forward, 3x that for forward+backward.
+Useful FLOPs per GPU: 6·T·K·D·F forward, 3x that for forward+backward. The floor of each row
+is its useful FLOPs over the dense bf16 matmul rate (torch.mm 8192^3 on every rank), timed first
+in the same run with the same method (a "peak" row; --no-peak skips it), so a GPU that runs
+slower today moves the floor with it.
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 import megatron_dist_moe as dm  # noqa: E402
 from baselines import a2a_grouped_mm_experts  # noqa: E402
 from common import (  # noqa: E402
+    DENSE_N,
     append_csv,
+    dense_mm_peak,
     git_commit,
     parse_config_overrides,
     plot_rows,
@@ -170,6 +175,8 @@ def main():
                     help="megatron_a2a: Megatron's fused weighted SwiGLU (bias_activation_fusion)")
     ap.add_argument("--modes", default="fwd,fwdbwd")
     ap.add_argument("--profile", action="store_true", help="write per-kernel times of our path")
+    ap.add_argument("--no-peak", action="store_true",
+                    help="skip timing the dense bf16 mm whose rate gives each row's floor")
     ap.add_argument("--set", default="", dest="overrides",
                     help='Config overrides of our paths, e.g. "save_route_outputs=1"')
     args = ap.parse_args()
@@ -186,6 +193,18 @@ def main():
     commit = git_commit()
     rows = []
     failed = False
+    peak_tf = None
+    if not args.no_peak:   # the floor's peak, timed like every row below, in the same run
+        t, peak_tf = dense_mm_peak(dev)
+        rows.append(dict(commit=commit, gpu=gpu, ep=EP, case="peak", T=DENSE_N, D=DENSE_N,
+                         F=DENSE_N, K="", E_local="", imbalance="", path="dense_mm", mode="mm",
+                         ms=round(t.median_ms, 4), ms_min=round(t.min_ms, 4),
+                         ms_max=round(t.max_ms, 4), useful_tflops=round(peak_tf, 1),
+                         ratio_to_baseline="", note=f"bf16 torch.mm {DENSE_N}^3 on every rank: "
+                         "the rate each row's floor is computed from"))
+        if rank == 0:
+            print(f"dense bf16 mm {DENSE_N}^3: {t.median_ms:.3f} ms [{t.min_ms:.3f}-"
+                  f"{t.max_ms:.3f}]  {peak_tf:.1f} TFLOP/s (the floors' peak)", flush=True)
     for case in args.cases.split(","):
         c = CASES[case]
         T, D, F, K, E_local = c["T"], c["D"], c["F"], c["K"], c["E_local"]
@@ -269,14 +288,21 @@ def main():
                     t = time_windows(fn, graph=False)
                 tf = useful_flops(T, K, D, F, mode) / (t.median_ms * 1e-3) / 1e12
                 results[(path, mode)] = t
+                floor = ""
+                if peak_tf:
+                    floor_ms = useful_flops(T, K, D, F, mode) / (peak_tf * 1e12) * 1e3
+                    floor = (f"; floor {floor_ms:.3f} ms at {peak_tf:.0f} TFLOP/s "
+                             f"({tf / peak_tf:.0%} of it)")
                 rows.append(dict(commit=commit, gpu=gpu, ep=EP, case=case, T=T, D=D, F=F, K=K,
                                  E_local=E_local, imbalance=c["imbalance"], path=path, mode=mode,
                                  ms=round(t.median_ms, 4), ms_min=round(t.min_ms, 4),
                                  ms_max=round(t.max_ms, 4), useful_tflops=round(tf, 1),
-                                 ratio_to_baseline="", note=row_note))
+                                 ratio_to_baseline="", note=row_note + floor))
                 if rank == 0:
                     print(f"  {path:<20} {mode:<7} {t.median_ms:8.3f} ms "
-                          f"[{t.min_ms:.3f}-{t.max_ms:.3f}]  {tf:7.1f} TFLOP/s", flush=True)
+                          f"[{t.min_ms:.3f}-{t.max_ms:.3f}]  {tf:7.1f} TFLOP/s"
+                          + (f"  {tf / peak_tf:4.0%} of the dense peak" if peak_tf else ""),
+                          flush=True)
             if args.profile and ctx is not None and case == "guide" and path == "dist_moe":
                 for mode, f in (("fwd", fwd), ("fwdbwd", fwdbwd)):
                     out = os.path.join(args.out, f"profile_{case}_{path}_{mode}.txt")
@@ -290,11 +316,15 @@ def main():
                 r["ratio_to_baseline"] = round(results[("a2a", r["mode"])].median_ms / r["ms"], 3)
     if rank == 0:
         append_csv(csv_path, rows)
-        plot_rows(rows, os.path.join(args.out, "bench_layer.png"), f"{EP}x {gpu}")
-        print(f"\n{'case':<8} {'path':<20} {'mode':<7} {'ms':>8} {'TFLOP/s':>8} {'vs a2a':>7}")
+        plot_rows([r for r in rows if r["case"] != "peak"],
+                  os.path.join(args.out, "bench_layer.png"),
+                  f"{EP}x {gpu}" + (f" (dense bf16 peak {peak_tf:.0f} TFLOP/s)" if peak_tf else ""))
+        print(f"\n{'case':<8} {'path':<20} {'mode':<7} {'ms':>8} {'TFLOP/s':>8} {'vs a2a':>7}"
+              + (f" {'of peak':>8}" if peak_tf else ""))
         for r in rows:
             print(f"{r['case']:<8} {r['path']:<20} {r['mode']:<7} {r['ms']:8.3f} "
-                  f"{r['useful_tflops']:8.1f} {r['ratio_to_baseline']!s:>7}")
+                  f"{r['useful_tflops']:8.1f} {r['ratio_to_baseline']!s:>7}"
+                  + (f" {r['useful_tflops'] / peak_tf:8.0%}" if peak_tf else ""))
     destroy_megatron_state()
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import append_csv, capture_graph, git_commit  # noqa: E402
+from common import append_csv, capture_graph, dense_mm_setup, git_commit  # noqa: E402
 
 SMI_FIELDS = ["timestamp", "clocks.sm", "power.draw", "temperature.gpu",
               "clocks_event_reasons.active"]
@@ -158,14 +158,6 @@ def replay_back_to_back(g: torch.cuda.CUDAGraph, seconds: float, est_ms: float,
     return ms.tolist(), samples
 
 
-def check_dense_mm(a, b) -> float:
-    """Relative error of the bf16 mm on 64 sampled rows against fp32."""
-    rows = torch.linspace(0, a.shape[0] - 1, 64, device=a.device).long()
-    ref = a[rows].float() @ b.float()
-    got = (a[rows] @ b).float()
-    return float((got - ref).norm() / ref.norm())
-
-
 def plot(series: dict, path: str, gpu: str) -> None:
     """series: {workload: (replay_ms, samples_by_rank {rank: [...]})} -> one panel per workload."""
     try:
@@ -224,16 +216,9 @@ def main(argv=None) -> int:
     for name in args.workloads.split(","):
         ctx = None
         if name == "dense_mm":
-            N = 8192
-            a = torch.randn(N, N, device=dev, dtype=torch.bfloat16)
-            b = torch.randn(N, N, device=dev, dtype=torch.bfloat16) / N ** 0.5
-            out = torch.empty(N, N, device=dev, dtype=torch.bfloat16)
-            err = check_dense_mm(a, b)
+            fn, flops, err = dense_mm_setup(dev)
             ok = err < 1e-2
-            flops, shape = 2 * N ** 3, f"{N}^3"
-
-            def fn(a=a, b=b, out=out):
-                torch.mm(a, b, out=out)
+            shape = "8192^3"
         else:
             c = CASES["guide"]
             inp = make_layer_inputs(c, rank, EP, dev)

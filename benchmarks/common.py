@@ -99,6 +99,35 @@ def time_windows(fn: Callable[[], None], graph: bool, group=None, warmup: int = 
     return Timing(statistics.median(out), min(out), max(out), out)
 
 
+DENSE_N = 8192   # the dense bf16 matmul behind every floor: N x N times N x N
+
+
+def dense_mm_setup(device, n: int = DENSE_N) -> tuple[Callable[[], None], float, float]:
+    """(call, FLOPs per call, relative error) of a bf16 torch.mm n x n x n into a preallocated
+    output; the error is that of 64 sampled rows against fp32 (a correct matmul gives ~2e-3)."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16) / n ** 0.5
+    out = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+    rows = torch.linspace(0, n - 1, min(64, n), device=device).long()
+    ref = a[rows].float() @ b.float()
+    torch.mm(a, b, out=out)
+    err = float((out[rows].float() - ref).norm() / ref.norm())
+
+    def call():
+        torch.mm(a, b, out=out)
+    return call, 2.0 * n ** 3, err
+
+
+def dense_mm_peak(device, group=None, n: int = DENSE_N) -> tuple[Timing, float]:
+    """The bf16 matmul rate the floors are computed from, timed like the layer (graph, warm-ups,
+    windows, slowest rank) in the same run: (Timing, TFLOP/s). Raises if the product is wrong."""
+    call, flops, err = dense_mm_setup(device, n)
+    if not err < 1e-2:
+        raise RuntimeError(f"dense bf16 mm {n}^3: relative error {err:.2e} against fp32 (>= 1e-2)")
+    t = time_windows(call, graph=True, group=group)
+    return t, flops / (t.median_ms * 1e-3) / 1e12
+
+
 def profile_graph(fn: Callable[[], None], path: str, replays: int = 5, group=None,
                   iter_ms: float | None = None) -> None:
     """Per-kernel CUDA times of `fn` replayed from a CUDA graph (what the timings measure), then
