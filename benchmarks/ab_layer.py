@@ -40,6 +40,7 @@ from bench_layer import (  # noqa: E402
     CASES,
     check_against_reference,
     dist_moe_fns,
+    layer_config,
     make_layer_inputs,
     useful_flops,
 )
@@ -167,10 +168,7 @@ def main():
     ref_gx, = torch.autograd.grad(y, (x,), gy)
     ref_y = y.detach()
     del y
-    cfg = dm.Config(pipeline=args.pipeline, num_local_input_tokens=T, hidden_dim=D,
-                    intermediate_dim=F, top_k=K, num_experts=E_local * EP, backend="cuda",
-                    device_scratch_capacity_factor=factor, activation_slot_capacity_factor=factor,
-                    wgrad_dtype="bf16")
+    cfg = layer_config(c, EP, factor, args.pipeline)
     graphs, ctxs = {}, []
     for name, env in (("A", env_a), ("B", env_b)):
         with switches(env):

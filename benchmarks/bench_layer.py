@@ -109,6 +109,15 @@ def make_layer_inputs(c: dict, rank: int, EP: int, dev) -> dict:
                 scratch_factor=max(2.0, float(rows_all.max()) / (T * K) * 1.05))
 
 
+def layer_config(c: dict, EP: int, scratch_factor: float, pipeline: str = "standard"):
+    """Our path's Config for case c (bf16 WGRAD; scratch and slot sized by make_layer_inputs'
+    scratch_factor): the one every layer benchmark times."""
+    return dm.Config(pipeline=pipeline, num_local_input_tokens=c["T"], hidden_dim=c["D"],
+                     intermediate_dim=c["F"], top_k=c["K"], num_experts=c["E_local"] * EP,
+                     backend="cuda", device_scratch_capacity_factor=scratch_factor,
+                     activation_slot_capacity_factor=scratch_factor, wgrad_dtype="bf16")
+
+
 def dist_moe_fns(ctx, p: dict):
     """(fwd, fwdbwd) callables of our path on context ctx over make_layer_inputs' p."""
     def fwd():
@@ -259,12 +268,9 @@ def main():
                 graph = False
             else:
                 os.environ["DIST_MOE_GEMM"] = "torch" if path == "dist_moe_torchgemm" else "triton"
-                cfg = dm.Config(pipeline="staged" if path == "dist_moe_staged" else "standard",
-                                num_local_input_tokens=T, hidden_dim=D, intermediate_dim=F,
-                                top_k=K, num_experts=E_local * EP, backend="cuda",
-                                device_scratch_capacity_factor=scratch_factor,
-                                activation_slot_capacity_factor=scratch_factor,
-                                wgrad_dtype="bf16").replace(**overrides)
+                cfg = layer_config(c, EP, scratch_factor,
+                                   "staged" if path == "dist_moe_staged" else "standard"
+                                   ).replace(**overrides)
                 if overrides:
                     row_note = f"{note}; set {args.overrides}"
                 ctx = dm.create_context(config=cfg, device=dev)

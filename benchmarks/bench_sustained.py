@@ -207,8 +207,8 @@ def main(argv=None) -> int:
     sampler = ClockSampler(local)
     series, rows, failed = {}, [], False
 
-    from bench_layer import (CASES, check_against_reference, dist_moe_fns, make_layer_inputs,
-                             useful_flops)
+    from bench_layer import (CASES, check_against_reference, dist_moe_fns, layer_config,
+                             make_layer_inputs, useful_flops)
     from baselines import a2a_grouped_mm_experts
 
     import megatron_dist_moe as dm
@@ -224,12 +224,7 @@ def main(argv=None) -> int:
             inp = make_layer_inputs(c, rank, EP, dev)
             y = a2a_grouped_mm_experts(inp["x"], inp["ids"], inp["s"], inp["w13"], inp["w2"])
             ref_gx, = torch.autograd.grad(y, (inp["x"],), inp["gy"])
-            cfg = dm.Config(num_local_input_tokens=c["T"], hidden_dim=c["D"],
-                            intermediate_dim=c["F"], top_k=c["K"], num_experts=c["E_local"] * EP,
-                            backend="cuda", device_scratch_capacity_factor=inp["scratch_factor"],
-                            activation_slot_capacity_factor=inp["scratch_factor"],
-                            wgrad_dtype="bf16")
-            ctx = dm.create_context(config=cfg, device=dev)
+            ctx = dm.create_context(config=layer_config(c, EP, inp["scratch_factor"]), device=dev)
             y2 = dm.routed_experts(inp["x"], inp["ids"], inp["s"], inp["w13"], inp["w2"], ctx)
             gx, = torch.autograd.grad(y2, (inp["x"],), inp["gy"])
             ok = check_against_reference(name, y2.detach(), gx, y.detach(), ref_gx, rank)
