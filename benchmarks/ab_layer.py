@@ -46,6 +46,7 @@ from bench_layer import (  # noqa: E402
 )
 from common import ITERS, WARMUP, append_csv, capture_graph, git_commit  # noqa: E402
 from common import parse_config_overrides as parse_config  # noqa: E402
+from plotting import pyplot  # noqa: E402
 
 
 def parse_switches(text: str) -> dict[str, str]:
@@ -119,12 +120,8 @@ def _window(g: torch.cuda.CUDAGraph, iters: int) -> float:
 
 
 def plot(results: dict, path: str, title: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
     for ax, (mode, (a_ms, b_ms, s)) in zip(axes[0], results.items()):

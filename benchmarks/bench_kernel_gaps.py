@@ -37,6 +37,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import append_csv, git_commit, time_windows  # noqa: E402
+from plotting import pyplot  # noqa: E402
 
 from megatron_dist_moe.kernels import launch as L  # noqa: E402
 from megatron_dist_moe.kernels.launch import grid_dependency_wait  # noqa: E402
@@ -186,12 +187,8 @@ def main(argv=None) -> int:
 
 
 def plot(rows: list[dict], path: str, gpu: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     cases = list(dict.fromkeys(r["case"] for r in rows))
     fig, ax = plt.subplots(figsize=(7, 3.5))

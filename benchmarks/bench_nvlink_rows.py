@@ -35,6 +35,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import append_csv, git_commit  # noqa: E402
+from plotting import pyplot  # noqa: E402
 
 D = 7168
 
@@ -183,10 +184,8 @@ def main():
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
         append_csv(os.path.join(args.out, "bench_nvlink_rows.csv"), rows_out)
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
+        plt = pyplot()
+        if plt is not None:
             fig, ax = plt.subplots(figsize=(6, 4))
             for kind in ("pull", "push"):
                 ps = sorted(p for k, p in results if k == kind)
@@ -198,8 +197,6 @@ def main():
             ax.legend()
             fig.tight_layout()
             fig.savefig(os.path.join(args.out, "bench_nvlink_rows.png"), dpi=110)
-        except ImportError:
-            print("matplotlib missing: no plot")
     hdl.barrier(channel=0)
     torch.cuda.synchronize()
     dist.destroy_process_group()

@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import append_csv, capture_graph, dense_mm_setup, git_commit  # noqa: E402
+from plotting import pyplot  # noqa: E402
 
 SMI_FIELDS = ["timestamp", "clocks.sm", "power.draw", "temperature.gpu",
               "clocks_event_reasons.active"]
@@ -160,12 +161,8 @@ def replay_back_to_back(g: torch.cuda.CUDAGraph, seconds: float, est_ms: float,
 
 def plot(series: dict, path: str, gpu: str) -> None:
     """series: {workload: (replay_ms, samples_by_rank {rank: [...]})} -> one panel per workload."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(len(series), 1, figsize=(9, 3 * len(series)), squeeze=False)
     for ax, (name, (ms, samples)) in zip(axes[:, 0], series.items()):

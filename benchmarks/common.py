@@ -17,6 +17,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from plotting import pyplot
+
 WARMUP = 10
 WINDOWS = 5
 ITERS = 30
@@ -229,12 +231,8 @@ def append_csv(path: str, rows: list[dict]) -> None:
 
 def plot_rows(rows: list[dict], path: str, title: str) -> None:
     """Grouped bars: useful TFLOP/s per case, one bar per path, for each mode."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     modes = sorted({r["mode"] for r in rows})
     fig, axes = plt.subplots(1, len(modes), figsize=(7 * len(modes), 4.5), squeeze=False)

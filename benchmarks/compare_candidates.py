@@ -21,6 +21,8 @@ import csv
 import os
 import sys
 
+from plotting import pyplot
+
 # Predicted change of the fwd+bwd iteration (ms), from docs/perf_notes.md; path it applies to.
 PREDICTIONS = {
     "DIST_MOE_CLAIM_SLICE_K": ("dist_moe_staged", (-0.5, -0.4)),
@@ -69,12 +71,8 @@ def compare(out_dir: str, case: str = "guide") -> list[dict]:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     sel = [r for r in rows if r["mode"] == "fwdbwd"]
     fig, ax = plt.subplots(figsize=(8, 0.4 * len(sel) + 1.5))

@@ -32,6 +32,8 @@ import itertools
 import os
 import sys
 
+from plotting import pyplot
+
 
 def load_curves(paths: list[str]) -> dict[str, list[float]]:
     """{'alltoall#0': [...], 'dist_moe#0': [...], ...}, one pair per CSV, in file order."""
@@ -143,12 +145,8 @@ def verdict(rows: list[dict]) -> tuple[bool, list[str]]:
 
 
 def plot(curves: dict[str, list[float]], path: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, v in curves.items():

@@ -25,6 +25,8 @@ import csv
 import re
 import sys
 
+from plotting import pyplot
+
 # (part, pattern on the kernel name), first match wins
 PARTS = [
     ("grouped GEMMs (FPROP, DGRAD)", r"^_grouped_mm_kernel"),
@@ -180,11 +182,8 @@ def plot_timeline(intervals: list[tuple[str, float, float]], replays: int, path:
     """One iteration's kernels as bars on a time axis (the middle replay of the trace), colored
     by part, with the idle stretches shaded: where the gaps are, at a glance. False without
     matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot(quiet=True)
+    if plt is None:
         return False
     ivs = sorted(intervals, key=lambda iv: iv[1])
     per = max(1, len(ivs) // max(replays, 1))
