@@ -24,10 +24,15 @@ dense buffer, then the dense GEMM), and the dense GEMM alone, "ours_gemm"; the s
 what the dense GEMM alone does. --peer puts the gathered source rows on GPU 1 (reads over
 NVLink, as in production; needs 2 GPUs); without it they are local (HBM) and the copy is cheap.
 --claim-sweep times claim look-ahead / copy width / group_m variants.
+--cutlass adds CUTLASS's Hopper warp-specialized grouped GEMM (kernels/grouped_gemm_sm90.py,
+built from csrc/ on first use) for the FPROP kernels: "cutlass_<config>" is the GEMM into h1 plus
+our SwiGLU row kernel (fwd_swiglu; comparable to "ours"), "cutlass_<config>_gemm" the GEMM alone
+(comparable to "torch_gemm"; for fwd_w2_scatter without the scatter).
 
     python benchmarks/bench_grouped_gemm.py --csv bench_out/grouped_gemm.csv [--sweep]
     python benchmarks/bench_grouped_gemm.py --shapes 6x2048x7168x3072 --kernels fwd_swiglu
     python benchmarks/bench_grouped_gemm.py --kernels fwd_swiglu_claim,dgrad_w2_claim --peer --claim-sweep
+    python benchmarks/bench_grouped_gemm.py --kernels fwd_swiglu,fwd_w2_scatter --cutlass
 """
 
 from __future__ import annotations
@@ -253,6 +258,39 @@ class Problem:
                 "dgrad_w2_swiglu_bwd": (self.h1_work,),
                 "wgrad_w13": (self.dw13,), "wgrad_w2": (self.dw2,)}[kernel]
 
+    # ---- CUTLASS (csrc/grouped_gemm_sm90*.cu)
+    CUTLASS_KERNELS = ("fwd_swiglu", "fwd_w2_scatter")
+
+    def cutlass_fns(self, kernel, gemm):
+        """(our full equivalent, GEMM alone, outputs to check against torch's) on the CUTLASS
+        FPROP GEMM `gemm` (a GroupedFpropSm90)."""
+        from megatron_dist_moe.kernels import rows as K_rows
+        p, n = self.p, self.offs[-1:]
+        if kernel == "fwd_swiglu":
+            def only():
+                gemm(self.w13, self.offs, p["x"], p["h1"])
+
+            def full():
+                only()
+                K_rows.swiglu_fwd(p["h1"], p["h2"], n, self.f, self.r, False, 1.702, 7.0)
+            return full, only, (self.h1, self.h2)
+        if kernel == "fwd_w2_scatter":   # the GEMM alone, into g3 (the scatter is not done)
+            def only():
+                gemm(self.w2, self.offs, p["h2"], p["g3_saved"])
+            return None, only, (self.g3_saved,)
+        raise ValueError(kernel)
+
+    def check_cutlass(self, kernel, gemm) -> float:
+        full, only, outs = self.cutlass_fns(kernel, gemm)
+        for t in outs:
+            t.fill_(float("nan"))
+        (full or only)()
+        if kernel == "fwd_swiglu":
+            ref = self.torch_fns(kernel)[0]()
+        else:
+            ref = (self.torch_fns(kernel)[1](),)
+        return max(_rel(o, t) for o, t in zip(outs, ref))
+
     # ---- torch
     def torch_fns(self, kernel):
         """(full torch equivalent, GEMM alone); each returns its outputs."""
@@ -353,6 +391,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tol", type=float, default=1e-2, help="max relative difference to torch")
     ap.add_argument("--peer", action="store_true",
                     help="gathered/claimed source rows on GPU 1 (NVLink reads; needs 2 GPUs)")
+    ap.add_argument("--cutlass", action="store_true",
+                    help="also time CUTLASS's warp-specialized grouped GEMM (csrc/, built on first use)")
     ap.add_argument("--claim-sweep", action="store_true",
                     help="time claim-mode variants (look-ahead, copy width, group_m, no TMA)")
     args = ap.parse_args(argv)
@@ -400,6 +440,19 @@ def main(argv=None) -> int:
                 results.append(("ours_unfused", "default", t_unf))
                 print(f"  {kernel}: fused {t_ours:.3f} ms, unfused (dgrad + 2 row kernels) "
                       f"{t_unf:.3f} ms")
+            if args.cutlass and kernel in Problem.CUTLASS_KERNELS:
+                from megatron_dist_moe.kernels.grouped_gemm_sm90 import CONFIGS, GroupedFpropSm90
+                for cname in CONFIGS:
+                    gemm_c = GroupedFpropSm90(e, "cuda", cname)
+                    e_c = prob.check_cutlass(kernel, gemm_c)
+                    if not e_c <= args.tol:
+                        print(f"MISMATCH {shape_name} {kernel} cutlass_{cname}: {e_c:.3e}")
+                        failed.append((shape_name, kernel, f"cutlass_{cname}"))
+                        continue
+                    c_full, c_only, _ = prob.cutlass_fns(kernel, gemm_c)
+                    if c_full is not None:
+                        results.append((f"cutlass_{cname}", "-", _time_ms(c_full, args.timer, args.rep)))
+                    results.append((f"cutlass_{cname}_gemm", "-", _time_ms(c_only, args.timer, args.rep)))
             if kernel in CLAIM_KERNELS:
                 t_gg = _time_ms(prob.ours_gather_gemm(kernel), args.timer, args.rep)
                 t_dense = _time_ms(prob.ours(CLAIM_KERNELS[kernel]), args.timer, args.rep)

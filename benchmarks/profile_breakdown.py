@@ -29,7 +29,8 @@ from plotting import pyplot
 
 # (part, pattern on the kernel name), first match wins
 PARTS = [
-    ("grouped GEMMs (FPROP, DGRAD)", r"^_grouped_mm_kernel"),
+    ("grouped GEMMs (FPROP, DGRAD)",
+     r"^_grouped_mm_kernel|^(void\s+)?cutlass::device_kernel|fill_group_args"),
     ("grouped WGRAD", r"^_grouped_mm_wgrad_(persistent_)?kernel"),
     ("row gathers and scatters", r"^_(gather|scatter|fanout)_rows_kernel"),
     ("owner kernels (combine, grad routes, route reduction)",

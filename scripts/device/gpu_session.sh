@@ -2,7 +2,7 @@
 # One device-machine session: environment facts, GPU correctness checks, benchmarks.
 # Usage (on the GPU machine, repo root): bash scripts/device/gpu_session.sh [sections...]
 # Sections: env check packing kernels traps bench claimsweep candcheck candbench ab scoregrads
-#           rowgather pdl gaps sustained nvlink layer packbench megatron pack
+#           rowgather pdl gaps sustained nvlink cutlass layer packbench megatron pack
 #           (default: env check)
 # Knobs: CHECK_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS (extra arguments), TMO (seconds per step),
 #        CANDS (opt-in switches for 'candcheck' / 'candbench'), AB_A AB_B AB_ARGS ('ab'), SEEDS, STEPS, MB (microbatches) and
@@ -16,6 +16,9 @@ OUT=${OUT:-./out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache}
+# the csrc/ CUTLASS library: a build made on the CPU machine can be carried in .csrc_cache (its
+# key covers the sources, flags, nvcc version and CUTLASS version; a mismatch rebuilds here)
+export DIST_MOE_CSRC_CACHE=${DIST_MOE_CSRC_CACHE:-$PWD/.csrc_cache}
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/megatron ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
@@ -97,6 +100,17 @@ for s in $sections; do case $s in
              LIMIT=150 run sustained torchrun --nproc-per-node="$NGPU" benchmarks/bench_sustained.py --out "$OUT" ;;
   nvlink) # pull (peer loads) vs push (peer stores) row traffic, alone and next to a dense GEMM
           run nvlink torchrun --nproc-per-node=2 benchmarks/bench_nvlink_rows.py --out "$OUT" --gemm ;;
+  cutlass) # CUTLASS's warp-specialized grouped GEMM (csrc/): build, kernel tests, the FPROP
+           # kernels against ours and torch, then the W13 FPROP on it (DIST_MOE_W13_CUTLASS):
+           # correctness on 1 and 2 GPUs and an interleaved A/B against the defaults
+           LIMIT=300 run cl_build python3 -c 'from megatron_dist_moe.kernels import grouped_gemm_sm90 as g; print(g.build_library(verbose=True))'
+           LIMIT=120 run cl_kernels python3 -m pytest -q tests/gpu/test_grouped_gemm_sm90_gpu.py -m gpu
+           LIMIT=180 run cl_bench python3 benchmarks/bench_grouped_gemm.py --kernels fwd_swiglu,fwd_w2_scatter \
+               --cutlass --csv "$OUT/bench_gemm_cutlass.csv"
+           LIMIT=100 run cl_check1 env DIST_MOE_W13_CUTLASS=${CL_CONFIG:-coop} torchrun --nproc-per-node=1 tests/gpu/dist_check.py --quick
+           [ "$NGPU" -ge 2 ] && LIMIT=150 run cl_check2 env DIST_MOE_W13_CUTLASS=${CL_CONFIG:-coop} torchrun --nproc-per-node=2 tests/gpu/dist_check.py
+           LIMIT=150 run cl_ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT" \
+               --b DIST_MOE_W13_CUTLASS=${CL_CONFIG:-coop} ;;
   layer) run layer torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py --out "$OUT" ${LAYER_ARGS:-} ;;
   packbench) run packbench torchrun --nproc-per-node="$NGPU" benchmarks/bench_packing.py --out "$OUT" ${PACK_ARGS:-} ;;
   pack) # the device tool brings back few files: fold everything into one archive

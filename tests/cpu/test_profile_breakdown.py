@@ -43,6 +43,9 @@ def test_stored_profile_matches_the_hand_made_table(tmp_path):
 
 @pytest.mark.parametrize("name, part", [
     ("_route_count_kernel", "routing tables and bookkeeping (ours)"),
+    ("void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::Group...",
+     "grouped GEMMs (FPROP, DGRAD)"),
+    ("void dm_sm90::fill_group_args<dm_sm90::FpropGemm<cute::tuple<...", "grouped GEMMs (FPROP, DGRAD)"),
     ("plan_forward_kernel", "routing tables and bookkeeping (ours)"),
     ("_scatter_rows_kernel", "row gathers and scatters"),
     ("_device_check_kernel", "row copies and checks (ours)"),

@@ -16,6 +16,9 @@ GEMM engines behind one interface:
                                    A_CLAIM); W2 DGRAD gathers grad_h3 the same way.
     "torch"   torch._grouped_mm (first step and baseline) with separate gather / SwiGLU /
               scatter kernels; its outputs are copied to the chosen addresses.
+DIST_MOE_W13_CUTLASS=coop|pingpong (opt-in, standard pipeline of the "triton" engine): the W13
+FPROP runs on CUTLASS's Hopper warp-specialized grouped GEMM (kernels/grouped_gemm_sm90.py,
+csrc/), storing h1 at its chosen address, and SwiGLU runs as a row kernel after it.
 Device predicates (replay or not) zero the expert offsets and row counts, so the launch sequence
 is the same either way.
 """
@@ -105,6 +108,12 @@ class ExpertPipeline:
         # default since it ran on 2xH200 (interleaved A/B: fwd -0.13 ms, fwd+bwd -0.21 ms).
         self.fanout = (env_switch("DIST_MOE_GATHER_FANOUT", True)
                        and (pipeline != "staged" or self.gemm == "torch"))
+        # W13 FPROP on CUTLASS's warp-specialized grouped GEMM (opt-in; see the module doc)
+        self.w13_cutlass = None
+        w13_cutlass = os.environ.get("DIST_MOE_W13_CUTLASS", "")
+        if w13_cutlass not in ("", "0") and pipeline == "standard" and self.gemm == "triton":
+            from ...kernels.grouped_gemm_sm90 import GroupedFpropSm90
+            self.w13_cutlass = GroupedFpropSm90(num_local_experts, device, w13_cutlass)
         self.claim = None
         if pipeline == "staged" and self.gemm == "triton":
             from ...kernels.grouped_gemm import ClaimFlags
@@ -159,6 +168,11 @@ class ExpertPipeline:
             grouped_mm_fwd(w=w13_E2FD, expert_offsets=offs, max_rows=Rm,
                            a_row_ptrs=tabs.fwd_gather_ptrs, a_copy_out=xg_addr,
                            claim_flags=self.claim, epilogue="swiglu", h1=h1_addr, h2=sp.h2, **act)
+        elif self.w13_cutlass is not None:
+            self._gather(tabs, tabs.fwd_gather_ptrs, xg_addr, nrows, "dispatch")
+            self.w13_cutlass(w13_E2FD, offs, xg_addr, h1_addr)
+            K_rows.swiglu_fwd(h1_addr, sp.h2, nrows, F, Rm, self.clamped, cfg.swiglu_alpha,
+                              cfg.swiglu_limit)
         else:
             self._gather(tabs, tabs.fwd_gather_ptrs, xg_addr, nrows, "dispatch")
             grouped_mm_fwd(w=w13_E2FD, expert_offsets=offs, max_rows=Rm, a=xg_addr,

@@ -1,0 +1,68 @@
+"""csrc/: the CUTLASS grouped GEMM library builds for sm_90a here (no GPU needed) and exports
+its entry points; its Python wrapper rejects what it cannot run, with the argument named.
+
+The build compiles every tile configuration (about two minutes on 2 cores) into a temporary
+cache folder, then calls the library's host-only functions (argument-block and workspace
+sizes). Skipped where nvcc or the CUTLASS headers (`pip install nvidia-cutlass`, in the dev
+extra) are missing. The kernels themselves run in tests/gpu/test_grouped_gemm_sm90_gpu.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from megatron_dist_moe.kernels import grouped_gemm_sm90 as sm90
+
+needs_build = pytest.mark.skipif(not sm90.available(),
+                                 reason="nvcc or the CUTLASS headers are missing")
+
+
+@needs_build
+def test_library_builds_and_exports_every_configuration(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIST_MOE_CSRC_CACHE", str(tmp_path))
+    lib_path = sm90.build_library()
+    assert lib_path.is_file() and tmp_path in lib_path.parents
+    assert sm90.build_library() == lib_path          # cached: same key, no rebuild
+    lib = sm90._Lib(lib_path)
+    for cfg in sm90.CONFIGS:
+        args_bytes, ws_bytes, run = lib.fns[cfg]
+        # 3 pointer arrays + 3 stride arrays + the shapes, each 16-byte aligned
+        assert args_bytes(6) >= 6 * (3 * 8 + 3 * 8 + 3 * 4)
+        assert args_bytes(6) % 16 == 0 and args_bytes(12) > args_bytes(6)
+        # the ptr-array kernels keep per-SM TMA descriptors in the workspace
+        assert ws_bytes(6, 132) > 0 and ws_bytes(6, 132) >= ws_bytes(6, 66)
+        # bad shapes are refused before anything is launched (no GPU touched)
+        null = ctypes.c_void_p(0)
+        assert run(6, 100, 7168, null, null, null, null, null, null, 0, 0, 132, null) == 1
+        assert run(0, 128, 128, null, null, null, null, null, null, 0, 0, 132, null) == 1
+
+
+def test_cache_key_follows_the_sources(tmp_path, monkeypatch):
+    if not sm90.available():
+        pytest.skip("nvcc or the CUTLASS headers are missing")
+    src = tmp_path / "csrc"
+    src.mkdir()
+    for p in sm90._sources():
+        (src / p.name).write_bytes(p.read_bytes())
+    monkeypatch.setenv("DIST_MOE_CSRC_DIR", str(src))
+    nvcc, cutlass = sm90.nvcc_path(), sm90.cutlass_dir()
+    key = sm90._cache_key(nvcc, cutlass)
+    (src / "grouped_gemm_sm90_coop.cu").write_text(
+        (src / "grouped_gemm_sm90_coop.cu").read_text() + "\n// changed\n")
+    assert sm90._cache_key(nvcc, cutlass) != key
+
+
+def test_wrapper_names_what_it_cannot_run(monkeypatch, tmp_path):
+    with pytest.raises(ValueError, match="config='fastest'"):
+        sm90.GroupedFpropSm90(2, "cpu", "fastest")
+    with pytest.raises(ValueError, match="device=cpu"):
+        sm90.GroupedFpropSm90(2, torch.device("cpu"))
+    monkeypatch.setenv("DIST_MOE_CSRC_DIR", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="DIST_MOE_CSRC_DIR"):
+        sm90.csrc_dir()
+    monkeypatch.setenv("DIST_MOE_CUTLASS_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match="no include/cutlass/cutlass.h"):
+        sm90.cutlass_dir()
