@@ -209,8 +209,10 @@ class GroupedFpropSm90:
         if cap != (9, 0):
             raise RuntimeError(f"the sm_90a CUTLASS GEMM needs a Hopper GPU; {device} is "
                                f"sm_{cap[0]}{cap[1]}")
+        if device.index is None:   # "cuda": the current device, named by index for the checks
+            device = torch.device("cuda", torch.cuda.current_device())
         self.E, self.device, self.config = int(num_experts), device, config
-        self.dev_index = device.index if device.index is not None else torch.cuda.current_device()
+        self.dev_index = device.index
         self.sm_count = torch.cuda.get_device_properties(self.dev_index).multi_processor_count
         args_bytes, ws_bytes, self._run = load_library().fns[config]
         self.args = torch.zeros(int(args_bytes(self.E)), dtype=torch.uint8, device=device)
