@@ -186,12 +186,39 @@ def plot(series: dict, path: str, gpu: str) -> None:
     print(f"plot written to {path}")
 
 
+# The guide's W13 FPROP (6 experts x 2048 rows, D=7168, 2F=6144) + SwiGLU on each GPU alone, by
+# three GEMM implementations: which keeps more of its speed at the power-capped clock?
+GEMM_WORKLOADS = {
+    "w13_triton": "our Triton grouped GEMM with the fused SwiGLU epilogue",
+    "w13_cutlass": "CUTLASS warp-specialized grouped GEMM (csrc/) + our SwiGLU row kernel",
+    "w13_torch": "torch._grouped_mm alone (no SwiGLU)",
+}
+
+
+def gemm_workload(name: str, dev: torch.device):
+    """(fn, useful flops, relative error against torch) of a GEMM_WORKLOADS entry."""
+    from bench_grouped_gemm import Problem
+    prob = Problem(6, 2048, 7168, 3072)
+    if name == "w13_triton":
+        return prob.ours("fwd_swiglu"), prob.flops("fwd_swiglu"), prob.check("fwd_swiglu")
+    if name == "w13_cutlass":
+        from megatron_dist_moe.kernels.grouped_gemm_sm90 import GroupedFpropSm90
+        gemm = GroupedFpropSm90(6, dev, "coop")
+        err = prob.check_cutlass("fwd_swiglu", gemm)
+        return prob.cutlass_fns("fwd_swiglu", gemm)[0], prob.flops("fwd_swiglu"), err
+    if name == "w13_torch":   # the reference itself
+        return prob.torch_fns("fwd_swiglu")[1], prob.flops("fwd_swiglu"), 0.0
+    raise ValueError(f"unknown workload {name!r}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--seconds", type=float, default=4.0, help="back-to-back replay time")
     ap.add_argument("--idle-s", type=float, default=3.0, help="idle pause before each workload")
-    ap.add_argument("--workloads", default="dense_mm,dist_moe_fwd,dist_moe_fwdbwd")
+    ap.add_argument("--workloads", default="dense_mm,dist_moe_fwd,dist_moe_fwdbwd",
+                    help="comma list of dense_mm, dist_moe_fwd, dist_moe_fwdbwd and the one-GPU "
+                         f"grouped GEMMs {','.join(GEMM_WORKLOADS)}")
     args = ap.parse_args(argv)
     rank = int(os.environ.get("RANK", 0))
     EP = int(os.environ.get("WORLD_SIZE", 1))
@@ -216,6 +243,10 @@ def main(argv=None) -> int:
             fn, flops, err = dense_mm_setup(dev)
             ok = err < 1e-2
             shape = "8192^3"
+        elif name in GEMM_WORKLOADS:
+            fn, flops, err = gemm_workload(name, dev)
+            ok = err < 1e-2
+            shape = "E=6 rows=12288 D=7168 F=3072 (one GPU)"
         else:
             c = CASES["guide"]
             inp = make_layer_inputs(c, rank, EP, dev)
