@@ -168,15 +168,15 @@ class ExpertPipeline:
             grouped_mm_fwd(w=w13_E2FD, expert_offsets=offs, max_rows=Rm,
                            a_row_ptrs=tabs.fwd_gather_ptrs, a_copy_out=xg_addr,
                            claim_flags=self.claim, epilogue="swiglu", h1=h1_addr, h2=sp.h2, **act)
-        elif self.w13_cutlass is not None:
-            self._gather(tabs, tabs.fwd_gather_ptrs, xg_addr, nrows, "dispatch")
-            self.w13_cutlass(w13_E2FD, offs, xg_addr, h1_addr)
-            K_rows.swiglu_fwd(h1_addr, sp.h2, nrows, F, Rm, self.clamped, cfg.swiglu_alpha,
-                              cfg.swiglu_limit)
         else:
             self._gather(tabs, tabs.fwd_gather_ptrs, xg_addr, nrows, "dispatch")
-            grouped_mm_fwd(w=w13_E2FD, expert_offsets=offs, max_rows=Rm, a=xg_addr,
-                           epilogue="swiglu", h1=h1_addr, h2=sp.h2, **act)
+            if self.w13_cutlass is not None:
+                self.w13_cutlass(w13_E2FD, offs, xg_addr, h1_addr)
+                K_rows.swiglu_fwd(h1_addr, sp.h2, nrows, F, Rm, self.clamped, cfg.swiglu_alpha,
+                                  cfg.swiglu_limit)
+            else:
+                grouped_mm_fwd(w=w13_E2FD, expert_offsets=offs, max_rows=Rm, a=xg_addr,
+                               epilogue="swiglu", h1=h1_addr, h2=sp.h2, **act)
         if scatter_ptrs is not None:
             grouped_mm_fwd(w=w2_EDF, expert_offsets=offs, max_rows=Rm, a=sp.h2,
                            epilogue="scatter", out_row_ptrs=scatter_ptrs)
