@@ -66,3 +66,21 @@ def test_wrapper_names_what_it_cannot_run(monkeypatch, tmp_path):
     monkeypatch.setenv("DIST_MOE_CUTLASS_DIR", str(tmp_path))
     with pytest.raises(RuntimeError, match="no include/cutlass/cutlass.h"):
         sm90.cutlass_dir()
+
+
+def test_w13_cutlass_switch_is_checked_and_never_silently_ignored(monkeypatch):
+    """DIST_MOE_W13_CUTLASS: an unknown value names the variable; on a pipeline it does not
+    apply to (staged, or the torch engine) the context warns instead of dropping it silently."""
+    import megatron_dist_moe as dm
+    from megatron_dist_moe.backends.cuda.experts import ExpertPipeline
+    cfg = dm.Config(num_local_input_tokens=8, hidden_dim=128, intermediate_dim=128, top_k=2,
+                    num_experts=4)
+    monkeypatch.setenv("DIST_MOE_W13_CUTLASS", "fastest")
+    with pytest.raises(ValueError, match="DIST_MOE_W13_CUTLASS='fastest'"):
+        ExpertPipeline(cfg, 4, 16, 0, torch.device("cpu"))
+    monkeypatch.setenv("DIST_MOE_W13_CUTLASS", "coop")
+    with pytest.warns(UserWarning, match="standard pipeline of the triton GEMM engine only"):
+        pipe = ExpertPipeline(cfg, 4, 16, 0, torch.device("cpu"), pipeline="staged")
+    assert pipe.w13_cutlass is None
+    with pytest.warns(UserWarning, match="gemm='torch'"):
+        ExpertPipeline(cfg, 4, 16, 0, torch.device("cpu"), gemm="torch")

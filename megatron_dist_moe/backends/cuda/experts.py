@@ -26,6 +26,7 @@ is the same either way.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -111,9 +112,18 @@ class ExpertPipeline:
         # W13 FPROP on CUTLASS's warp-specialized grouped GEMM (opt-in; see the module doc)
         self.w13_cutlass = None
         w13_cutlass = os.environ.get("DIST_MOE_W13_CUTLASS", "")
-        if w13_cutlass not in ("", "0") and pipeline == "standard" and self.gemm == "triton":
-            from ...kernels.grouped_gemm_sm90 import GroupedFpropSm90
-            self.w13_cutlass = GroupedFpropSm90(num_local_experts, device, w13_cutlass)
+        if w13_cutlass not in ("", "0"):
+            from ...kernels.grouped_gemm_sm90 import CONFIGS, GroupedFpropSm90
+            if w13_cutlass not in CONFIGS:
+                raise ValueError(f"DIST_MOE_W13_CUTLASS={w13_cutlass!r}: expected one of "
+                                 f"{CONFIGS} (or unset)")
+            if pipeline == "standard" and self.gemm == "triton":
+                self.w13_cutlass = GroupedFpropSm90(num_local_experts, device, w13_cutlass)
+            else:
+                warnings.warn(f"DIST_MOE_W13_CUTLASS={w13_cutlass} applies to the standard "
+                              f"pipeline of the triton GEMM engine only; this context "
+                              f"(pipeline={pipeline!r}, gemm={self.gemm!r}) runs without it",
+                              stacklevel=2)
         self.claim = None
         if pipeline == "staged" and self.gemm == "triton":
             from ...kernels.grouped_gemm import ClaimFlags
