@@ -259,11 +259,11 @@ class Problem:
                 "wgrad_w13": (self.dw13,), "wgrad_w2": (self.dw2,)}[kernel]
 
     # ---- CUTLASS (csrc/grouped_gemm_sm90*.cu)
-    CUTLASS_KERNELS = ("fwd_swiglu", "fwd_w2_scatter")
+    CUTLASS_KERNELS = ("fwd_swiglu", "fwd_w2_scatter", "wgrad_w13", "wgrad_w2")
 
     def cutlass_fns(self, kernel, gemm):
         """(our full equivalent, GEMM alone, outputs to check against torch's) on the CUTLASS
-        FPROP GEMM `gemm` (a GroupedFpropSm90)."""
+        GEMM `gemm` (a GroupedFpropSm90, or a GroupedWgradSm90 for the WGRAD kernels)."""
         from megatron_dist_moe.kernels import rows as K_rows
         p, n = self.p, self.offs[-1:]
         if kernel == "fwd_swiglu":
@@ -278,6 +278,13 @@ class Problem:
             def only():
                 gemm(self.w2, self.offs, p["h2"], p["g3_saved"])
             return None, only, (self.g3_saved,)
+        if kernel in ("wgrad_w13", "wgrad_w2"):   # gemm: a GroupedWgradSm90
+            a, b, out = (("g1", "x", self.dw13) if kernel == "wgrad_w13"
+                         else ("g3", "h2", self.dw2))
+
+            def only():
+                gemm(p[a], p[b], self.offs, out)
+            return None, only, (out,)
         raise ValueError(kernel)
 
     def check_cutlass(self, kernel, gemm) -> float:
@@ -441,9 +448,11 @@ def main(argv=None) -> int:
                 print(f"  {kernel}: fused {t_ours:.3f} ms, unfused (dgrad + 2 row kernels) "
                       f"{t_unf:.3f} ms")
             if args.cutlass and kernel in Problem.CUTLASS_KERNELS:
-                from megatron_dist_moe.kernels.grouped_gemm_sm90 import CONFIGS, GroupedFpropSm90
-                for cname in CONFIGS:
-                    gemm_c = GroupedFpropSm90(e, "cuda", cname)
+                from megatron_dist_moe.kernels import grouped_gemm_sm90 as sm90
+                wgrad = kernel.startswith("wgrad")
+                for cname in sm90.WGRAD_CONFIGS if wgrad else sm90.CONFIGS:
+                    gemm_c = (sm90.GroupedWgradSm90 if wgrad else sm90.GroupedFpropSm90)(
+                        e, "cuda", cname)
                     e_c = prob.check_cutlass(kernel, gemm_c)
                     if not e_c <= args.tol:
                         print(f"MISMATCH {shape_name} {kernel} cutlass_{cname}: {e_c:.3e}")

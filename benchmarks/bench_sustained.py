@@ -186,12 +186,18 @@ def plot(series: dict, path: str, gpu: str) -> None:
     print(f"plot written to {path}")
 
 
-# The guide's W13 FPROP (6 experts x 2048 rows, D=7168, 2F=6144) + SwiGLU on each GPU alone, by
-# three GEMM implementations: which keeps more of its speed at the power-capped clock?
+# The guide's W13 FPROP (6 experts x 2048 rows, D=7168, 2F=6144) + SwiGLU, and its two WGRADs, on
+# each GPU alone, by several GEMM implementations: which keeps more of its speed at the
+# power-capped clock?
 GEMM_WORKLOADS = {
     "w13_triton": "our Triton grouped GEMM with the fused SwiGLU epilogue",
     "w13_cutlass": "CUTLASS warp-specialized grouped GEMM (csrc/) + our SwiGLU row kernel",
     "w13_torch": "torch._grouped_mm alone (no SwiGLU)",
+    # both WGRADs of the guide's load (W13: [2F, D], W2: [D, F] per expert, K = 2048 rows)
+    "wgrad_triton": "our persistent Triton WGRAD, W13 then W2",
+    "wgrad_cutlass_coop": "CUTLASS warp-specialized grouped WGRAD (csrc/), 128x256 tiles",
+    "wgrad_cutlass_pingpong": "CUTLASS warp-specialized grouped WGRAD (csrc/), 64x256 ping-pong",
+    "wgrad_torch": "torch._grouped_mm WGRADs (bf16 out)",
 }
 
 
@@ -208,6 +214,25 @@ def gemm_workload(name: str, dev: torch.device):
         return prob.cutlass_fns("fwd_swiglu", gemm)[0], prob.flops("fwd_swiglu"), err
     if name == "w13_torch":   # the reference itself
         return prob.torch_fns("fwd_swiglu")[1], prob.flops("fwd_swiglu"), 0.0
+    if name.startswith("wgrad_"):
+        kernels = ("wgrad_w13", "wgrad_w2")
+        flops = sum(prob.flops(k) for k in kernels)
+        if name == "wgrad_torch":
+            fns = [prob.torch_fns(k)[1] for k in kernels]
+            return (lambda: [f() for f in fns]), flops, 0.0
+        if name == "wgrad_triton":
+            fns = [prob.ours(k) for k in kernels]
+            err = max(prob.check(k) for k in kernels)
+        else:
+            from megatron_dist_moe.kernels.grouped_gemm_sm90 import GroupedWgradSm90
+            gemm = GroupedWgradSm90(6, dev, name.rsplit("_", 1)[1])
+            fns = [prob.cutlass_fns(k, gemm)[1] for k in kernels]
+            err = max(prob.check_cutlass(k, gemm) for k in kernels)
+
+        def both():
+            for f in fns:
+                f()
+        return both, flops, err
     raise ValueError(f"unknown workload {name!r}")
 
 

@@ -1,9 +1,11 @@
-"""Grouped FPROP GEMM on CUTLASS's Hopper warp-specialized kernels (csrc/grouped_gemm_sm90*.cu).
+"""Grouped GEMMs on CUTLASS's Hopper warp-specialized kernels (csrc/grouped_gemm_sm90*.cu).
 
-    out[r] = a[r] @ w[e]^T   for the rows r of expert e, [offsets[e], offsets[e+1])
+    FPROP  out[r] = a[r] @ w[e]^T    for the rows r of expert e, [offsets[e], offsets[e+1])
+    WGRAD  out[e] = a_e^T @ b_e      over the same rows (K = the expert's row count)
 
-The same contract as `grouped_gemm.grouped_mm_fwd(epilogue="store")` (its torch twin is
-`grouped_gemm_ref.grouped_mm_fwd_ref`), on a kernel Triton cannot express on sm_90: a producer
+The same contracts as `grouped_gemm.grouped_mm_fwd(epilogue="store")` and
+`grouped_gemm.grouped_mm_wgrad` (torch twins: `grouped_gemm_ref.grouped_mm_fwd_ref` and
+`grouped_mm_wgrad_ref`), on a kernel Triton cannot express on sm_90: a producer
 warp issues the TMA loads while two consumer warpgroups run the MMAs, with 2x1 clusters
 multicasting the weight tile. Everything per call stays on the device: a one-block kernel turns
 the device offsets and addresses into CUTLASS's per-group arguments, so a call is two launches,
@@ -34,15 +36,23 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CONFIGS", "GroupedFpropSm90", "available", "load_library", "build_library"]
+__all__ = ["CONFIGS", "WGRAD_CONFIGS", "GroupedFpropSm90", "GroupedWgradSm90", "available",
+           "load_library", "build_library"]
 
-# Tile configurations, one translation unit each (csrc/grouped_gemm_sm90_<name>.cu).
+# Tile configurations, one translation unit each: FPROP csrc/grouped_gemm_sm90_<name>.cu, WGRAD
+# csrc/grouped_gemm_sm90_wgrad_<name>_<bf16|f32>.cu (one per stored weight-gradient dtype).
 CONFIGS = ("coop", "pingpong")
+WGRAD_CONFIGS = ("coop", "pingpong")
+_WGRAD_DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_UNITS = ([f"grouped_gemm_sm90_{c}" for c in CONFIGS]
+          + [f"grouped_gemm_sm90_wgrad_{c}_{d}" for c in WGRAD_CONFIGS
+             for d in _WGRAD_DTYPES.values()])
 _HEADER = "grouped_gemm_sm90.cuh"
 _NVCC_FLAGS = ["-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr",
                "-gencode=arch=compute_90a,code=sm_90a", "-Xcompiler", "-fPIC"]
+_ZERO_ROWS = 8   # kZeroRows in csrc/grouped_gemm_sm90.cuh: the rows an empty expert reads
 _STATUS = {
-    1: "bad shape: E < 1, or N or K not a multiple of 8",
+    1: "bad shape: E < 1, or N or K (WGRAD: M or N) not a multiple of 8",
     2: "the workspace is smaller than CUTLASS asks for",
     3: "CUTLASS cannot implement this problem (can_implement failed)",
     4: "CUTLASS initialize failed",
@@ -100,7 +110,7 @@ def available() -> bool:
 
 def _sources() -> list[Path]:
     d = csrc_dir()
-    return [d / _HEADER] + [d / f"grouped_gemm_sm90_{c}.cu" for c in CONFIGS]
+    return [d / _HEADER] + [d / f"{u}.cu" for u in _UNITS]
 
 
 def _cache_key(nvcc: str, cutlass: Path) -> str:
@@ -133,19 +143,20 @@ def build_library(verbose: bool = False) -> Path:
         includes = [f"-I{cutlass / 'include'}", f"-I{cutlass / 'tools' / 'util' / 'include'}",
                     f"-I{csrc_dir()}"]
 
-        def compile_one(cfg: str) -> Path:
-            obj = out_dir / f"{cfg}.o"
-            cmd = [nvcc, *_NVCC_FLAGS, *includes, "-c",
-                   str(csrc_dir() / f"grouped_gemm_sm90_{cfg}.cu"), "-o", str(obj)]
+        def compile_one(unit: str) -> Path:
+            obj = out_dir / f"{unit}.o"
+            cmd = [nvcc, *_NVCC_FLAGS, *includes, "-c", str(csrc_dir() / f"{unit}.cu"), "-o",
+                   str(obj)]
             if verbose:
                 print("[grouped_gemm_sm90]", " ".join(cmd), flush=True)
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
-                raise RuntimeError(f"nvcc failed on grouped_gemm_sm90_{cfg}.cu:\n{r.stderr[-4000:]}")
+                raise RuntimeError(f"nvcc failed on {unit}.cu:\n{r.stderr[-4000:]}")
             return obj
 
-        with ThreadPoolExecutor(len(CONFIGS)) as pool:
-            objs = list(pool.map(compile_one, CONFIGS))
+        # one nvcc per unit, as many at once as there are cores (each takes ~1.5 GB)
+        with ThreadPoolExecutor(max(1, min(len(_UNITS), os.cpu_count() or 1))) as pool:
+            objs = list(pool.map(compile_one, _UNITS))
         tmp = out_dir / f"lib.{os.getpid()}.so"
         r = subprocess.run([nvcc, "-shared", "-o", str(tmp), *map(str, objs)],
                            capture_output=True, text=True)
@@ -170,6 +181,18 @@ class _Lib:
             run.argtypes = [i32, i32, i32, vp, vp, vp, vp, vp, vp, i64, i32, i32, vp]
             run.restype = i32
             self.fns[cfg] = (args_bytes, ws_bytes, run)
+        self.wgrad_fns = {}
+        for cfg in WGRAD_CONFIGS:
+            for dt in _WGRAD_DTYPES.values():
+                name = f"dm_sm90_wgrad_{cfg}_{dt}"
+                args_bytes = getattr(self.dll, f"{name}_args_bytes")
+                args_bytes.argtypes, args_bytes.restype = [i32], i64
+                ws_bytes = getattr(self.dll, f"{name}_workspace_bytes")
+                ws_bytes.argtypes, ws_bytes.restype = [i32, i32], i64
+                run = getattr(self.dll, f"{name}_run")
+                run.argtypes = [i32, i32, i32, vp, vp, vp, vp, vp, vp, vp, i64, i32, i32, vp]
+                run.restype = i32
+                self.wgrad_fns[(cfg, dt)] = (args_bytes, ws_bytes, run)
 
 
 @functools.lru_cache(maxsize=1)
@@ -192,6 +215,28 @@ def _addr_tensor(x: torch.Tensor, name: str, device: torch.device) -> torch.Tens
     return ptr
 
 
+def _hopper_device(device) -> torch.device:
+    """The CUDA device named by `device`, with its index; refuses anything but sm_90."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"device={device}: the CUTLASS GEMM runs on CUDA devices only")
+    cap = torch.cuda.get_device_capability(device)
+    if cap != (9, 0):
+        raise RuntimeError(f"the sm_90a CUTLASS GEMM needs a Hopper GPU; {device} is "
+                           f"sm_{cap[0]}{cap[1]}")
+    if device.index is None:   # "cuda": the current device, named by index for the checks
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _check_offsets(expert_offsets: torch.Tensor, E: int, device: torch.device) -> None:
+    if (expert_offsets.dtype != torch.int32 or expert_offsets.shape != (E + 1,)
+            or expert_offsets.device != device):
+        raise ValueError(f"expert_offsets: expected int32 [{E + 1}] on {device}, got "
+                         f"{expert_offsets.dtype} {tuple(expert_offsets.shape)} on "
+                         f"{expert_offsets.device}")
+
+
 class GroupedFpropSm90:
     """out[r] = a[r] @ w[e]^T per expert on one CUTLASS configuration ("coop" or "pingpong").
 
@@ -202,15 +247,7 @@ class GroupedFpropSm90:
     def __init__(self, num_experts: int, device: torch.device, config: str = "coop"):
         if config not in CONFIGS:
             raise ValueError(f"config={config!r}: expected one of {CONFIGS}")
-        device = torch.device(device)
-        if device.type != "cuda":
-            raise ValueError(f"device={device}: the CUTLASS GEMM runs on CUDA devices only")
-        cap = torch.cuda.get_device_capability(device)
-        if cap != (9, 0):
-            raise RuntimeError(f"the sm_90a CUTLASS GEMM needs a Hopper GPU; {device} is "
-                               f"sm_{cap[0]}{cap[1]}")
-        if device.index is None:   # "cuda": the current device, named by index for the checks
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = _hopper_device(device)
         self.E, self.device, self.config = int(num_experts), device, config
         self.dev_index = device.index
         self.sm_count = torch.cuda.get_device_properties(self.dev_index).multi_processor_count
@@ -234,11 +271,7 @@ class GroupedFpropSm90:
             raise ValueError(f"w is on {w.device}, expected {self.device}")
         if N % 8 or K % 8:
             raise ValueError(f"w: N={N} and K={K} must be multiples of 8 (16-byte TMA rows)")
-        if (expert_offsets.dtype != torch.int32 or expert_offsets.shape != (E + 1,)
-                or expert_offsets.device != self.device):
-            raise ValueError(f"expert_offsets: expected int32 [{E + 1}] on {self.device}, got "
-                             f"{expert_offsets.dtype} {tuple(expert_offsets.shape)} on "
-                             f"{expert_offsets.device}")
+        _check_offsets(expert_offsets, E, self.device)
         a_ptr = _addr_tensor(a, "a", self.device)
         out_ptr = _addr_tensor(out, "out", self.device)
         stream = torch.cuda.current_stream(self.device).cuda_stream
@@ -248,3 +281,63 @@ class GroupedFpropSm90:
         if status != 0:
             raise RuntimeError(f"grouped_gemm_sm90[{self.config}] E={E} N={N} K={K}: "
                                f"{_STATUS.get(status, f'status {status}')}")
+
+
+class GroupedWgradSm90:
+    """out[e] = a_e^T @ b_e over the rows of each expert, on one CUTLASS configuration ("coop"
+    128x256x64 or "pingpong" 64x256x64 tiles), storing bf16 or fp32 (`out_dtype`).
+
+    The reduction dimension is each expert's ragged row count; experts with no rows get zeros.
+    One instance per (device, number of experts, out dtype); its calls must be ordered on one
+    stream (each call rewrites the device argument block).
+    """
+
+    def __init__(self, num_experts: int, device: torch.device, config: str = "coop",
+                 out_dtype: torch.dtype = torch.bfloat16):
+        if config not in WGRAD_CONFIGS:
+            raise ValueError(f"config={config!r}: expected one of {WGRAD_CONFIGS}")
+        if out_dtype not in _WGRAD_DTYPES:
+            raise ValueError(f"out_dtype={out_dtype}: expected torch.bfloat16 or torch.float32")
+        device = _hopper_device(device)
+        self.E, self.device, self.config, self.out_dtype = (int(num_experts), device, config,
+                                                            out_dtype)
+        self.dev_index = device.index
+        self.sm_count = torch.cuda.get_device_properties(self.dev_index).multi_processor_count
+        args_bytes, ws_bytes, self._run = load_library().wgrad_fns[
+            (config, _WGRAD_DTYPES[out_dtype])]
+        self.args = torch.zeros(int(args_bytes(self.E)), dtype=torch.uint8, device=device)
+        self.workspace_bytes = int(ws_bytes(self.E, self.sm_count))
+        self.workspace = torch.zeros(max(self.workspace_bytes, 16), dtype=torch.uint8,
+                                     device=device)
+        self.zeros = torch.zeros(0, dtype=torch.bfloat16, device=device)   # grown on first use
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor,
+                 out: torch.Tensor) -> None:
+        """a, b: device pointers (int64 [1]) to bf16 [R, M] / [R, N] row-major, or such
+        tensors; expert_offsets int32 [E+1] on the device; out [E, M, N] contiguous, of this
+        instance's out_dtype."""
+        if out.dim() != 3 or not out.is_contiguous() or out.dtype != self.out_dtype:
+            raise ValueError(f"out: expected a contiguous {self.out_dtype} [E, M, N] tensor, got "
+                             f"{out.dtype} {tuple(out.shape)}")
+        E, M, N = out.shape
+        if E != self.E:
+            raise ValueError(f"out has {E} experts; this GEMM was built for {self.E}")
+        if out.device != self.device:
+            raise ValueError(f"out is on {out.device}, expected {self.device}")
+        if M % 8 or N % 8:
+            raise ValueError(f"out: M={M} and N={N} must be multiples of 8 (16-byte TMA rows)")
+        _check_offsets(expert_offsets, E, self.device)
+        a_ptr = _addr_tensor(a, "a", self.device)
+        b_ptr = _addr_tensor(b, "b", self.device)
+        need = _ZERO_ROWS * max(M, N)
+        if self.zeros.numel() < need:
+            # allocated outside any capture on the first call of a shape (graph warm-up)
+            self.zeros = torch.zeros(need, dtype=torch.bfloat16, device=self.device)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        status = self._run(E, M, N, expert_offsets.data_ptr(), a_ptr.data_ptr(),
+                           b_ptr.data_ptr(), out.data_ptr(), self.zeros.data_ptr(),
+                           self.args.data_ptr(), self.workspace.data_ptr(),
+                           self.workspace.numel(), self.dev_index, self.sm_count, stream)
+        if status != 0:
+            raise RuntimeError(f"grouped_wgrad_sm90[{self.config}, {self.out_dtype}] E={E} M={M} "
+                               f"N={N}: {_STATUS.get(status, f'status {status}')}")

@@ -2,7 +2,7 @@
 # One device-machine session: environment facts, GPU correctness checks, benchmarks.
 # Usage (on the GPU machine, repo root): bash scripts/device/gpu_session.sh [sections...]
 # Sections: env check packing kernels traps bench claimsweep candcheck candbench ab scoregrads
-#           rowgather pdl gaps sustained nvlink cutlass layer packbench megatron pack
+#           rowgather pdl gaps sustained nvlink cutlass wgradcl layer packbench megatron pack
 #           (default: env check)
 # Knobs: CHECK_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS (extra arguments), TMO (seconds per step),
 #        CANDS (opt-in switches for 'candcheck' / 'candbench'), AB_A AB_B AB_ARGS ('ab'), SEEDS, STEPS, MB (microbatches) and
@@ -111,6 +111,16 @@ for s in $sections; do case $s in
            [ "$NGPU" -ge 2 ] && LIMIT=150 run cl_check2 env DIST_MOE_W13_CUTLASS=${CL_CONFIG:-coop} torchrun --nproc-per-node=2 tests/gpu/dist_check.py
            LIMIT=150 run cl_ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT" \
                --b DIST_MOE_W13_CUTLASS=${CL_CONFIG:-coop} ;;
+  wgradcl) # both WGRADs on CUTLASS's grouped GEMM (DIST_MOE_WGRAD_CUTLASS): kernel tests, the
+           # one-GPU WGRAD burst/settled rates against ours and torch, then correctness in the
+           # layer on 1 and 2 GPUs (the A/B: 'ab' with AB_B=DIST_MOE_WGRAD_CUTLASS=coop)
+           LIMIT=300 run wg_build python3 -c 'from megatron_dist_moe.kernels import grouped_gemm_sm90 as g; print(g.build_library(verbose=True))'
+           LIMIT=180 run wg_kernels python3 -m pytest -q tests/gpu/test_grouped_gemm_sm90_gpu.py -m gpu
+           LIMIT=240 run wg_sustained torchrun --nproc-per-node="$NGPU" benchmarks/bench_sustained.py \
+               --out "$OUT/wg_sustained" --seconds 3 --idle-s 2 \
+               --workloads dense_mm,wgrad_triton,wgrad_cutlass_coop,wgrad_cutlass_pingpong,wgrad_torch
+           LIMIT=100 run wg_check1 env DIST_MOE_WGRAD_CUTLASS=${WG_CONFIG:-coop} torchrun --nproc-per-node=1 tests/gpu/dist_check.py --quick
+           [ "$NGPU" -ge 2 ] && LIMIT=150 run wg_check2 env DIST_MOE_WGRAD_CUTLASS=${WG_CONFIG:-coop} torchrun --nproc-per-node=2 tests/gpu/dist_check.py ;;
   layer) run layer torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py --out "$OUT" ${LAYER_ARGS:-} ;;
   packbench) run packbench torchrun --nproc-per-node="$NGPU" benchmarks/bench_packing.py --out "$OUT" ${PACK_ARGS:-} ;;
   pack) # the device tool brings back few files: fold everything into one archive

@@ -38,6 +38,15 @@ def test_library_builds_and_exports_every_configuration(tmp_path, monkeypatch):
         null = ctypes.c_void_p(0)
         assert run(6, 100, 7168, null, null, null, null, null, null, 0, 0, 132, null) == 1
         assert run(0, 128, 128, null, null, null, null, null, null, 0, 0, 132, null) == 1
+    assert sorted(lib.wgrad_fns) == sorted((c, d) for c in sm90.WGRAD_CONFIGS
+                                           for d in ("bf16", "f32"))
+    for (cfg, dt), (args_bytes, ws_bytes, run) in lib.wgrad_fns.items():
+        assert args_bytes(6) >= 6 * (3 * 8 + 3 * 8 + 3 * 4) and args_bytes(6) % 16 == 0
+        assert ws_bytes(6, 132) > 0
+        null = ctypes.c_void_p(0)
+        # M (the contiguous dimension of a) must be a multiple of 8, and E >= 1
+        assert run(6, 100, 512, null, null, null, null, null, null, null, 0, 0, 132, null) == 1
+        assert run(0, 128, 128, null, null, null, null, null, null, null, 0, 0, 132, null) == 1
 
 
 def test_cache_key_follows_the_sources(tmp_path, monkeypatch):
@@ -60,6 +69,12 @@ def test_wrapper_names_what_it_cannot_run(monkeypatch, tmp_path):
         sm90.GroupedFpropSm90(2, "cpu", "fastest")
     with pytest.raises(ValueError, match="device=cpu"):
         sm90.GroupedFpropSm90(2, torch.device("cpu"))
+    with pytest.raises(ValueError, match="config='fastest'"):
+        sm90.GroupedWgradSm90(2, "cpu", "fastest")
+    with pytest.raises(ValueError, match="out_dtype=torch.float16"):
+        sm90.GroupedWgradSm90(2, "cpu", "coop", torch.float16)
+    with pytest.raises(ValueError, match="device=cpu"):
+        sm90.GroupedWgradSm90(2, "cpu", "coop")
     monkeypatch.setenv("DIST_MOE_CSRC_DIR", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="DIST_MOE_CSRC_DIR"):
         sm90.csrc_dir()
@@ -84,3 +99,23 @@ def test_w13_cutlass_switch_is_checked_and_never_silently_ignored(monkeypatch):
     assert pipe.w13_cutlass is None
     with pytest.warns(UserWarning, match="gemm='torch'"):
         ExpertPipeline(cfg, 4, 16, 0, torch.device("cpu"), gemm="torch")
+
+
+
+def test_wgrad_cutlass_switch_is_checked_and_never_silently_ignored(monkeypatch):
+    """DIST_MOE_WGRAD_CUTLASS: an unknown value names the variable; the torch GEMM engine, which
+    it does not apply to, warns."""
+    import megatron_dist_moe as dm
+    from megatron_dist_moe.backends.cuda.experts import ExpertPipeline
+    cfg = dm.Config(num_local_input_tokens=8, hidden_dim=128, intermediate_dim=128, top_k=2,
+                    num_experts=4)
+    monkeypatch.setenv("DIST_MOE_WGRAD_CUTLASS", "fastest")
+    with pytest.raises(ValueError, match="DIST_MOE_WGRAD_CUTLASS='fastest'"):
+        ExpertPipeline(cfg, 4, 16, 0, torch.device("cpu"))
+    monkeypatch.setenv("DIST_MOE_WGRAD_CUTLASS", "pingpong")
+    assert ExpertPipeline(cfg, 4, 16, 0, torch.device("cpu")).wgrad_cutlass == "pingpong"
+    assert ExpertPipeline(cfg, 4, 16, 0, torch.device("cpu"),
+                          pipeline="staged").wgrad_cutlass == "pingpong"
+    with pytest.warns(UserWarning, match="gemm='torch'"):
+        pipe = ExpertPipeline(cfg, 4, 16, 0, torch.device("cpu"), gemm="torch")
+    assert pipe.wgrad_cutlass is None

@@ -19,6 +19,8 @@ GEMM engines behind one interface:
 DIST_MOE_W13_CUTLASS=coop|pingpong (opt-in, standard pipeline of the "triton" engine): the W13
 FPROP runs on CUTLASS's Hopper warp-specialized grouped GEMM (kernels/grouped_gemm_sm90.py,
 csrc/), storing h1 at its chosen address, and SwiGLU runs as a row kernel after it.
+DIST_MOE_WGRAD_CUTLASS=coop|pingpong (opt-in, "triton" engine, either pipeline): both WGRADs run on
+CUTLASS's grouped GEMM with the ragged row count as K (GroupedWgradSm90).
 Device predicates (replay or not) zero the expert offsets and row counts, so the launch sequence
 is the same either way.
 """
@@ -109,6 +111,14 @@ class ExpertPipeline:
         # default since it ran on 2xH200 (interleaved A/B: fwd -0.13 ms, fwd+bwd -0.21 ms).
         self.fanout = (env_switch("DIST_MOE_GATHER_FANOUT", True)
                        and (pipeline != "staged" or self.gemm == "torch"))
+        # Fan-out program order: rank by rank, or alternating ranks (DIST_MOE_FANOUT_INTERLEAVE),
+        # so local rows' HBM traffic overlaps the peer rows' NVLink reads; and the columns per
+        # load (DIST_MOE_FANOUT_BLOCK_W, a power of 2).
+        self.fanout_interleave = env_switch("DIST_MOE_FANOUT_INTERLEAVE", False)
+        block_w = os.environ.get("DIST_MOE_FANOUT_BLOCK_W", "") or "2048"
+        if not block_w.isdigit() or int(block_w) < 16 or int(block_w) & (int(block_w) - 1):
+            raise ValueError(f"DIST_MOE_FANOUT_BLOCK_W={block_w!r}: a power of two >= 16")
+        self.fanout_block_w = int(block_w)
         # W13 FPROP on CUTLASS's warp-specialized grouped GEMM (opt-in; see the module doc)
         self.w13_cutlass = None
         w13_cutlass = os.environ.get("DIST_MOE_W13_CUTLASS", "")
@@ -124,6 +134,23 @@ class ExpertPipeline:
                               f"pipeline of the triton GEMM engine only; this context "
                               f"(pipeline={pipeline!r}, gemm={self.gemm!r}) runs without it",
                               stacklevel=2)
+        # Both WGRADs on CUTLASS's warp-specialized grouped GEMM (opt-in): the producer warp
+        # loads the next tile while the consumers store this one, which matters for WGRAD's
+        # short K loops (each expert's ~2k rows)
+        self.wgrad_cutlass = os.environ.get("DIST_MOE_WGRAD_CUTLASS", "")
+        self._wgrad_sm90 = {}
+        if self.wgrad_cutlass in ("", "0"):
+            self.wgrad_cutlass = None
+        else:
+            from ...kernels.grouped_gemm_sm90 import WGRAD_CONFIGS
+            if self.wgrad_cutlass not in WGRAD_CONFIGS:
+                raise ValueError(f"DIST_MOE_WGRAD_CUTLASS={self.wgrad_cutlass!r}: expected one "
+                                 f"of {WGRAD_CONFIGS} (or unset)")
+            if self.gemm != "triton":
+                warnings.warn(f"DIST_MOE_WGRAD_CUTLASS={self.wgrad_cutlass} applies to the "
+                              f"triton GEMM engine only; this context (gemm={self.gemm!r}) runs "
+                              "without it", stacklevel=2)
+                self.wgrad_cutlass = None
         self.claim = None
         if pipeline == "staged" and self.gemm == "triton":
             from ...kernels.grouped_gemm import ClaimFlags
@@ -140,7 +167,7 @@ class ExpertPipeline:
         if fan is not None and token_rows_at is not None:
             base = fan.dispatch_base_EP if token_rows_at == "dispatch" else fan.combine_base_EP
             K_rows.fanout_rows(base, D * 2, fan.dest_rows, fan.T, fan.K, dst_addr, nrows, D,
-                               torch.bfloat16)
+                               torch.bfloat16, self.fanout_interleave, self.fanout_block_w)
         else:
             K_rows.gather_rows(row_ptrs, dst_addr, nrows, D, torch.bfloat16, self.max_rows)
 
@@ -211,7 +238,7 @@ class ExpertPipeline:
             return self._backward_torch(tabs, w13_E2FD, w2_EDF, gather_ptrs, scatter_ptrs,
                                         xg_addr, h1_addr, out_dtype, score_ptrs,
                                         score_grad_delta)
-        from ...kernels.grouped_gemm import grouped_mm_dgrad, grouped_mm_wgrad
+        from ...kernels.grouped_gemm import grouped_mm_dgrad
         # h2 is rebuilt from h1 (BF16 full-save keeps h1, not h2).
         if self.fuse_swiglu_bwd:
             # W2 DGRAD's epilogue turns grad_h2 into grad_h1 over h1 in place and rebuilds h2
@@ -237,7 +264,7 @@ class ExpertPipeline:
             # grad_s = <u, h2> to the owners; grad_h2 = s u and h2 = s h2 in place
             K_rows.score_grad_rows(sp.grad_h2, sp.h2, score_ptrs, nrows, F, score_grad_delta, Rm)
         grad_w2 = torch.empty(self.E, D, F, dtype=out_dtype, device=self.device)
-        grouped_mm_wgrad(sp.g3, sp.h2, offs, grad_w2, dtype=torch.bfloat16)
+        self._wgrad(sp.g3, sp.h2, offs, grad_w2)
         if not self.fuse_swiglu_bwd:
             # grad_h1 overwrites h2 and g3 (scratch reuse), after WGRAD W2 read them
             K_rows.swiglu_bwd(h1_addr, sp.grad_h2, sp.grad_h1, nrows, *act)
@@ -249,10 +276,24 @@ class ExpertPipeline:
             # before returning it or touching scratch again, so no record_stream is needed.
             self.wgrad_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.wgrad_stream):
-                grouped_mm_wgrad(grad_h1, xg_addr, offs, grad_w13, dtype=torch.bfloat16)
+                self._wgrad(grad_h1, xg_addr, offs, grad_w13)
         else:
-            grouped_mm_wgrad(grad_h1, xg_addr, offs, grad_w13, dtype=torch.bfloat16)
+            self._wgrad(grad_h1, xg_addr, offs, grad_w13)
         return grad_w13, grad_w2
+
+    def _wgrad(self, a, b, offs, out: torch.Tensor) -> None:
+        """out[e] = a_e^T @ b_e (a, b: device pointers to bf16 rows), on CUTLASS with
+        DIST_MOE_WGRAD_CUTLASS, else on the Triton kernel."""
+        if self.wgrad_cutlass is None:
+            from ...kernels.grouped_gemm import grouped_mm_wgrad
+            grouped_mm_wgrad(a, b, offs, out, dtype=torch.bfloat16)
+            return
+        gemm = self._wgrad_sm90.get(out.dtype)
+        if gemm is None:
+            from ...kernels.grouped_gemm_sm90 import GroupedWgradSm90
+            gemm = self._wgrad_sm90[out.dtype] = GroupedWgradSm90(self.E, self.device,
+                                                                  self.wgrad_cutlass, out.dtype)
+        gemm(a, b, offs, out)
 
     def join_side_work(self) -> None:
         """Order the main stream after the side-stream WGRAD (no-op without it)."""
