@@ -295,7 +295,8 @@ class Problem:
         if kernel == "fwd_swiglu":
             ref = self.torch_fns(kernel)[0]()
         else:
-            ref = (self.torch_fns(kernel)[1](),)
+            ref = self.torch_fns(kernel)[1]()
+            ref = ref if isinstance(ref, tuple) else (ref,)
         return max(_rel(o, t) for o, t in zip(outs, ref))
 
     # ---- torch
