@@ -196,7 +196,6 @@ GEMM_WORKLOADS = {
     # both WGRADs of the guide's load (W13: [2F, D], W2: [D, F] per expert, K = 2048 rows)
     "wgrad_triton": "our persistent Triton WGRAD, W13 then W2",
     "wgrad_cutlass_coop": "CUTLASS warp-specialized grouped WGRAD (csrc/), 128x256 tiles",
-    "wgrad_cutlass_pingpong": "CUTLASS warp-specialized grouped WGRAD (csrc/), 64x256 ping-pong",
     "wgrad_torch": "torch._grouped_mm WGRADs (bf16 out)",
 }
 

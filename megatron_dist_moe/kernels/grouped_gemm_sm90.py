@@ -42,7 +42,7 @@ __all__ = ["CONFIGS", "WGRAD_CONFIGS", "GroupedFpropSm90", "GroupedWgradSm90", "
 # Tile configurations, one translation unit each: FPROP csrc/grouped_gemm_sm90_<name>.cu, WGRAD
 # csrc/grouped_gemm_sm90_wgrad_<name>_<bf16|f32>.cu (one per stored weight-gradient dtype).
 CONFIGS = ("coop", "pingpong")
-WGRAD_CONFIGS = ("coop", "pingpong")
+WGRAD_CONFIGS = ("coop",)   # pingpong ran even with it on 2xH200 and was dropped
 _WGRAD_DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _UNITS = ([f"grouped_gemm_sm90_{c}" for c in CONFIGS]
           + [f"grouped_gemm_sm90_wgrad_{c}_{d}" for c in WGRAD_CONFIGS
@@ -284,8 +284,8 @@ class GroupedFpropSm90:
 
 
 class GroupedWgradSm90:
-    """out[e] = a_e^T @ b_e over the rows of each expert, on one CUTLASS configuration ("coop"
-    128x256x64 or "pingpong" 64x256x64 tiles), storing bf16 or fp32 (`out_dtype`).
+    """out[e] = a_e^T @ b_e over the rows of each expert, on a CUTLASS configuration ("coop":
+    128x256x64 tiles, 2x1 clusters), storing bf16 or fp32 (`out_dtype`).
 
     The reduction dimension is each expert's ragged row count; experts with no rows get zeros.
     One instance per (device, number of experts, out dtype); its calls must be ordered on one

@@ -84,19 +84,11 @@ def gather_rows(row_ptrs: torch.Tensor, dst_addr: torch.Tensor, num_rows: torch.
 @triton.jit
 def _fanout_rows_kernel(src_base_ptr, dest_ptr, dst_addr, num_rows_ptr, n_tokens, T,
                         src_stride_bytes, K: tl.constexpr, K_PAD: tl.constexpr, W: tl.constexpr,
-                        DT: tl.constexpr, BLOCK_W: tl.constexpr, INTERLEAVE: tl.constexpr,
-                        PDL: tl.constexpr = False):
+                        DT: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr = False):
     grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
-    pid = tl.program_id(0)
-    if pid >= n_tokens:
+    tok = tl.program_id(0)            # flat (source rank r, token t)
+    if tok >= n_tokens:
         return
-    if INTERLEAVE:
-        # program p takes token p // EP of rank p % EP: programs running at once read every
-        # rank's rows, so the local rows' HBM traffic overlaps the peer rows' NVLink reads
-        EP = n_tokens // T
-        tok = (pid % EP) * T + pid // EP
-    else:
-        tok = pid                     # flat (source rank r, token t): rank by rank
     n = tl.load(num_rows_ptr).to(tl.int64)
     kk = tl.arange(0, K_PAD)
     d = tl.load(dest_ptr + tok.to(tl.int64) * K + kk, mask=kk < K, other=-1).to(tl.int64)
@@ -120,25 +112,22 @@ def _fanout_rows_kernel(src_base_ptr, dest_ptr, dst_addr, num_rows_ptr, n_tokens
 
 def fanout_rows(src_base_EP: torch.Tensor, src_stride_bytes: int, dest_rows: torch.Tensor,
                 T: int, K: int, dst_addr: torch.Tensor, num_rows: torch.Tensor, width: int,
-                dtype: torch.dtype, interleave: bool = False, block_w: int = 2048) -> None:
+                dtype: torch.dtype) -> None:
     """dst[dest_rows[(r*T + t)*K + k], :width] = row t of rank r (at src_base_EP[r] + t *
     src_stride_bytes) for every route whose row is in [0, num_rows) (device). Each token row is
     read once and written to all of its rows; tokens with no row here are not read at all. The
     same result as `gather_rows` over the matching row addresses, with a token's peer row read
-    once instead of once per route (one program per token). Programs take the tokens rank by
-    rank, or with `interleave` alternating ranks; `block_w` columns per load (a power of 2)."""
+    once instead of once per route (one program per token)."""
     EP = src_base_EP.numel()
     assert dest_rows.numel() == EP * T * K, (
         f"dest_rows has {dest_rows.numel()} entries, expected EP*T*K = {EP}*{T}*{K}")
     assert dest_rows.dtype == torch.int32, f"dest_rows must be int32, got {dest_rows.dtype}"
-    assert block_w >= 16 and block_w & (block_w - 1) == 0, f"block_w={block_w}: a power of 2"
     if EP * T == 0:
         return
     _fanout_rows_kernel[(EP * T,)](
         src_base_EP, dest_rows, dst_addr, num_rows, EP * T, T, src_stride_bytes, K=K,
         K_PAD=max(2, triton.next_power_of_2(K)), W=width, DT=_TL_DTYPE[dtype],
-        BLOCK_W=min(block_w, triton.next_power_of_2(width)), INTERLEAVE=interleave, num_warps=8,
-        **pdl_args(dest_rows.device))
+        BLOCK_W=min(2048, triton.next_power_of_2(width)), num_warps=8, **pdl_args(dest_rows.device))
 
 
 @triton.jit

@@ -118,7 +118,7 @@ for s in $sections; do case $s in
            LIMIT=180 run wg_kernels python3 -m pytest -q tests/gpu/test_grouped_gemm_sm90_gpu.py -m gpu
            LIMIT=240 run wg_sustained torchrun --nproc-per-node="$NGPU" benchmarks/bench_sustained.py \
                --out "$OUT/wg_sustained" --seconds 3 --idle-s 2 \
-               --workloads dense_mm,wgrad_triton,wgrad_cutlass_coop,wgrad_cutlass_pingpong,wgrad_torch
+               --workloads dense_mm,wgrad_triton,wgrad_cutlass_coop,wgrad_torch
            LIMIT=100 run wg_check1 env DIST_MOE_WGRAD_CUTLASS=${WG_CONFIG:-coop} torchrun --nproc-per-node=1 tests/gpu/dist_check.py --quick
            [ "$NGPU" -ge 2 ] && LIMIT=150 run wg_check2 env DIST_MOE_WGRAD_CUTLASS=${WG_CONFIG:-coop} torchrun --nproc-per-node=2 tests/gpu/dist_check.py ;;
   layer) run layer torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py --out "$OUT" ${LAYER_ARGS:-} ;;

@@ -112,10 +112,10 @@ def test_wgrad_cutlass_switch_is_checked_and_never_silently_ignored(monkeypatch)
     monkeypatch.setenv("DIST_MOE_WGRAD_CUTLASS", "fastest")
     with pytest.raises(ValueError, match="DIST_MOE_WGRAD_CUTLASS='fastest'"):
         ExpertPipeline(cfg, 4, 16, 0, torch.device("cpu"))
-    monkeypatch.setenv("DIST_MOE_WGRAD_CUTLASS", "pingpong")
-    assert ExpertPipeline(cfg, 4, 16, 0, torch.device("cpu")).wgrad_cutlass == "pingpong"
+    monkeypatch.setenv("DIST_MOE_WGRAD_CUTLASS", "coop")
+    assert ExpertPipeline(cfg, 4, 16, 0, torch.device("cpu")).wgrad_cutlass == "coop"
     assert ExpertPipeline(cfg, 4, 16, 0, torch.device("cpu"),
-                          pipeline="staged").wgrad_cutlass == "pingpong"
+                          pipeline="staged").wgrad_cutlass == "coop"
     with pytest.warns(UserWarning, match="gemm='torch'"):
         pipe = ExpertPipeline(cfg, 4, 16, 0, torch.device("cpu"), gemm="torch")
     assert pipe.wgrad_cutlass is None

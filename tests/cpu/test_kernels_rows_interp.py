@@ -46,11 +46,6 @@ BODY = textwrap.dedent(r'''
     reff = R.fanout_rows_ref(torch.stack([x[:Tf] for x in srcs]), dest, 11,
                              torch.full((13, W), float("nan")).to(bf))
     assert torch.equal(outf[:10], reff[:10]) and torch.isnan(outf[10:].float()).all(), "fanout"
-    # the same rows with the programs alternating ranks, and with narrower loads (3 per row)
-    outi = torch.full((13, W), float("nan")).to(bf)
-    K.fanout_rows(base, W * 2, dest, Tf, Kf, K.device_ptr(outi), torch.tensor([11], dtype=torch.int32), W, bf,
-                  interleave=True, block_w=16)
-    assert torch.equal(outi[:10], reff[:10]) and torch.isnan(outi[10:].float()).all(), "fanout interleaved"
     gp = torch.zeros(13, dtype=torch.int64)
     for j, i in enumerate(dest.tolist()):
         if 0 <= i < 11:

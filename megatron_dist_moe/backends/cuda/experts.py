@@ -19,8 +19,9 @@ GEMM engines behind one interface:
 DIST_MOE_W13_CUTLASS=coop|pingpong (opt-in, standard pipeline of the "triton" engine): the W13
 FPROP runs on CUTLASS's Hopper warp-specialized grouped GEMM (kernels/grouped_gemm_sm90.py,
 csrc/), storing h1 at its chosen address, and SwiGLU runs as a row kernel after it.
-DIST_MOE_WGRAD_CUTLASS=coop|pingpong (opt-in, "triton" engine, either pipeline): both WGRADs run on
-CUTLASS's grouped GEMM with the ragged row count as K (GroupedWgradSm90).
+DIST_MOE_WGRAD_CUTLASS=coop (opt-in, "triton" engine, either pipeline): both WGRADs run on CUTLASS's
+grouped GEMM with the ragged row count as K (GroupedWgradSm90). Measured even with our Triton
+WGRAD on 2xH200 (docs/perf_notes.md), so it stays opt-in.
 Device predicates (replay or not) zero the expert offsets and row counts, so the launch sequence
 is the same either way.
 """
@@ -111,14 +112,6 @@ class ExpertPipeline:
         # default since it ran on 2xH200 (interleaved A/B: fwd -0.13 ms, fwd+bwd -0.21 ms).
         self.fanout = (env_switch("DIST_MOE_GATHER_FANOUT", True)
                        and (pipeline != "staged" or self.gemm == "torch"))
-        # Fan-out program order: rank by rank, or alternating ranks (DIST_MOE_FANOUT_INTERLEAVE),
-        # so local rows' HBM traffic overlaps the peer rows' NVLink reads; and the columns per
-        # load (DIST_MOE_FANOUT_BLOCK_W, a power of 2).
-        self.fanout_interleave = env_switch("DIST_MOE_FANOUT_INTERLEAVE", False)
-        block_w = os.environ.get("DIST_MOE_FANOUT_BLOCK_W", "") or "2048"
-        if not block_w.isdigit() or int(block_w) < 16 or int(block_w) & (int(block_w) - 1):
-            raise ValueError(f"DIST_MOE_FANOUT_BLOCK_W={block_w!r}: a power of two >= 16")
-        self.fanout_block_w = int(block_w)
         # W13 FPROP on CUTLASS's warp-specialized grouped GEMM (opt-in; see the module doc)
         self.w13_cutlass = None
         w13_cutlass = os.environ.get("DIST_MOE_W13_CUTLASS", "")
@@ -135,8 +128,8 @@ class ExpertPipeline:
                               f"(pipeline={pipeline!r}, gemm={self.gemm!r}) runs without it",
                               stacklevel=2)
         # Both WGRADs on CUTLASS's warp-specialized grouped GEMM (opt-in): the producer warp
-        # loads the next tile while the consumers store this one, which matters for WGRAD's
-        # short K loops (each expert's ~2k rows)
+        # loads the next tile while the consumers store this one. On 2xH200 it ran even with
+        # our Triton WGRAD (94% of the dense mm, settled; layer A/B +0.005 ms fwd+bwd).
         self.wgrad_cutlass = os.environ.get("DIST_MOE_WGRAD_CUTLASS", "")
         self._wgrad_sm90 = {}
         if self.wgrad_cutlass in ("", "0"):
@@ -167,7 +160,7 @@ class ExpertPipeline:
         if fan is not None and token_rows_at is not None:
             base = fan.dispatch_base_EP if token_rows_at == "dispatch" else fan.combine_base_EP
             K_rows.fanout_rows(base, D * 2, fan.dest_rows, fan.T, fan.K, dst_addr, nrows, D,
-                               torch.bfloat16, self.fanout_interleave, self.fanout_block_w)
+                               torch.bfloat16)
         else:
             K_rows.gather_rows(row_ptrs, dst_addr, nrows, D, torch.bfloat16, self.max_rows)
 
