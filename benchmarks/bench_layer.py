@@ -311,9 +311,11 @@ def main():
                           flush=True)
             if args.profile and ctx is not None and case == "guide" and path == "dist_moe":
                 for mode, f in (("fwd", fwd), ("fwdbwd", fwdbwd)):
-                    out = os.path.join(args.out, f"profile_{case}_{path}_{mode}.txt")
-                    profile_graph(f, out if rank == 0 else "",
-                                  iter_ms=results[(path, mode)].median_ms)
+                    # every rank's profile: the iteration is the slowest rank's, and the
+                    # ranks' barrier waits tell which one that is
+                    suffix = "" if rank == 0 else f"_rank{rank}"
+                    out = os.path.join(args.out, f"profile_{case}_{path}_{mode}{suffix}.txt")
+                    profile_graph(f, out, iter_ms=results[(path, mode)].median_ms)
             if ctx is not None:
                 ctx.close()
             mega = mparams = fwd = fwdbwd = None   # free the Megatron layer before the next path

@@ -197,7 +197,17 @@ GEMM_WORKLOADS = {
     "wgrad_triton": "our persistent Triton WGRAD, W13 then W2",
     "wgrad_cutlass_coop": "CUTLASS warp-specialized grouped WGRAD (csrc/), 128x256 tiles",
     "wgrad_torch": "torch._grouped_mm WGRADs (bf16 out)",
+    # fp32 weight gradients (Config.wgrad_dtype's default): the epilogue stores twice the bytes
+    "wgrad_triton_f32": "our persistent Triton WGRAD, fp32 out",
+    "wgrad_cutlass_coop_f32": "CUTLASS grouped WGRAD (csrc/), 128x256 tiles, fp32 out",
+    # the layer's six grouped GEMMs of one fwd+bwd, in its order, without any communication or
+    # row kernel: the floor of the layer's fwd+bwd on this GPU (2048 rows per expert, so no
+    # ragged tiles; ours includes the 151 MB h1 restore the fused SwiGLU backward needs)
+    "gemms_triton": "the layer's six GEMM launches of one fwd+bwd, alone",
+    "gemms_torch": "the same six GEMMs on torch._grouped_mm (no epilogue work)",
 }
+LAYER_GEMMS = ("fwd_swiglu", "fwd_w2_scatter", "dgrad_w2_swiglu_bwd", "wgrad_w2", "dgrad_w13",
+               "wgrad_w13")
 
 
 def gemm_workload(name: str, dev: torch.device):
@@ -213,9 +223,26 @@ def gemm_workload(name: str, dev: torch.device):
         return prob.cutlass_fns("fwd_swiglu", gemm)[0], prob.flops("fwd_swiglu"), err
     if name == "w13_torch":   # the reference itself
         return prob.torch_fns("fwd_swiglu")[1], prob.flops("fwd_swiglu"), 0.0
+    if name.startswith("gemms_"):
+        flops = sum(prob.flops(k) for k in LAYER_GEMMS)
+        if name == "gemms_torch":
+            fns = [prob.torch_fns(k)[1] for k in LAYER_GEMMS]
+            err = 0.0
+        else:
+            fns = [prob.ours(k) for k in LAYER_GEMMS]
+            err = max(prob.check(k) for k in LAYER_GEMMS)
+
+        def all_six():
+            for f in fns:
+                f()
+        return all_six, flops, err
     if name.startswith("wgrad_"):
         kernels = ("wgrad_w13", "wgrad_w2")
         flops = sum(prob.flops(k) for k in kernels)
+        out_dtype = torch.bfloat16
+        if name.endswith("_f32"):
+            out_dtype, name = torch.float32, name[:-4]
+            prob.dw13, prob.dw2 = prob.dw13.float(), prob.dw2.float()
         if name == "wgrad_torch":
             fns = [prob.torch_fns(k)[1] for k in kernels]
             return (lambda: [f() for f in fns]), flops, 0.0
@@ -224,7 +251,7 @@ def gemm_workload(name: str, dev: torch.device):
             err = max(prob.check(k) for k in kernels)
         else:
             from megatron_dist_moe.kernels.grouped_gemm_sm90 import GroupedWgradSm90
-            gemm = GroupedWgradSm90(6, dev, name.rsplit("_", 1)[1])
+            gemm = GroupedWgradSm90(6, dev, name.rsplit("_", 1)[1], out_dtype)
             fns = [prob.cutlass_fns(k, gemm)[1] for k in kernels]
             err = max(prob.check_cutlass(k, gemm) for k in kernels)
 

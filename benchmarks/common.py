@@ -168,7 +168,8 @@ def profile_graph(fn: Callable[[], None], path: str, replays: int = 5, group=Non
             w = csv.DictWriter(f, fieldnames=list(parts[0]))
             w.writeheader()
             w.writerows(parts)
-        print(format_table(parts), flush=True)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        print(f"[rank {rank}] {os.path.basename(path)}\n" + format_table(parts), flush=True)
         # where the idle time sits: kernel start/end times on the device (open the trace in
         # Perfetto, or: profile_breakdown.py --gaps TRACE.json)
         import json
@@ -183,7 +184,7 @@ def profile_graph(fn: Callable[[], None], path: str, replays: int = 5, group=Non
             gaps = format_gaps(idle_gaps(intervals, replays))
             with open(path, "a") as f:
                 f.write("\n\nidle time by transition (per iteration)\n" + gaps + "\n")
-            print(gaps, flush=True)
+            print(f"[rank {rank}] idle time by transition\n" + gaps, flush=True)
             plot_timeline(intervals, replays, os.path.splitext(path)[0] + "_timeline.png")
     del g
 
