@@ -2,7 +2,8 @@
 # One device-machine session: environment facts, GPU correctness checks, benchmarks.
 # Usage (on the GPU machine, repo root): bash scripts/device/gpu_session.sh [sections...]
 # Sections: env check packing kernels traps bench claimsweep candcheck candbench ab scoregrads
-#           rowgather pdl gaps sustained nvlink cutlass wgradcl layer packbench megatron pack
+#           rowgather pdl gaps sustained nvlink cutlass wgradcl floor wgradf32 layer packbench
+#           megatron pack
 #           (default: env check)
 # Knobs: CHECK_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS (extra arguments), TMO (seconds per step),
 #        CANDS (opt-in switches for 'candcheck' / 'candbench'), AB_A AB_B AB_ARGS ('ab'), SEEDS, STEPS, MB (microbatches) and
@@ -121,6 +122,20 @@ for s in $sections; do case $s in
                --workloads dense_mm,wgrad_triton,wgrad_cutlass_coop,wgrad_torch
            LIMIT=100 run wg_check1 env DIST_MOE_WGRAD_CUTLASS=${WG_CONFIG:-coop} torchrun --nproc-per-node=1 tests/gpu/dist_check.py --quick
            [ "$NGPU" -ge 2 ] && LIMIT=150 run wg_check2 env DIST_MOE_WGRAD_CUTLASS=${WG_CONFIG:-coop} torchrun --nproc-per-node=2 tests/gpu/dist_check.py ;;
+  floor) # the fwd+bwd floor on this GPU: the layer's six GEMMs alone (ours, torch's) next to the
+         # dense mm and the whole layer, settled; then the guide layer with both ranks' profiles
+         LIMIT=240 run floor_sustained torchrun --nproc-per-node="$NGPU" benchmarks/bench_sustained.py \
+             --out "$OUT/floor" --seconds 3 --idle-s 2 \
+             --workloads dense_mm,gemms_triton,gemms_torch,dist_moe_fwd,dist_moe_fwdbwd
+         LIMIT=240 run floor_layer torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py \
+             --out "$OUT/floor" --cases guide --paths dist_moe,a2a --profile ;;
+  wgradf32) # fp32 weight gradients (Config's default): CUTLASS WGRAD vs Triton, correctness on
+            # 2 GPUs (dist_check has an fp32 case), then an interleaved A/B with fp32 on both sides
+            [ "$NGPU" -ge 2 ] && LIMIT=150 run wf_check2 env DIST_MOE_WGRAD_CUTLASS=${WG_CONFIG:-coop} \
+                torchrun --nproc-per-node=2 tests/gpu/dist_check.py
+            LIMIT=200 run wf_ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT/wgradf32" \
+                --a "${AB_A:-}" --b "${AB_B:-DIST_MOE_WGRAD_CUTLASS=coop}" \
+                --a-config wgrad_dtype=fp32 --b-config wgrad_dtype=fp32 ;;
   layer) run layer torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py --out "$OUT" ${LAYER_ARGS:-} ;;
   packbench) run packbench torchrun --nproc-per-node="$NGPU" benchmarks/bench_packing.py --out "$OUT" ${PACK_ARGS:-} ;;
   pack) # the device tool brings back few files: fold everything into one archive
