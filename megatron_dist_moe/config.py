@@ -91,7 +91,10 @@ class Config:
         device_scratch_capacity_factor       device scratch rows = factor x T x K (capped by
                                              the routing topology T x EP x min(K, E_local)).
         host_scratch_capacity_factor         optional total (device + pinned host, VMM) factor.
-        wgrad_dtype   "bf16" | "fp32": stored dtype of the expert weight gradients.
+        wgrad_dtype   "bf16" | "fp32": stored dtype of the expert weight gradients, which the
+                      op returns in the weights' dtype: it matters for fp32 weights (reference
+                      backend). On bf16 weights both give the same bits (fp32 sums rounded once)
+                      and the CUDA backend stores bf16 directly.
         save_route_outputs  False (default): the expert side computes each route's score
                       gradient from its W2 DGRAD row, grad_s = <W2^T grad_y, h2>, so the full
                       state is x_g and h1 only (a third smaller at the guide shape) and a

@@ -2,8 +2,8 @@
 # One device-machine session: environment facts, GPU correctness checks, benchmarks.
 # Usage (on the GPU machine, repo root): bash scripts/device/gpu_session.sh [sections...]
 # Sections: env check packing kernels traps bench claimsweep candcheck candbench ab scoregrads
-#           rowgather pdl gaps sustained nvlink cutlass wgradcl floor wgradf32 layer packbench
-#           megatron pack
+#           rowgather pdl gaps sustained nvlink cutlass wgradcl floor wgradf32 wgradstore layer
+#           packbench megatron pack
 #           (default: env check)
 # Knobs: CHECK_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS (extra arguments), TMO (seconds per step),
 #        CANDS (opt-in switches for 'candcheck' / 'candbench'), AB_A AB_B AB_ARGS ('ab'), SEEDS, STEPS, MB (microbatches) and
@@ -136,6 +136,13 @@ for s in $sections; do case $s in
             LIMIT=200 run wf_ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT/wgradf32" \
                 --a "${AB_A:-}" --b "${AB_B:-DIST_MOE_WGRAD_CUTLASS=coop}" \
                 --a-config wgrad_dtype=fp32 --b-config wgrad_dtype=fp32 ;;
+  wgradstore) # the WGRADs store the weights' dtype (bf16) even for wgrad_dtype=fp32: the bit-equality
+              # kernel tests, correctness on 2 GPUs, then an A/B fp32 config vs bf16 config
+              LIMIT=240 run ws_kernels python3 -m pytest -q tests/gpu/test_grouped_gemm_gpu.py \
+                  tests/gpu/test_grouped_gemm_sm90_gpu.py -m gpu -k "bf16_store or wgrad"
+              [ "$NGPU" -ge 2 ] && LIMIT=150 run ws_check2 torchrun --nproc-per-node=2 tests/gpu/dist_check.py
+              LIMIT=200 run ws_ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT/wgradstore" \
+                  --a-config wgrad_dtype=fp32 --b-config wgrad_dtype=bf16 ;;
   layer) run layer torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py --out "$OUT" ${LAYER_ARGS:-} ;;
   packbench) run packbench torchrun --nproc-per-node="$NGPU" benchmarks/bench_packing.py --out "$OUT" ${PACK_ARGS:-} ;;
   pack) # the device tool brings back few files: fold everything into one archive

@@ -318,6 +318,27 @@ def test_wgrad_persistent_gives_the_same_bits(lens, d, f, flatten):
             f"{int((got != ref).sum())} values")
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["per-tile", "persistent"])
+@pytest.mark.parametrize("lens,d,f", SHAPES)
+def test_wgrad_bf16_store_equals_rounded_fp32_store(lens, d, f, persistent):
+    """The layer stores bf16 weight gradients even for Config.wgrad_dtype="fp32"
+    (experts.wgrad_store_dtype): the epilogue rounds the fp32 sums once, exactly as rounding an
+    fp32 store afterwards would, so the two give the same bits."""
+    torch.manual_seed(16)
+    e, offs, r = len(lens), _offsets(lens), sum(lens)
+    a = torch.randn(r, 2 * f, device=DEV).to(BF16)
+    b = torch.randn(r, d, device=DEV).to(BF16)
+    cfg = replace(CONFIG_TABLE[("wgrad", "large")], tma=True)
+    outs = {}
+    for out_dtype in (BF16, F32):
+        outs[out_dtype] = torch.full((e, 2 * f, d), NAN, dtype=out_dtype, device=DEV)
+        grouped_mm_wgrad(a, b, offs, outs[out_dtype], config=cfg, persistent=persistent)
+    rounded = outs[F32].to(BF16)
+    assert torch.equal(outs[BF16], rounded), (
+        f"bf16 store differs from the rounded fp32 store in {int((outs[BF16] != rounded).sum())} "
+        f"of {rounded.numel()} values")
+
+
 @pytest.mark.parametrize("tma", TMA)
 @pytest.mark.parametrize("lens,d,f", SHAPES)
 def test_wgrad(lens, d, f, tma):

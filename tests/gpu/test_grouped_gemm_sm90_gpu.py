@@ -184,6 +184,22 @@ def test_wgrad_guide_widths(config):
     _check_wgrad(out, a, b, offs, R)
 
 
+@pytest.mark.parametrize("config", sm90.WGRAD_CONFIGS)
+def test_wgrad_bf16_store_equals_rounded_fp32_store(config):
+    """As for the Triton WGRAD: the bf16 unit's epilogue rounds the fp32 sums once, so its output
+    equals the fp32 unit's rounded to bf16, bit for bit (what experts.wgrad_store_dtype relies on)."""
+    counts = [700, 1500, 0, 333, 1029, 3]
+    offs, a, b, out16, R = _wgrad_problem(counts, 1024, 768, BF16, seed=6)
+    out32 = torch.full(out16.shape, float("nan"), dtype=torch.float32, device="cuda")
+    sm90.GroupedWgradSm90(6, "cuda", config, BF16)(a, b, offs, out16)
+    sm90.GroupedWgradSm90(6, "cuda", config, torch.float32)(a, b, offs, out32)
+    torch.cuda.synchronize()
+    rounded = out32.to(BF16)
+    assert torch.equal(out16, rounded), (
+        f"bf16 store differs from the rounded fp32 store in {int((out16 != rounded).sum())} of "
+        f"{rounded.numel()} values")
+
+
 def test_wgrad_in_cuda_graph_with_new_offsets():
     M, N, E, cap = 256, 384, 4, 2000
     a = torch.empty(cap, M, dtype=BF16, device="cuda")

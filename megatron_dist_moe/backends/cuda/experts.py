@@ -22,6 +22,8 @@ csrc/), storing h1 at its chosen address, and SwiGLU runs as a row kernel after 
 DIST_MOE_WGRAD_CUTLASS=coop (opt-in, "triton" engine, either pipeline): both WGRADs run on CUTLASS's
 grouped GEMM with the ragged row count as K (GroupedWgradSm90). Measured even with our Triton
 WGRAD on 2xH200 (docs/perf_notes.md), so it stays opt-in.
+The WGRADs store the weights' dtype (`wgrad_store_dtype`): the op returns weight gradients in it,
+and rounding an fp32 store afterwards gives the same bits at three times the bytes.
 Device predicates (replay or not) zero the expert offsets and row counts, so the launch sequence
 is the same either way.
 """
@@ -40,6 +42,22 @@ from ...memory_plan import align128
 from .routing import RoutingTables
 
 __all__ = ["ExpertPipeline", "ScratchPointers", "default_gemm_engine"]
+
+
+def wgrad_store_dtype(wgrad_dtype: str, weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the WGRAD GEMMs store: Config.wgrad_dtype, but never wider than the weights.
+
+    The op returns weight gradients in the weights' dtype (autograd's rule, library.py). The
+    kernels sum in fp32 and round once in their epilogue, so storing fp32 and rounding to bf16
+    afterwards gives the same bits as storing bf16 directly (GPU tests
+    `test_wgrad_bf16_store_equals_rounded_fp32_store`, Triton and CUTLASS). On bf16 weights the
+    fp32 store only costs bytes: at the guide load 1.6 GB of fp32 written, read back and 0.8 GB
+    of bf16 written per backward, ~1 ms of a 9.6 ms fwd+bwd on 2xH200."""
+    if wgrad_dtype not in ("bf16", "fp32"):
+        raise ValueError(f"wgrad_dtype {wgrad_dtype!r}: expected 'bf16' or 'fp32'")
+    if wgrad_dtype == "fp32" and weight_dtype in (torch.float32, torch.float64):
+        return torch.float32
+    return torch.bfloat16
 
 
 def default_gemm_engine() -> str:
@@ -225,7 +243,7 @@ class ExpertPipeline:
         D, F = cfg.hidden_dim, cfg.intermediate_dim
         Rm = self.max_rows
         offs, nrows = tabs.expert_offsets, tabs.num_rows
-        out_dtype = torch.float32 if wgrad_dtype == "fp32" else torch.bfloat16
+        out_dtype = wgrad_store_dtype(wgrad_dtype, w13_E2FD.dtype)
         act = (F, Rm, self.clamped, cfg.swiglu_alpha, cfg.swiglu_limit)
         if self.gemm == "torch":
             return self._backward_torch(tabs, w13_E2FD, w2_EDF, gather_ptrs, scatter_ptrs,
@@ -314,8 +332,8 @@ class ExpertPipeline:
         if score_ptrs is not None:   # g3 holds unscaled grad_y rows: see `backward`
             K_rows.score_grad_rows(K_rows.device_ptr(grad_h2), K_rows.device_ptr(h2), score_ptrs,
                                    nrows, F, score_grad_delta, Rm)
-        # torch._grouped_mm stores in the operand dtype only (fp32 accumulation inside), so an
-        # fp32 wgrad_dtype is an upcast of bf16-rounded sums on this engine.
+        # torch._grouped_mm stores in the operand dtype only (fp32 accumulation inside); out_dtype
+        # is bf16 for bf16 weights (wgrad_store_dtype), so the casts below are no-ops.
         grad_w2 = torch._grouped_mm(g3.t(), h2, offs=offs[1:]).to(out_dtype)
         grad_h1 = torch.empty(Rm, 2 * F, **bf)
         K_rows.swiglu_bwd(K_rows.device_ptr(h1), K_rows.device_ptr(grad_h2),
