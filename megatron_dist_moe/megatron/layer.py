@@ -93,7 +93,9 @@ class _StackExpertWeights(torch.autograd.Function):
         for w, g in zip(fctx.weights, grad_stacked.unbind(0)):
             if fctx.fuse and getattr(w, "main_grad", None) is not None and hasattr(
                     w, "grad_added_to_main_grad"):
-                w.main_grad.add_(g.to(w.main_grad.dtype))
+                # bf16 g into fp32 main_grad: the add upcasts on the fly (exact), without the
+                # fp32 temporary that g.to(fp32) would write and read back (2x main_grad's bytes)
+                w.main_grad.add_(g)
                 w.grad_added_to_main_grad = True
                 # NOTE: DDP's hook re-adds .grad when zero_out_wgrad is set: keep that one zero.
                 dummy = (torch.zeros_like(w) if getattr(w, "zero_out_wgrad", False)

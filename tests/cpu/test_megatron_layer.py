@@ -290,3 +290,23 @@ def test_stacked_weight_grads_reach_main_grad_with_accumulation_fusion():
     (unfused * upstream).sum().backward()
     assert all(torch.equal(w.grad, upstream[i]) for i, w in enumerate(ws))
     assert all(torch.equal(w.main_grad, 1 + upstream[i]) for i, w in enumerate(ws))
+
+
+def test_bf16_weight_grads_accumulate_into_fp32_main_grad_exactly():
+    """bf16 weights, fp32 main_grad (Megatron's default): the fused add gives the bits of
+    main_grad + g.float(), i.e. no rounding of the sum to bf16 and no loss of g's bits."""
+    from megatron_dist_moe.megatron.layer import stack_expert_weights
+
+    torch.manual_seed(1)
+    ws = [torch.nn.Parameter(torch.randn(6, 4).to(torch.bfloat16)) for _ in range(3)]
+    start = torch.randn(3, 6, 4, dtype=torch.float32) * 1e3   # sums that bf16 could not hold
+    for i, w in enumerate(ws):
+        w.main_grad = start[i].clone()
+        w.grad_added_to_main_grad = False
+    upstream = torch.randn(3, 6, 4).to(torch.bfloat16)
+    fused = stack_expert_weights(ws, fuse_into_main_grad=True)
+    (fused.float() * upstream.float()).sum().backward()
+    for i, w in enumerate(ws):
+        assert w.main_grad.dtype == torch.float32
+        assert torch.equal(w.main_grad, start[i] + upstream[i].float())
+        assert w.grad_added_to_main_grad is True
