@@ -2,8 +2,8 @@
 # One device-machine session: environment facts, GPU correctness checks, benchmarks.
 # Usage (on the GPU machine, repo root): bash scripts/device/gpu_session.sh [sections...]
 # Sections: env check packing kernels traps bench claimsweep candcheck candbench ab scoregrads
-#           rowgather pdl gaps sustained nvlink cutlass wgradcl floor wgradf32 wgradstore layer
-#           packbench megatron pack
+#           rowgather pdl gaps sustained nvlink cutlass wgradcl floor wgradf32 wgradstore weights
+#           layer packbench megatron pack
 #           (default: env check)
 # Knobs: CHECK_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS (extra arguments), TMO (seconds per step),
 #        CANDS (opt-in switches for 'candcheck' / 'candbench'), AB_A AB_B AB_ARGS ('ab'), SEEDS, STEPS, MB (microbatches) and
@@ -143,6 +143,8 @@ for s in $sections; do case $s in
               [ "$NGPU" -ge 2 ] && LIMIT=150 run ws_check2 torchrun --nproc-per-node=2 tests/gpu/dist_check.py
               LIMIT=200 run ws_ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT/wgradstore" \
                   --a-config wgrad_dtype=fp32 --b-config wgrad_dtype=bf16 ;;
+  weights) # the Megatron plugin's weight plumbing per layer call (stack, main_grad adds), 1 GPU
+           LIMIT=120 run weights python3 benchmarks/bench_expert_weights.py --out "$OUT/weights" ;;
   layer) run layer torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py --out "$OUT" ${LAYER_ARGS:-} ;;
   packbench) run packbench torchrun --nproc-per-node="$NGPU" benchmarks/bench_packing.py --out "$OUT" ${PACK_ARGS:-} ;;
   pack) # the device tool brings back few files: fold everything into one archive
