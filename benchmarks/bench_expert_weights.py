@@ -12,7 +12,13 @@ which Megatron's DDP hook adds into `main_grad` the same way. Rows, one GPU, bf1
     main_grad_add_upcast   the same through an fp32 temporary, main_grad += g.to(fp32) (the
                            plugin's code before 2026-12-01; the baseline of main_grad_add)
     copy_floor             a plain copy of the stack's bytes (the HBM floor of `stack`)
-Correctness first: the stack equals torch.stack, and both adds give the same main_grad bits.
+    wgrad_into_main_grad   both WGRAD GEMMs (2048 rows per expert) adding their fp32 sums
+                           straight into the experts' main_grad (routed_experts(wgrad_into=...),
+                           what the plugin does under DDP since 2026-12-01)
+    wgrad_bf16_then_add    the same two WGRADs storing a stacked bf16 gradient, then
+                           main_grad_add (the plugin before; the baseline of the row above)
+Correctness first: the stack equals torch.stack, both adds give the same main_grad bits, and
+both WGRAD paths match an fp32 torch reference (the fused one to fp32 rounding).
 Timing: the guide's method (10 warm-ups, 5 windows x 30 calls, median window), eager launches.
 CSV rows (commit, GPU, shape, ms, GB/s in the note, ratio to the baseline) and a plot go to OUT.
 """
@@ -110,18 +116,75 @@ def run_case(name: str, dev, commit: str, gpu: str) -> list[dict]:
         times[path] = (t, nbytes)
         print(f"  {name:6s} {path:22s} {t.median_ms:7.3f} ms [{t.min_ms:.3f}-{t.max_ms:.3f}]  "
               f"{nbytes / t.median_ms / 1e6:7.0f} GB/s", flush=True)
-    base = {"stack": "copy_floor", "main_grad_add": "main_grad_add_upcast"}
+    flops = {}
+    if dev.type == "cuda":
+        wgrad_fns, wgrad_flops = wgrad_paths(fc1, fc2, E, D, F, dev)
+        for path, fn in wgrad_fns.items():
+            with torch.no_grad():
+                t = time_windows(fn, graph=False)
+            times[path] = (t, 0)
+            flops[path] = wgrad_flops
+            print(f"  {name:6s} {path:22s} {t.median_ms:7.3f} ms [{t.min_ms:.3f}-{t.max_ms:.3f}]  "
+                  f"{wgrad_flops / t.median_ms / 1e9:7.1f} TFLOP/s", flush=True)
+    base = {"stack": "copy_floor", "main_grad_add": "main_grad_add_upcast",
+            "wgrad_into_main_grad": "wgrad_bf16_then_add"}
     rows = []
     for path, (t, nbytes) in times.items():
         ref = times[base.get(path, path)][0].median_ms
+        note = (f"{nbytes / 1e9:.2f} GB moved, {nbytes / t.median_ms / 1e6:.0f} GB/s" if nbytes
+                else "both WGRAD GEMMs, 2048 rows per expert")
         rows.append(dict(commit=commit, gpu=gpu, ep=1, case=name, T="", D=D, F=F, K="",
                          E_local=E, imbalance="", path=path, mode="weights",
                          ms=round(t.median_ms, 4), ms_min=round(t.min_ms, 4),
-                         ms_max=round(t.max_ms, 4), useful_tflops=0.0,
+                         ms_max=round(t.max_ms, 4),
+                         useful_tflops=round(flops.get(path, 0) / t.median_ms / 1e9, 1),
                          ratio_to_baseline=round(ref / t.median_ms, 4),
-                         note=f"{nbytes / 1e9:.2f} GB moved, {nbytes / t.median_ms / 1e6:.0f} GB/s"
-                              + (f"; baseline {base[path]}" if path in base else "")))
+                         note=note + (f"; baseline {base[path]}" if path in base else "")))
     return rows
+
+
+def wgrad_paths(fc1, fc2, E: int, D: int, F: int, dev, rows_per_expert: int = 2048):
+    """({path: fn}, useful flops) of the two WGRAD paths into main_grad, after checking both
+    against an fp32 torch reference (GPU: the Triton kernels)."""
+    from megatron_dist_moe.kernels.grouped_gemm import ExpertOutTable, grouped_mm_wgrad
+    R = E * rows_per_expert
+    offs = (torch.arange(E + 1, dtype=torch.int32, device=dev) * rows_per_expert).contiguous()
+    gen = torch.Generator(device=dev).manual_seed(5)
+    def rnd(*shape):
+        return (torch.randn(*shape, device=dev, generator=gen) * 0.1).to(torch.bfloat16)
+    gh1, xg, g3, h2 = rnd(R, 2 * F), rnd(R, D), rnd(R, D), rnd(R, F)
+    out13 = torch.empty(E, 2 * F, D, dtype=torch.bfloat16, device=dev)
+    out2 = torch.empty(E, D, F, dtype=torch.bfloat16, device=dev)
+    t13 = ExpertOutTable.of([p.main_grad for p in fc1])
+    t2 = ExpertOutTable.of([p.main_grad for p in fc2])
+
+    def fused():
+        grouped_mm_wgrad(g3, h2, offs, t2, accumulate=True)
+        grouped_mm_wgrad(gh1, xg, offs, t13, accumulate=True)
+
+    def stacked():
+        grouped_mm_wgrad(g3, h2, offs, out2)
+        grouped_mm_wgrad(gh1, xg, offs, out13)
+        add_fused(fc2, out2)
+        add_fused(fc1, out13)
+
+    def ref(e):
+        s = slice(e * rows_per_expert, (e + 1) * rows_per_expert)
+        return gh1[s].float().T @ xg[s].float(), g3[s].float().T @ h2[s].float()
+
+    for path, fn, tol in (("wgrad_into_main_grad", fused, 1e-4), ("wgrad_bf16_then_add", stacked, 8e-3)):
+        for p in fc1 + fc2:
+            p.main_grad.zero_()
+        fn()
+        for e in range(E):
+            for got, want in zip((fc1[e].main_grad, fc2[e].main_grad), ref(e)):
+                err = float((got - want).norm() / want.norm())
+                if not err <= tol:
+                    raise SystemExit(f"{path}: expert {e} main_grad rel err {err:.3g} > {tol}")
+    print(f"  WGRAD paths checked against fp32 torch (fused <= 1e-4, bf16 store <= 8e-3)",
+          flush=True)
+    return ({"wgrad_into_main_grad": fused, "wgrad_bf16_then_add": stacked},
+            2 * R * (2 * F * D + D * F))
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:

@@ -77,6 +77,8 @@ class Context:
         self.num_local_experts = plan.num_local_experts
         self.planner = PlannerState.create(plan, device)
         self._closed = False
+        # routed_experts(wgrad_into=...): set right before the forward op, taken by it (library)
+        self._pending_wgrad_into = None
         # Saved state of training forwards awaiting their backward: saved id -> (token, saved).
         # See _stash_saved / _pop_saved; the lock guards against finalizers on other threads.
         self._saved: dict[int, tuple[object, Any]] = {}

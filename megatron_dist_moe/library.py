@@ -75,9 +75,11 @@ def routed_experts_fwd(x: torch.Tensor, expert_ids: torch.Tensor, scores: torch.
     """y [T, D] and saved_id (0-d int64, CPU; -1 when not training). Arguments must already be
     validated (ops.routed_experts does it); w13 is [E_local, 2F, D]."""
     ctx = context_from_id(ctx_id)
+    wgrad_into, ctx._pending_wgrad_into = ctx._pending_wgrad_into, None
     y, saved = ctx.backend.forward(x, expert_ids, scores, w13, w2, training=training)
     if not training:
         return y, torch.tensor(-1, dtype=torch.int64)
+    saved.wgrad_into = wgrad_into
     return y, ctx._stash_saved(saved)
 
 
@@ -97,6 +99,12 @@ def routed_experts_bwd(grad_y: torch.Tensor, saved_id: torch.Tensor, ctx_id: int
     saved = ctx._pop_saved(int(saved_id))
     grad_x, grad_scores, grad_w13, grad_w2 = ctx.backend.backward(grad_y.contiguous(), saved)
     dt = grad_y.dtype
+    if grad_w13 is None:
+        # routed_experts(wgrad_into=...): the weight gradients were added into the caller's
+        # fp32 tensors; the weights get zeros (stride-0: nothing is written)
+        return (grad_x.to(dt).contiguous(), grad_scores.to(_score_grad_dtype(dt)).contiguous(),
+                grad_y.new_zeros(()).expand(list(w13_shape)),
+                grad_y.new_zeros(()).expand(list(w2_shape)))
     # Declared metadata (what the fake promises) whatever the backend's internal choices.
     T = grad_y.shape[0]
     assert tuple(grad_x.shape) == tuple(grad_y.shape), "backend grad_x shape differs from grad_y"

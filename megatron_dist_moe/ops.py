@@ -12,7 +12,7 @@ import torch
 from . import library
 from .context import Context
 
-__all__ = ["routed_experts", "RoutedExpertsInputError", "validate_inputs"]
+__all__ = ["routed_experts", "RoutedExpertsInputError", "validate_inputs", "validate_wgrad_into"]
 
 
 class RoutedExpertsInputError(ValueError):
@@ -117,8 +117,48 @@ def validate_inputs(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: 
     return w13
 
 
+def validate_wgrad_into(wgrad_into, ctx: Context) -> tuple[list, list]:
+    """Check routed_experts' `wgrad_into` = (w13 accumulators, w2 accumulators): E_local fp32
+    contiguous 16-byte aligned tensors each, [2F, D] (or [2, F, D]) and [D, F], on ctx.device;
+    Config.wgrad_dtype must be "fp32". Raises RoutedExpertsInputError("wgrad_into", ...)."""
+    cfg = ctx.config
+    D, F, E_local = cfg.hidden_dim, cfg.intermediate_dim, ctx.num_local_experts
+    if cfg.wgrad_dtype != "fp32":
+        raise RoutedExpertsInputError("wgrad_into", "adds fp32 weight gradients: needs "
+                                      f"Config.wgrad_dtype='fp32', got {cfg.wgrad_dtype!r}")
+    if not isinstance(wgrad_into, (tuple, list)) or len(wgrad_into) != 2:
+        raise RoutedExpertsInputError("wgrad_into", "expected a pair (w13 accumulators, w2 "
+                                      f"accumulators), got {type(wgrad_into).__name__}")
+    out = []
+    for which, shapes in (("w13", ((2 * F, D), (2, F, D))), ("w2", ((D, F),))):
+        accs = wgrad_into[len(out)]
+        if not isinstance(accs, (tuple, list)) or len(accs) != E_local:
+            raise RoutedExpertsInputError(
+                "wgrad_into", f"{which}: expected a list of E_local={E_local} tensors, got "
+                f"{len(accs) if isinstance(accs, (tuple, list)) else type(accs).__name__}")
+        for e, t in enumerate(accs):
+            where = f"{which}[{e}]"
+            if not isinstance(t, torch.Tensor):
+                raise RoutedExpertsInputError("wgrad_into", f"{where}: expected a tensor")
+            if tuple(t.shape) not in shapes:
+                raise RoutedExpertsInputError("wgrad_into", f"{where}: shape {list(t.shape)}, "
+                                              f"expected {' or '.join(map(str, map(list, shapes)))}")
+            if t.dtype != torch.float32:
+                raise RoutedExpertsInputError("wgrad_into", f"{where}: dtype {t.dtype}, expected "
+                                              "torch.float32")
+            if t.device != ctx.device:
+                raise RoutedExpertsInputError("wgrad_into", f"{where}: is on {t.device}, the "
+                                              f"context is on {ctx.device}")
+            if not t.is_contiguous() or t.data_ptr() % 16:
+                raise RoutedExpertsInputError("wgrad_into", f"{where}: must be contiguous and "
+                                              "16-byte aligned")
+        out.append(list(accs))
+    return out[0], out[1]
+
+
 def routed_experts(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: torch.Tensor,
-                   w13: torch.Tensor, w2_EDF: torch.Tensor, ctx: Context) -> torch.Tensor:
+                   w13: torch.Tensor, w2_EDF: torch.Tensor, ctx: Context, *,
+                   wgrad_into=None) -> torch.Tensor:
     """Run the routed expert MLPs of every rank's tokens on the experts' owners.
 
     Args:
@@ -131,6 +171,12 @@ def routed_experts(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: t
                        rank's experts (global expert id = rank * E_local + local index).
         w2_EDF:        [E_local, D, F] down projections.
         ctx:           a Context from create_context() on the EP group.
+        wgrad_into:    optional (w13 accumulators, w2 accumulators): E_local fp32 tensors each,
+                       [2F, D] (or [2, F, D]) and [D, F], e.g. Megatron's per-expert main_grad.
+                       The backward then ADDS the fp32 weight gradients into them (the WGRAD
+                       GEMMs accumulate in place: no bf16 rounding, no stacked gradient) and
+                       w13 and w2 receive zero gradients. Needs Config.wgrad_dtype="fp32";
+                       ignored by calls that keep no state for backward.
 
     Returns:
         y_TD [T, D] in x's dtype: for each token the FP32 score-weighted sum over its active routes
@@ -153,6 +199,8 @@ def routed_experts(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: t
         try:
             validate_inputs(x_TD, expert_ids_TK, scores_TK, w13, w2_EDF, ctx,
                             check_values=False if fake else None)
+            if wgrad_into is not None:
+                wgrad_into = validate_wgrad_into(wgrad_into, ctx)
             local_error = None
         except RoutedExpertsInputError as e:
             local_error = e
@@ -176,6 +224,12 @@ def routed_experts(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: t
         raise RoutedExpertsInputError(
             "ctx", "this context was created with Config.inference=True and keeps no state for "
             "backward; call under torch.no_grad() or create a training context")
-    y_TD, _ = torch.ops.dist_moe.routed_experts_fwd(x_TD, expert_ids_TK, scores_TK, w13, w2_EDF,
-                                                    ctx.id, training)
+    # the forward op takes the accumulators from the context (library.routed_experts_fwd), so
+    # the registered op's schema stays tensors-only
+    ctx._pending_wgrad_into = wgrad_into if training and not fake else None
+    try:
+        y_TD, _ = torch.ops.dist_moe.routed_experts_fwd(x_TD, expert_ids_TK, scores_TK, w13,
+                                                        w2_EDF, ctx.id, training)
+    finally:
+        ctx._pending_wgrad_into = None
     return y_TD

@@ -219,10 +219,13 @@ def make_problem(cfg, ep_size: int, seed: int, *, dtype: torch.dtype = torch.bfl
 
 
 def run_rank(ctx, problem: Problem, *, w13_layout: str = "E2FD", backward: bool = True,
-             ) -> dict[str, torch.Tensor]:
+             wgrad_into: bool = False) -> dict[str, torch.Tensor]:
     """Run routed_experts on this rank's slice of `problem` (forward, and backward when asked).
 
     w13_layout: "E2FD" passes w13 as [E_local, 2, F, D], "E2F_D" as [E_local, 2F, D].
+    wgrad_into: pass fp32 per-expert accumulators holding small integers (exact in fp32); the
+        weight gradients returned are then (accumulator after - before), and the weights' own
+        gradients must be exactly zero (AssertionError otherwise).
     Returns CPU tensors: y, and grad_x, grad_scores, grad_w13 ([E_local, 2, F, D]), grad_w2.
     """
     from .ops import routed_experts
@@ -239,6 +242,20 @@ def run_rank(ctx, problem: Problem, *, w13_layout: str = "E2FD", backward: bool 
         raise ValueError(f"unknown w13 layout {w13_layout!r}")
     w13 = w13.requires_grad_(backward)
     w2 = problem.w2[exp].contiguous().to(dev).requires_grad_(backward)
+    if backward and wgrad_into:
+        g = torch.Generator().manual_seed(1000 + r)
+        start = [[torch.randint(-3, 4, w.shape[1:], generator=g).to(torch.float32)
+                  for _ in range(w.shape[0])] for w in (w13, w2)]
+        accs = [[t.to(dev, copy=True) for t in ts] for ts in start]
+        y = routed_experts(x, ids, scores, w13, w2, ctx, wgrad_into=accs)
+        y.backward(problem.grad_y[tok].to(dev))
+        for name, w in (("w13", w13), ("w2", w2)):
+            assert w.grad is not None and not bool(w.grad.any()), (
+                f"wgrad_into: {name}.grad must be all zeros")
+        got = [torch.stack([a.cpu().double() - s.double() for a, s in zip(acc, st)])
+               for acc, st in zip(accs, start)]
+        return dict(y=y.detach().cpu(), grad_x=x.grad.cpu(), grad_scores=scores.grad.cpu(),
+                    grad_w13=got[0].reshape(problem.w13[exp].shape), grad_w2=got[1])
     if backward:
         y = routed_experts(x, ids, scores, w13, w2, ctx)
         y.backward(problem.grad_y[tok].to(dev))

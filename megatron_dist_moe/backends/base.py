@@ -31,7 +31,9 @@ class Backend(Protocol):
         """(grad_x [T,D], grad_scores [T,K] fp32, grad_w13 [E_local,2F,D], grad_w2 [E_local,D,F]).
 
         Runs planner.plan_backward first (rewinds the slot), replays the forward when the
-        record says need_recompute. Weight gradients are in Config.wgrad_dtype.
+        record says need_recompute. Weight gradients are in Config.wgrad_dtype. When
+        `saved.wgrad_into` is set (routed_experts(wgrad_into=...)), the fp32 weight gradients
+        are added into those tensors instead and grad_w13 and grad_w2 are None.
         """
 
     def reset(self) -> None: ...

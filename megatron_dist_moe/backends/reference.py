@@ -106,6 +106,9 @@ class _Saved:
     w13_END: torch.Tensor
     w2_EDF: torch.Tensor
     dtype: torch.dtype
+    # routed_experts(wgrad_into=...): (w13 list, w2 list) of fp32 tensors the weight gradients
+    # are added into (set by library.routed_experts_fwd)
+    wgrad_into: tuple | None = None
 
 
 class ReferenceBackend:
@@ -419,6 +422,13 @@ class ReferenceBackend:
         grad_routes = torch.zeros(T * K, D, dtype=acc, device=grad_y_TD.device)
         grad_routes[routes.send_flat_idx] = self._return(grad_xg, routes).to(acc)
         grad_x_TD = grad_routes.view(T, K, D).sum(dim=1).to(dtype)
+
+        if saved.wgrad_into is not None:
+            # the fp32 sums (wgrad_dtype="fp32", checked in ops) added into the caller's tensors
+            for accs, g in zip(saved.wgrad_into, (grad_w13, grad_w2)):
+                for e, acc_e in enumerate(accs):
+                    acc_e.view(g.shape[1:]).add_(g[e].to(acc_e.dtype))
+            return grad_x_TD, grad_scores_TK, None, None
 
         def wgrad(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             if cfg.wgrad_dtype == "bf16":

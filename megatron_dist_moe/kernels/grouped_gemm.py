@@ -56,6 +56,7 @@ __all__ = [
     "grouped_mm_fwd",
     "grouped_mm_dgrad",
     "grouped_mm_wgrad",
+    "ExpertOutTable",
     "ClaimFlags",
     "EPILOGUES",
     "ACTIVATIONS",
@@ -185,6 +186,55 @@ def device_ptr(t: torch.Tensor) -> torch.Tensor:
     """
     assert t.data_ptr() % 16 == 0, f"device_ptr: address {t.data_ptr():#x} must be 16-byte aligned"
     return torch.full((1,), t.data_ptr(), dtype=torch.int64, device=t.device)
+
+
+@dataclass(frozen=True)
+class ExpertOutTable:
+    """Per-expert output matrices anywhere in memory, for `grouped_mm_wgrad`.
+
+    addrs  int64 [E] device tensor: expert e's row-major M x N matrix of `dtype` starts there
+    m, n   each matrix's shape
+    tensors the matrices (`of` keeps them, so the addresses stay valid while the table lives)
+    Build it with `of(tensors)`, e.g. from Megatron's per-expert fp32 `main_grad` buffers, so the
+    WGRAD accumulates into them in place (accumulate=True) instead of storing a stacked copy.
+    """
+    addrs: torch.Tensor
+    m: int
+    n: int
+    dtype: torch.dtype
+    tensors: tuple = ()     # the matrices themselves (kept alive while the table is)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.addrs.numel(), self.m, self.n)
+
+    @property
+    def device(self) -> torch.device:
+        return self.addrs.device
+
+    @staticmethod
+    def of(tensors, name: str = "out") -> "ExpertOutTable":
+        """The table of E equally shaped, contiguous, 16-byte aligned tensors on one device.
+        The fills below are kernels (no host-to-device copy), so this may run during capture."""
+        tensors = list(tensors)
+        if not tensors:
+            raise ValueError(f"{name}: expected at least one tensor")
+        t0 = tensors[0]
+        for i, t in enumerate(tensors):
+            if t.shape != t0.shape or t.dtype != t0.dtype or t.device != t0.device:
+                raise ValueError(f"{name}[{i}]: {tuple(t.shape)} {t.dtype} on {t.device} differs "
+                                 f"from {name}[0]: {tuple(t0.shape)} {t0.dtype} on {t0.device}")
+            if not t.is_contiguous():
+                raise ValueError(f"{name}[{i}]: must be contiguous")
+            if t.data_ptr() % 16:
+                raise ValueError(f"{name}[{i}]: address {t.data_ptr():#x} is not 16-byte aligned")
+        if t0.dim() < 2:
+            raise ValueError(f"{name}[0]: expected a matrix, got shape {tuple(t0.shape)}")
+        addrs = torch.empty(len(tensors), dtype=torch.int64, device=t0.device)
+        for i, t in enumerate(tensors):
+            addrs[i].fill_(t.data_ptr())
+        return ExpertOutTable(addrs, t0.numel() // t0.shape[-1], t0.shape[-1], t0.dtype,
+                              tuple(tensors))
 
 
 def _ensure_tma_allocator() -> None:
@@ -904,7 +954,8 @@ def _grouped_mm_wgrad_kernel(
     a_addr_ptr, b_addr_ptr, offsets_ptr, out_ptr, M, N,
     E: tl.constexpr, IN_DT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+    ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
+    OUT_TABLE: tl.constexpr, OUT_DT: tl.constexpr, PDL: tl.constexpr = False):
     grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -946,21 +997,49 @@ def _grouped_mm_wgrad_kernel(
             a_ptrs += BLOCK_K * M
             b_ptrs += BLOCK_K * N
 
-    _store_wgrad_tile(acc, out_ptr, e, offs_m, offs_n, M, N, row_start, row_end, ACCUMULATE)
+    _store_wgrad_tile(acc, out_ptr, e, offs_m, pid_n * BLOCK_N, M, N, row_start, row_end,
+                      ACCUMULATE, OUT_TABLE, OUT_DT, BLOCK_N)
 
 
 @triton.jit
-def _store_wgrad_tile(acc, out_ptr, e, offs_m, offs_n, M, N, row_start, row_end,
-                      ACCUMULATE: tl.constexpr):
-    """out[e] tile (+)= acc; with ACCUMULATE an empty expert leaves out[e] untouched."""
-    OUT_DT: tl.constexpr = out_ptr.dtype.element_ty
-    out_ptrs = (out_ptr + e.to(tl.int64) * M * N + offs_m.to(tl.int64)[:, None] * N
-                + offs_n[None, :])
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+def _store_wgrad_tile(acc, out_ptr, e, offs_m, col0, M, N, row_start, row_end,
+                      ACCUMULATE: tl.constexpr, OUT_TABLE: tl.constexpr, OUT_DT: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    """out[e][:, col0:col0+BLOCK_N] tile (+)= acc; with ACCUMULATE an empty expert leaves out[e]
+    untouched. OUT_TABLE: out_ptr is an int64 [E] table of each expert's M x N matrix address."""
+    if OUT_TABLE:
+        base = tl.multiple_of(tl.load(out_ptr + e).to(tl.pointer_type(OUT_DT)), 16)
+    else:
+        base = out_ptr + e.to(tl.int64) * M * N
+    row_ptrs = base + offs_m.to(tl.int64)[:, None] * N
+    m_ok = offs_m < M
     if ACCUMULATE:
-        mask = mask & (row_end > row_start)
-        acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptrs, acc.to(OUT_DT), mask=mask)
+        # In column quarters: a 128x256 fp32 tile and the values it adds to do not fit in
+        # registers side by side (ptxas: 420 B of spills). Same sums, same bits.
+        Q: tl.constexpr = BLOCK_N // 4
+        live = row_end > row_start
+        parts = tl.reshape(acc, (acc.shape[0], 2, 2, Q))
+        p_lo, p_hi = tl.split(tl.permute(parts, (0, 2, 3, 1)))
+        p0, p1 = tl.split(tl.permute(p_lo, (0, 2, 1)))
+        p2, p3 = tl.split(tl.permute(p_hi, (0, 2, 1)))
+        c = col0 + tl.arange(0, Q)
+        _add_wgrad_part(p0, row_ptrs, m_ok, c, N, live, OUT_DT)
+        _add_wgrad_part(p1, row_ptrs, m_ok, c + Q, N, live, OUT_DT)
+        _add_wgrad_part(p2, row_ptrs, m_ok, c + 2 * Q, N, live, OUT_DT)
+        _add_wgrad_part(p3, row_ptrs, m_ok, c + 3 * Q, N, live, OUT_DT)
+    else:
+        offs_n = col0 + tl.arange(0, BLOCK_N)
+        mask = m_ok[:, None] & (offs_n < N)[None, :]
+        tl.store(row_ptrs + offs_n[None, :], acc.to(OUT_DT), mask=mask)
+
+
+@triton.jit
+def _add_wgrad_part(part, row_ptrs, m_ok, cols, N, live, OUT_DT: tl.constexpr):
+    """Columns `cols` of a WGRAD tile: out += part (fp32), skipped for an expert without rows."""
+    ptrs = row_ptrs + cols[None, :]
+    mask = m_ok[:, None] & (cols < N)[None, :] & live
+    old = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptrs, (old + part).to(OUT_DT), mask=mask)
 
 
 @triton.jit
@@ -968,7 +1047,8 @@ def _grouped_mm_wgrad_persistent_kernel(
     a_addr_ptr, b_addr_ptr, offsets_ptr, out_ptr, M, N,
     E: tl.constexpr, IN_DT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ACCUMULATE: tl.constexpr, IEEE: tl.constexpr, FLATTEN: tl.constexpr, PDL: tl.constexpr = False):
+    ACCUMULATE: tl.constexpr, IEEE: tl.constexpr, FLATTEN: tl.constexpr,
+    OUT_TABLE: tl.constexpr, OUT_DT: tl.constexpr, PDL: tl.constexpr = False):
     grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
     # Persistent WGRAD (DIST_MOE_WGRAD_PERSISTENT): programs stride over the output tiles of all
     # experts. One TMA descriptor per operand spans every row; each expert's full BLOCK_K row
@@ -1012,7 +1092,8 @@ def _grouped_mm_wgrad_persistent_kernel(
             b = tl.load(b_base + rk.to(tl.int64)[:, None] * N + offs_n[None, :],
                         mask=r_ok[:, None] & (offs_n < N)[None, :], other=0.0)
             acc = _dot(a.T, b, acc, IEEE)
-        _store_wgrad_tile(acc, out_ptr, e, offs_m, offs_n, M, N, row_start, row_end, ACCUMULATE)
+        _store_wgrad_tile(acc, out_ptr, e, offs_m, pid_n * BLOCK_N, M, N, row_start, row_end,
+                      ACCUMULATE, OUT_TABLE, OUT_DT, BLOCK_N)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1207,7 +1288,7 @@ def grouped_mm_wgrad(
     a: torch.Tensor,
     b: torch.Tensor,
     expert_offsets: torch.Tensor,
-    out: torch.Tensor,
+    out: "torch.Tensor | ExpertOutTable",
     *,
     accumulate: bool = False,
     dtype: Optional[torch.dtype] = None,
@@ -1221,16 +1302,22 @@ def grouped_mm_wgrad(
     b               [R, N] dense (row stride N): device pointer or dense tensor.
     expert_offsets  int32 [E+1] device cumulative row ends.
     out             [E, M, N] contiguous tensor, bf16 or fp32 (fp16/fp32 also for the
-                    interpreter). Experts with no rows get zeros, or stay untouched when
-                    accumulate=True (which needs an fp32 out: out[e] += a_e.T @ b_e).
+                    interpreter), or an ExpertOutTable (E separate M x N matrices). Experts
+                    with no rows get zeros, or stay untouched when accumulate=True (which
+                    needs an fp32 out: out[e] += a_e.T @ b_e).
     dtype           dtype of a and b; default: theirs when tensors, else bfloat16.
     persistent      TMA configs: one persistent launch over every expert's tiles (None: the
                     module default WGRAD_PERSISTENT, $DIST_MOE_WGRAD_PERSISTENT, on), with
                     num_programs programs (default: one per SM).
     """
-    assert out.dim() == 3 and out.is_contiguous(), "out must be a contiguous [E, M, N] tensor"
-    assert out.dtype in _TL_DTYPES, f"out dtype {out.dtype} not supported"
-    assert not accumulate or out.dtype == torch.float32, "accumulate=True needs an fp32 out"
+    table = isinstance(out, ExpertOutTable)
+    if table:
+        out_ptr, out_dtype = out.addrs, out.dtype
+    else:
+        assert out.dim() == 3 and out.is_contiguous(), "out must be a contiguous [E, M, N] tensor"
+        out_ptr, out_dtype = out, out.dtype
+    assert out_dtype in _TL_DTYPES, f"out dtype {out_dtype} not supported"
+    assert not accumulate or out_dtype == torch.float32, "accumulate=True needs an fp32 out"
     num_experts, m, n = out.shape
     _check_offsets(expert_offsets, num_experts, out.device)
     if dtype is None:
@@ -1254,17 +1341,19 @@ def grouped_mm_wgrad(
         flatten = FLATTEN if config.flatten is None else config.flatten
         _grouped_mm_wgrad_persistent_kernel[(min(grid[0], num_programs or
                                                  _default_num_programs(out.device)),)](
-            a_addr_ptr=a_addr, b_addr_ptr=b_addr, offsets_ptr=expert_offsets, out_ptr=out, M=m,
-            N=n, E=num_experts, IN_DT=_TL_DTYPES[dtype], BLOCK_M=config.block_m,
+            a_addr_ptr=a_addr, b_addr_ptr=b_addr, offsets_ptr=expert_offsets, out_ptr=out_ptr,
+            M=m, N=n, E=num_experts, IN_DT=_TL_DTYPES[dtype], BLOCK_M=config.block_m,
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
             ACCUMULATE=accumulate, IEEE=dtype == torch.float32 or _interpreting(),
-            FLATTEN=flatten, num_warps=config.num_warps, num_stages=config.num_stages,
+            FLATTEN=flatten, OUT_TABLE=table, OUT_DT=_TL_DTYPES[out_dtype],
+            num_warps=config.num_warps, num_stages=config.num_stages,
             **pdl_args(out.device))
         return
     _grouped_mm_wgrad_kernel[grid](
-        a_addr_ptr=a_addr, b_addr_ptr=b_addr, offsets_ptr=expert_offsets, out_ptr=out, M=m, N=n,
-        E=num_experts, IN_DT=_TL_DTYPES[dtype], BLOCK_M=config.block_m,
+        a_addr_ptr=a_addr, b_addr_ptr=b_addr, offsets_ptr=expert_offsets, out_ptr=out_ptr, M=m,
+        N=n, E=num_experts, IN_DT=_TL_DTYPES[dtype], BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         ACCUMULATE=accumulate, USE_TMA=config.tma,
         IEEE=dtype == torch.float32 or _interpreting(),
+        OUT_TABLE=table, OUT_DT=_TL_DTYPES[out_dtype],
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args(out.device))

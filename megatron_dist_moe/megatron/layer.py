@@ -46,7 +46,8 @@ from .config_map import (
 )
 from .runtime import get_runtime
 
-__all__ = ["DistMoELayer", "DistMoEExperts", "routing_map_to_topk", "stack_expert_weights"]
+__all__ = ["DistMoELayer", "DistMoEExperts", "routing_map_to_topk", "stack_expert_weights",
+           "main_grad_accumulators"]
 
 
 def routing_map_to_topk(probs_TE: torch.Tensor, routing_map_TE: torch.Tensor, top_k: int
@@ -82,16 +83,24 @@ class _StackExpertWeights(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(fctx, fuse_into_main_grad: bool, *weights: torch.Tensor) -> torch.Tensor:
+    def forward(fctx, fuse_into_main_grad: bool, grads_accumulated: bool,
+                *weights: torch.Tensor) -> torch.Tensor:
         fctx.weights = weights
         fctx.fuse = fuse_into_main_grad
+        fctx.accumulated = grads_accumulated
         return torch.stack([w.detach() for w in weights])
 
     @staticmethod
     def backward(fctx, grad_stacked: torch.Tensor):
         grads = []
         for w, g in zip(fctx.weights, grad_stacked.unbind(0)):
-            if fctx.fuse and getattr(w, "main_grad", None) is not None and hasattr(
+            if fctx.accumulated:
+                # routed_experts(wgrad_into=main_grads) already added the fp32 sums into
+                # main_grad; grad_stacked is zeros. Mark it as Megatron's fused layers do.
+                w.grad_added_to_main_grad = True
+                grads.append(torch.zeros_like(w) if getattr(w, "zero_out_wgrad", False)
+                             else torch.empty_like(w))
+            elif fctx.fuse and getattr(w, "main_grad", None) is not None and hasattr(
                     w, "grad_added_to_main_grad"):
                 # bf16 g into fp32 main_grad: the add upcasts on the fly (exact), without the
                 # fp32 temporary that g.to(fp32) would write and read back (2x main_grad's bytes)
@@ -104,13 +113,29 @@ class _StackExpertWeights(torch.autograd.Function):
             else:
                 grads.append(g)
         fctx.weights = None
-        return (None, *grads)
+        return (None, None, *grads)
 
 
-def stack_expert_weights(weights: list[torch.Tensor], fuse_into_main_grad: bool = False
-                         ) -> torch.Tensor:
-    """torch.stack for parameters, with the gradient routing of _StackExpertWeights."""
-    return _StackExpertWeights.apply(fuse_into_main_grad, *weights)
+def stack_expert_weights(weights: list[torch.Tensor], fuse_into_main_grad: bool = False,
+                         grads_accumulated: bool = False) -> torch.Tensor:
+    """torch.stack for parameters, with the gradient routing of _StackExpertWeights.
+    grads_accumulated: the caller passed the weights' main_grad to routed_experts(wgrad_into=),
+    so backward only marks grad_added_to_main_grad (the stacked gradient is zeros)."""
+    return _StackExpertWeights.apply(fuse_into_main_grad, grads_accumulated, *weights)
+
+
+def main_grad_accumulators(weights: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """The weights' fp32 `main_grad` buffers (Megatron DDP), when every weight has a contiguous,
+    16-byte aligned one and the grad_added_to_main_grad flag; else None."""
+    out = []
+    for w in weights:
+        mg = getattr(w, "main_grad", None)
+        if (mg is None or not hasattr(w, "grad_added_to_main_grad")
+                or mg.dtype != torch.float32 or mg.shape != w.shape or not mg.is_contiguous()
+                or mg.data_ptr() % 16):
+            return None
+        out.append(mg)
+    return out
 
 
 class DistMoEExperts(SequentialMLP):
@@ -140,13 +165,20 @@ class DistMoEExperts(SequentialMLP):
         raise RuntimeError("DistMoEExperts holds weights only; DistMoELayer computes the experts "
                            "with megatron_dist_moe.routed_experts")
 
-    def stacked_weights(self, fuse_into_main_grad: bool = False
+    def stacked_weights(self, fuse_into_main_grad: bool = False, grads_accumulated: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [E_local, 2F, D], w2 [E_local, D, F]) differentiable w.r.t. every expert weight."""
         fc1 = [e.linear_fc1.weight for e in self.local_experts]
         fc2 = [e.linear_fc2.weight for e in self.local_experts]
-        return (stack_expert_weights(fc1, fuse_into_main_grad),
-                stack_expert_weights(fc2, fuse_into_main_grad))
+        return (stack_expert_weights(fc1, fuse_into_main_grad, grads_accumulated),
+                stack_expert_weights(fc2, fuse_into_main_grad, grads_accumulated))
+
+    def main_grad_accumulators(self) -> tuple[list, list] | None:
+        """(fc1 main_grads, fc2 main_grads) for routed_experts(wgrad_into=...), or None when
+        the weights have no fp32 main_grad (no Megatron DDP)."""
+        fc1 = main_grad_accumulators([e.linear_fc1.weight for e in self.local_experts])
+        fc2 = main_grad_accumulators([e.linear_fc2.weight for e in self.local_experts])
+        return None if fc1 is None or fc2 is None else (fc1, fc2)
 
 
 def _grouped_to_sequential_keys(module, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -260,8 +292,15 @@ class DistMoELayer(MoELayer):
                 "micro_batch_size / TP / CP); pass --dist-moe-num-local-input-tokens for "
                 "variable-length batches")
         ctx = get_runtime().context_for(self, base, x_TD.device)
+        # Under Megatron's DDP the WGRADs add their fp32 sums straight into the experts'
+        # main_grad (DistMoEOptions.wgrad_dtype="fp32", the default): no bf16 rounding of a
+        # microbatch's gradient, and no stacked gradient written, read and added afterwards.
+        into = (self.experts.main_grad_accumulators()
+                if self.dist_moe_options.wgrad_dtype == "fp32" and torch.is_grad_enabled()
+                else None)
         fuse = bool(self.config.gradient_accumulation_fusion)
-        w13, w2 = self.experts.stacked_weights(fuse_into_main_grad=fuse)
+        w13, w2 = self.experts.stacked_weights(fuse_into_main_grad=fuse,
+                                               grads_accumulated=into is not None)
         x_in = x_TD.to(w13.dtype)
         if T < T_max:
             # Every EP rank passes the same T: pad with rows whose routes are all inactive.
@@ -269,7 +308,8 @@ class DistMoELayer(MoELayer):
             x_in = torch.cat([x_in, x_in.new_zeros(pad, D)])
             ids_TK = torch.cat([ids_TK, ids_TK.new_full((pad, ids_TK.shape[1]), -1)])
             scores_TK = torch.cat([scores_TK, scores_TK.new_zeros(pad, scores_TK.shape[1])])
-        y_TD = dm.routed_experts(x_in.contiguous(), ids_TK, scores_TK, w13, w2, ctx)
+        y_TD = dm.routed_experts(x_in.contiguous(), ids_TK, scores_TK, w13, w2, ctx,
+                                 wgrad_into=into)
         return y_TD[:T].to(hidden_states.dtype).reshape(shape)
 
     # -- MoELayer API ---------------------------------------------------------------------

@@ -3,7 +3,7 @@
 # Usage (on the GPU machine, repo root): bash scripts/device/gpu_session.sh [sections...]
 # Sections: env check packing kernels traps bench claimsweep candcheck candbench ab scoregrads
 #           rowgather pdl gaps sustained nvlink cutlass wgradcl floor wgradf32 wgradstore weights
-#           layer packbench megatron pack
+#           wgradinto layer packbench megatron pack
 #           (default: env check)
 # Knobs: CHECK_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS (extra arguments), TMO (seconds per step),
 #        CANDS (opt-in switches for 'candcheck' / 'candbench'), AB_A AB_B AB_ARGS ('ab'), SEEDS, STEPS, MB (microbatches) and
@@ -145,6 +145,14 @@ for s in $sections; do case $s in
                   --a-config wgrad_dtype=fp32 --b-config wgrad_dtype=bf16 ;;
   weights) # the Megatron plugin's weight plumbing per layer call (stack, main_grad adds), 1 GPU
            LIMIT=120 run weights python3 benchmarks/bench_expert_weights.py --out "$OUT/weights" ;;
+  wgradinto) # routed_experts(wgrad_into=...): WGRADs adding into per-expert fp32 buffers (Megatron's
+             # main_grad): kernel tests, dist_check (has _wgrad_into cases) on 1 and 2 GPUs, the
+             # plugin's weight plumbing bench, then a short Megatron run (DDP: the new path)
+             LIMIT=180 run wi_kernels python3 -m pytest -q tests/gpu/test_grouped_gemm_gpu.py -m gpu \
+                 -k "wgrad_into or bf16_store or test_wgrad"
+             LIMIT=100 run wi_check1 torchrun --nproc-per-node=1 tests/gpu/dist_check.py --quick
+             [ "$NGPU" -ge 2 ] && LIMIT=150 run wi_check2 torchrun --nproc-per-node=2 tests/gpu/dist_check.py
+             LIMIT=120 run wi_weights python3 benchmarks/bench_expert_weights.py --out "$OUT/weights" ;;
   layer) run layer torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py --out "$OUT" ${LAYER_ARGS:-} ;;
   packbench) run packbench torchrun --nproc-per-node="$NGPU" benchmarks/bench_packing.py --out "$OUT" ${PACK_ARGS:-} ;;
   pack) # the device tool brings back few files: fold everything into one archive

@@ -115,22 +115,36 @@ def rank_inputs(p, rank: int):
             p.w2[exp].contiguous())
 
 
-def run_layers(be: cb.CudaBackend, problems: list, rank: int) -> dict:
+def run_layers(be: cb.CudaBackend, problems: list, rank: int, wgrad_into: bool = False) -> dict:
     """All layers' training forwards in one slot, then their backwards in reverse order.
     Returns this rank's results per layer, the planner's decisions and whether the slot
-    cursors came back to their start."""
+    cursors came back to their start. wgrad_into: each layer's weight gradients are added into
+    fp32 per-expert accumulators holding small integers (routed_experts(wgrad_into=...)); the
+    gradients reported are (after - before), and the backend must return None for them."""
     planner = be.ctx.planner
     be.decision_trace = []
     start = planner.buffer_offsets.clone()
     planner.select(0, len(problems))
     saved, results = [], []
+    starts = []
     for p in problems:
         y, s = be.forward(*rank_inputs(p, rank), training=True)
+        if wgrad_into:
+            w13, w2 = rank_inputs(p, rank)[3:]
+            g = torch.Generator().manual_seed(7 + len(starts))
+            init = [[torch.randint(-3, 4, w.shape[1:], generator=g).float()
+                     for _ in range(w.shape[0])] for w in (w13, w2)]
+            s.wgrad_into = tuple([t.clone() for t in ts] for ts in init)
+            starts.append(init)
         saved.append(s)
         results.append({"y": y})
     for i in reversed(range(len(problems))):
         p = problems[i]
         gx, gs, gw13, gw2 = be.backward(p.grad_y[p.tokens(rank)].contiguous(), saved[i])
+        if wgrad_into:
+            assert gw13 is None and gw2 is None, "wgrad_into: the backend returned weight grads"
+            gw13, gw2 = (torch.stack([a.double() - b.double() for a, b in zip(accs, st)])
+                         for accs, st in zip(saved[i].wgrad_into, starts[i]))
         results[i].update(grad_x=gx, grad_scores=gs,
                           grad_w13=gw13.reshape(p.w13[p.experts(rank)].shape), grad_w2=gw2)
     return dict(results=results, needs=[bool(t) for t in be.decision_trace],

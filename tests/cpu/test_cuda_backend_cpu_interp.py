@@ -53,7 +53,7 @@ def run(variant, seed):
     oracles = [tt.oracle_results(p, cfg) for p in problems]
     with H.variant_env(variant["env"]):
         be = H.make_backend(cfg, H.ThreadGroup(0, H.new_shared(1)))
-        out = H.run_layers(be, problems, 0)
+        out = H.run_layers(be, problems, 0, wgrad_into=variant.get("wgrad_into", False))
         y_inf, none = be.forward(*H.rank_inputs(problems[0], 0), training=False)
         be.close()
     errs = [tt.rank_errors(o, orc, p, 0) for o, orc, p in zip(out["results"], oracles, problems)]
@@ -95,6 +95,10 @@ VARIANTS = {
     "row_gather,torch_gemm,torch_tables,saved_routes": dict(
         env={**TORCH, **TORCH_TABLES, "DIST_MOE_GATHER_FANOUT": "0"}, pipeline="standard",
         cfg=dict(save_route_outputs=True)),
+    # weight gradients added into fp32 per-expert accumulators (routed_experts(wgrad_into=...))
+    "wgrad_into,triton_gemm,standard": dict(env=dict(TRITON), pipeline="standard",
+                                            wgrad_into=True),
+    "wgrad_into,torch_gemm": dict(env=dict(TORCH), pipeline="standard", wgrad_into=True),
 }
 for v, (name, variant) in enumerate(VARIANTS.items()):
     try:
@@ -113,7 +117,8 @@ NAMES = ["torch_gemm", "torch_gemm,torch_routing,torch_bookkeeping,saved_routes"
          "expert_score_grads,triton_gemm,staged",
          "expert_score_grads,triton_gemm,standard,unfused_swiglu_bwd,clamped",
          "expert_score_grads,torch_gemm", "row_gather,triton_gemm,standard",
-         "row_gather,torch_gemm,torch_tables,saved_routes"]
+         "row_gather,torch_gemm,torch_tables,saved_routes", "wgrad_into,triton_gemm,standard",
+         "wgrad_into,torch_gemm"]
 
 
 @pytest.fixture(scope="module")

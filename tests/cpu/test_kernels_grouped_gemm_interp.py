@@ -235,6 +235,41 @@ def check_wgrad_persistent():
         _untouched("persistent wgrad accumulate, empty experts", acc[~full])
 
 
+def check_wgrad_into_expert_table():
+    """WGRAD accumulating into E separate fp32 matrices (ExpertOutTable: Megatron's per-expert
+    main_grad), persistent and per-tile, TMA or not: out[e] += a_e^T b_e; empty experts and the
+    memory between the matrices stay untouched."""
+    import torch
+    from megatron_dist_moe.kernels.grouped_gemm import ExpertOutTable, grouped_mm_wgrad
+    from megatron_dist_moe.kernels.grouped_gemm_ref import grouped_mm_wgrad_ref
+    lens, m, n = [9, 0, 37, 4], 64, 80
+    e, offs, r = len(lens), _offsets(lens), sum(lens)
+    a, b = torch.randn(r, m), torch.randn(r, n)
+    for tma, persistent, progs in ((False, False, None), (True, False, None), (True, True, 3)):
+        # one buffer, the experts' matrices in reverse order with gaps (as in a grad buffer)
+        buf = torch.full((e * (m * n + 8),), NAN)
+        mats = [buf[(e - 1 - i) * (m * n + 8):(e - 1 - i) * (m * n + 8) + m * n].view(m, n)
+                for i in range(e)]
+        prev = torch.randn(e, m, n)
+        for i, ln in enumerate(lens):
+            if ln:
+                mats[i].copy_(prev[i])
+        grouped_mm_wgrad(a, b, offs, ExpertOutTable.of(mats), accumulate=True,
+                         config=_cfg(tma=tma), persistent=persistent, num_programs=progs)
+        ref = grouped_mm_wgrad_ref(a, b, offs, out=prev, accumulate=True,
+                                   compute_dtype=torch.float64)
+        tag = f"wgrad into table tma={tma} persistent={persistent}"
+        for i, ln in enumerate(lens):
+            if ln:
+                _close(f"{tag} expert {i}", mats[i], ref[i], torch.float32)
+            else:
+                _untouched(f"{tag}: empty expert {i}", mats[i])
+        gaps = torch.ones_like(buf, dtype=torch.bool)
+        for i in range(e):
+            gaps[i * (m * n + 8):i * (m * n + 8) + m * n] = False
+        _untouched(f"{tag}: memory between the matrices", buf[gaps])
+
+
 def check_wgrad():
     import torch
     from megatron_dist_moe.kernels.grouped_gemm import grouped_mm_wgrad, device_ptr

@@ -310,3 +310,27 @@ def test_bf16_weight_grads_accumulate_into_fp32_main_grad_exactly():
         assert w.main_grad.dtype == torch.float32
         assert torch.equal(w.main_grad, start[i] + upstream[i].float())
         assert w.grad_added_to_main_grad is True
+
+
+def test_accumulated_mode_marks_main_grad_and_leaves_it_to_the_op():
+    """grads_accumulated=True (the layer passed main_grad to routed_experts(wgrad_into=...)):
+    backward touches no main_grad, sets grad_added_to_main_grad and returns dummies (zeros
+    when Megatron asks for zero_out_wgrad)."""
+    from megatron_dist_moe.megatron.layer import main_grad_accumulators, stack_expert_weights
+
+    ws = [torch.nn.Parameter(torch.randn(6, 4).to(torch.bfloat16)) for _ in range(2)]
+    assert main_grad_accumulators(ws) is None            # no DDP: plain gradients
+    for w in ws:
+        w.main_grad = torch.full((6, 4), 5.0)
+        w.grad_added_to_main_grad = False
+    ws[1].zero_out_wgrad = True
+    accs = main_grad_accumulators(ws)
+    assert accs is not None and all(a is w.main_grad for a, w in zip(accs, ws))
+    stacked = stack_expert_weights(ws, fuse_into_main_grad=True, grads_accumulated=True)
+    stacked.backward(torch.zeros(2, 6, 4, dtype=torch.bfloat16).expand(2, 6, 4))
+    for w in ws:
+        assert torch.equal(w.main_grad, torch.full((6, 4), 5.0))
+        assert w.grad_added_to_main_grad is True
+    assert not bool(ws[1].grad.any())
+    ws[0].main_grad = torch.zeros(6, 4, dtype=torch.bfloat16)   # not fp32: not an accumulator
+    assert main_grad_accumulators(ws) is None

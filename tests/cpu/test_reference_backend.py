@@ -40,11 +40,12 @@ def _pick(problem, rank):
 
 
 # -- cases (run on every rank; return picklable summaries) -------------------------------------
-def case_oracle(rank, ws, *, dtype, routing, layout="E2FD", cfg_kw=None, problem_kw=None):
+def case_oracle(rank, ws, *, dtype, routing, layout="E2FD", cfg_kw=None, problem_kw=None,
+                wgrad_into=False):
     cfg = tiny_config(**(cfg_kw or {}))
     problem = tt.make_problem(cfg, ws, seed=11, dtype=dtype, routing=routing, **(problem_kw or {}))
     with dm.create_context(config=cfg, device="cpu") as ctx:
-        res = tt.run_rank(ctx, problem, w13_layout=layout)
+        res = tt.run_rank(ctx, problem, w13_layout=layout, wgrad_into=wgrad_into)
         cursors = ctx.planner.buffer_offsets.tolist()
         start = ctx.plan.slot_ends()
         saved = ctx.planner.saved_bytes.abs().sum().item()
@@ -258,6 +259,10 @@ CASES = {
     "bf16_random_inactive_expert_score_grads": dict(
         fn=case_oracle, dtype=torch.bfloat16, routing="random",
         cfg_kw=dict(save_route_outputs=False),
+        problem_kw=dict(inactive_fraction=0.25, num_inactive_rows=4)),
+    # weight gradients added into fp32 accumulators (Megatron's main_grad), weights get zeros
+    "bf16_random_inactive_wgrad_into": dict(
+        fn=case_oracle, dtype=torch.bfloat16, routing="random", wgrad_into=True,
         problem_kw=dict(inactive_fraction=0.25, num_inactive_rows=4)),
     "multilayer": dict(fn=case_multilayer),
     "two_slots": dict(fn=case_two_slots),

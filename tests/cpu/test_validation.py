@@ -102,6 +102,20 @@ def _worker(rank, ws):
         args = make(valid)
         attempt(name, arg, lambda: dm.routed_experts(*args, ctx))
 
+    # routed_experts(wgrad_into=...): fp32 per-expert accumulators, E_local of each
+    E_local = E // ws
+    good = ([torch.zeros(2 * F, D) for _ in range(E_local)],
+            [torch.zeros(D, F) for _ in range(E_local)])
+    bad_into = {
+        "wgrad_into_not_a_pair": good[0],
+        "wgrad_into_count": (good[0][:-1], good[1]),
+        "wgrad_into_dtype": ([t.to(torch.bfloat16) for t in good[0]], good[1]),
+        "wgrad_into_shape": (good[0], [t.T for t in good[1]]),
+        "wgrad_into_not_tensor": (good[0], [0.0] * E_local),
+    }
+    for name, into in bad_into.items():
+        attempt(name, "wgrad_into", lambda into=into: dm.routed_experts(*valid, ctx, wgrad_into=into))
+
     # unequal T across ranks: only rank 1 drops a row (and stays within num_local_input_tokens)
     def unequal():
         a = valid if rank == 0 else tuple(t[:-1] for t in valid[:3]) + valid[3:]
@@ -143,7 +157,9 @@ def _worker(rank, ws):
 
 
 NAMES = list(_bad_calls(0)) + ["unequal_T", "one_rank_bad_ids", "slot_index", "slot_negative", "slot_layers_zero",
-                               "slot_layers_too_many", "overflow"]
+                               "slot_layers_too_many", "overflow", "wgrad_into_not_a_pair",
+                               "wgrad_into_count", "wgrad_into_dtype", "wgrad_into_shape",
+                               "wgrad_into_not_tensor"]
 
 
 @pytest.fixture(scope="module")

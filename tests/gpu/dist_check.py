@@ -140,7 +140,10 @@ def make_problem(cfg, EP, T, seed, routing="random", device="cuda"):
                 w2=bf(w2), gy=bf(gy))
 
 
-def run_case(name, cfg, ctx, prob, rank, EP, results, w13_4d=False, repeat=1):
+def run_case(name, cfg, ctx, prob, rank, EP, results, w13_4d=False, repeat=1, wgrad_into=False):
+    """wgrad_into: the weight gradients are added into fp32 per-expert accumulators holding
+    small integers (exact in fp32; routed_experts(wgrad_into=...)); judged as (after - before),
+    and w13/w2 must receive exact zeros."""
     E_loc = cfg.num_experts // EP
     sl = slice(rank * E_loc, (rank + 1) * E_loc)
     x = prob["x"][rank].clone().requires_grad_()
@@ -151,17 +154,30 @@ def run_case(name, cfg, ctx, prob, rank, EP, results, w13_4d=False, repeat=1):
     w13 = w13.requires_grad_()
     w2 = prob["w2"][sl].clone().requires_grad_()
     ids = prob["ids"][rank]
+    into = start = None
+    if wgrad_into:
+        g = torch.Generator(device="cuda").manual_seed(31 + rank)
+        start = [torch.randint(-3, 4, w.shape, generator=g, device="cuda").float()
+                 for w in (w13.detach().reshape(E_loc, -1, cfg.hidden_dim), w2.detach())]
+        into = tuple([t.clone() for t in st] for st in start)
     for _ in range(repeat):
         x.grad = s.grad = w13.grad = w2.grad = None
-        y = dm.routed_experts(x, ids, s, w13, w2, ctx)
+        y = dm.routed_experts(x, ids, s, w13, w2, ctx, wgrad_into=into)
         y.backward(prob["gy"][rank])
-    got = (y, x.grad, s.grad, w13.grad.reshape(E_loc, -1, cfg.hidden_dim), w2.grad)
+    if wgrad_into:
+        zero_w = not bool(w13.grad.any()) and not bool(w2.grad.any())
+        got = (y, x.grad, s.grad) + tuple(torch.stack(acc) - st for acc, st in zip(into, start))
+    else:
+        zero_w = True
+        got = (y, x.grad, s.grad, w13.grad.reshape(E_loc, -1, cfg.hidden_dim), w2.grad)
     errs, tols = compare(got, prob, cfg, rank, sl)
     inactive_rows = (ids < 0).all(1)
     exact_zero = bool((y[inactive_rows] == 0).all()) and bool((x.grad[inactive_rows] == 0).all())
-    ok = all(errs[k] <= tols[k] for k in errs) and exact_zero and bool(torch.isfinite(y).all())
+    ok = (all(errs[k] <= tols[k] for k in errs) and exact_zero and zero_w
+          and bool(torch.isfinite(y).all()))
     results.append(dict(case=name, rank=rank, ok=ok, exact_zero_rows=exact_zero, **errs,
-                        tol_max=max(tols.values())))
+                        tol_max=max(tols.values()),
+                        **({} if zero_w else dict(msg="w13/w2 got non-zero gradients"))))
     return ok
 
 
@@ -274,6 +290,9 @@ def main():
                     prob = make_problem(cfg, EP, T, seed=5)
                     run_case(f"{tag}_w13_4d_repeat3", cfg, ctx, prob, rank, EP, results,
                              w13_4d=True, repeat=3)
+                    prob = make_problem(cfg, EP, T, seed=6, routing="inactive")
+                    run_case(f"{tag}_wgrad_into", cfg, ctx, prob, rank, EP, results,
+                             wgrad_into=True)
                     if activation == "swiglu":
                         run_graph_case(cfg, ctx, EP, rank, results, T)
                         run_sync_free_case(cfg, ctx, EP, rank, results, T)

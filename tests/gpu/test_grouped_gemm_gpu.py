@@ -320,6 +320,36 @@ def test_wgrad_persistent_gives_the_same_bits(lens, d, f, flatten):
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["per-tile", "persistent"])
 @pytest.mark.parametrize("lens,d,f", SHAPES)
+def test_wgrad_into_expert_table_equals_stacked_accumulate(lens, d, f, persistent):
+    """routed_experts(wgrad_into=...): accumulating into E separate fp32 matrices (reverse order,
+    gaps between them, as in Megatron's grad buffer) gives the bits of accumulating into one
+    stacked fp32 tensor; empty experts and the gaps stay untouched."""
+    from megatron_dist_moe.kernels.grouped_gemm import ExpertOutTable
+    torch.manual_seed(17)
+    e, offs, r = len(lens), _offsets(lens), sum(lens)
+    a = torch.randn(r, 2 * f, device=DEV).to(BF16)
+    b = torch.randn(r, d, device=DEV).to(BF16)
+    cfg = replace(CONFIG_TABLE[("wgrad", "large")], tma=True)
+    prev = torch.randn(e, 2 * f, d, device=DEV)
+    stacked = prev.clone()
+    grouped_mm_wgrad(a, b, offs, stacked, accumulate=True, config=cfg, persistent=persistent)
+    size = 2 * f * d + 64
+    buf = torch.full((e * size,), NAN, device=DEV)
+    mats = [buf[(e - 1 - i) * size:(e - 1 - i) * size + 2 * f * d].view(2 * f, d) for i in range(e)]
+    for i in range(e):
+        mats[i].copy_(prev[i])
+    grouped_mm_wgrad(a, b, offs, ExpertOutTable.of(mats), accumulate=True, config=cfg,
+                     persistent=persistent)
+    for i in range(e):
+        assert torch.equal(mats[i], stacked[i]), f"expert {i} (rows {lens[i]}) differs"
+    gaps = torch.ones(e * size, dtype=torch.bool, device=DEV)
+    for i in range(e):
+        gaps[i * size:i * size + 2 * f * d] = False
+    assert torch.isnan(buf[gaps]).all(), "memory between the matrices was written"
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["per-tile", "persistent"])
+@pytest.mark.parametrize("lens,d,f", SHAPES)
 def test_wgrad_bf16_store_equals_rounded_fp32_store(lens, d, f, persistent):
     """The layer stores bf16 weight gradients even for Config.wgrad_dtype="fp32"
     (experts.wgrad_store_dtype): the epilogue rounds the fp32 sums once, exactly as rounding an

@@ -44,6 +44,7 @@ class _Saved:
     w13: torch.Tensor
     w2: torch.Tensor
     T: int
+    wgrad_into: tuple | None = None    # see reference._Saved
 
 
 class CudaBackend:
@@ -70,6 +71,7 @@ class CudaBackend:
             self.arena = make_arena(ctx.plan, dev)
             self.act_base = torch.tensor([self.arena.base], dtype=torch.int64, device=dev)
             self.max_rows = ctx.plan.total_scratch_rows
+            self._wgrad_table_cache: dict[tuple, tuple] = {}
             self.experts = ExpertPipeline(cfg, ctx.num_local_experts, self.max_rows,
                                           self.arena.base + self.arena.nbytes, dev,
                                           pipeline=cfg.pipeline)
@@ -175,6 +177,23 @@ class CudaBackend:
         return y_TD, _Saved(fa.record, fa.rec_vec, tabs, ids_TK, scores_TK, w13_E2FD, w2_EDF, T)
 
     # -- backward ---------------------------------------------------------------------------
+    def _wgrad_tables(self, wgrad_into):
+        """(w13 table, w2 table) of ExpertOutTable for routed_experts(wgrad_into=...), cached by
+        the tensors' addresses (Megatron's main_grad buffers never move); None without."""
+        if wgrad_into is None:
+            return None
+        from ...kernels.grouped_gemm import ExpertOutTable
+        key = tuple(t.data_ptr() for accs in wgrad_into for t in accs)
+        tables = self._wgrad_table_cache.get(key)
+        if tables is None:
+            F, D = self.cfg.intermediate_dim, self.cfg.hidden_dim
+            tables = (ExpertOutTable.of([t.view(2 * F, D) for t in wgrad_into[0]], "wgrad_into"),
+                      ExpertOutTable.of(wgrad_into[1], "wgrad_into"))
+            if len(self._wgrad_table_cache) >= 64:   # bounded: e.g. tensors allocated per step
+                self._wgrad_table_cache.clear()
+            self._wgrad_table_cache[key] = tables
+        return tables
+
     def backward(self, grad_y_TD, saved: _Saved):
         cfg = self.cfg
         D, K = cfg.hidden_dim, cfg.top_k
@@ -216,7 +235,7 @@ class CudaBackend:
             tabs, saved.w13, saved.w2,
             gather_ptrs=tabs.combine_ptrs if keep_routes else self.gy_ptrs,
             scatter_ptrs=tabs.dispatch_route_ptrs, xg_addr=ba.xg, h1_addr=ba.h1, sp=ba.sp,
-            wgrad_dtype=cfg.wgrad_dtype,
+            wgrad_dtype=cfg.wgrad_dtype, wgrad_into=self._wgrad_tables(saved.wgrad_into),
             score_ptrs=None if keep_routes else self.score_ptrs,
             score_grad_delta=self.ctx.plan.route_score_grads_delta)
         self.sym.barrier(3)
@@ -236,6 +255,7 @@ class CudaBackend:
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
         self.experts = None
+        self._wgrad_table_cache.clear()
         self.arena.close()
         self.arena = self.act_base = self.p_dispatch = self.p_combine = None
         self.sym.close()

@@ -233,9 +233,12 @@ class ExpertPipeline:
     def backward(self, tabs: RoutingTables, w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor,
                  gather_ptrs: torch.Tensor, scatter_ptrs: torch.Tensor, xg_addr: torch.Tensor,
                  h1_addr: torch.Tensor, sp: ScratchPointers, wgrad_dtype: str,
-                 score_ptrs: torch.Tensor | None = None, score_grad_delta: int = 0):
+                 score_ptrs: torch.Tensor | None = None, score_grad_delta: int = 0,
+                 wgrad_into=None):
         """Returns (grad_w13 [E,2F,D], grad_w2 [E,D,F]); route input gradients are stored at
         scatter_ptrs (owners' dispatch rows). grad_h3 rows are read from gather_ptrs.
+        wgrad_into: (w13, w2) ExpertOutTable of fp32 matrices: the WGRADs add their fp32 sums
+        into them in place (always on the Triton kernel) and (None, None) is returned.
         score_ptrs (Config.save_route_outputs=False): the gathered rows are grad_y, unscaled;
         each row's score is read at score_ptrs[i] and its score gradient <W2^T grad_y, h2> is
         written (accumulated, fused path) at score_ptrs[i] + score_grad_delta."""
@@ -246,9 +249,15 @@ class ExpertPipeline:
         out_dtype = wgrad_store_dtype(wgrad_dtype, w13_E2FD.dtype)
         act = (F, Rm, self.clamped, cfg.swiglu_alpha, cfg.swiglu_limit)
         if self.gemm == "torch":
-            return self._backward_torch(tabs, w13_E2FD, w2_EDF, gather_ptrs, scatter_ptrs,
-                                        xg_addr, h1_addr, out_dtype, score_ptrs,
-                                        score_grad_delta)
+            grad_w13, grad_w2 = self._backward_torch(tabs, w13_E2FD, w2_EDF, gather_ptrs,
+                                                     scatter_ptrs, xg_addr, h1_addr, out_dtype,
+                                                     score_ptrs, score_grad_delta)
+            if wgrad_into is None:
+                return grad_w13, grad_w2
+            # torch._grouped_mm stores bf16 only: its sums arrive rounded (as documented there)
+            for table, g in zip(wgrad_into, (grad_w13, grad_w2)):
+                self._add_into_table(table, g)
+            return None, None
         from ...kernels.grouped_gemm import grouped_mm_dgrad
         # h2 is rebuilt from h1 (BF16 full-save keeps h1, not h2).
         if self.fuse_swiglu_bwd:
@@ -274,14 +283,16 @@ class ExpertPipeline:
         if score_ptrs is not None and not self.fuse_swiglu_bwd:
             # grad_s = <u, h2> to the owners; grad_h2 = s u and h2 = s h2 in place
             K_rows.score_grad_rows(sp.grad_h2, sp.h2, score_ptrs, nrows, F, score_grad_delta, Rm)
-        grad_w2 = torch.empty(self.E, D, F, dtype=out_dtype, device=self.device)
+        grad_w2 = (wgrad_into[1] if wgrad_into is not None
+                   else torch.empty(self.E, D, F, dtype=out_dtype, device=self.device))
         self._wgrad(sp.g3, sp.h2, offs, grad_w2)
         if not self.fuse_swiglu_bwd:
             # grad_h1 overwrites h2 and g3 (scratch reuse), after WGRAD W2 read them
             K_rows.swiglu_bwd(h1_addr, sp.grad_h2, sp.grad_h1, nrows, *act)
         grouped_mm_dgrad(w=w13_E2FD, expert_offsets=offs, max_rows=Rm, a=grad_h1,
                          epilogue="scatter", out_row_ptrs=scatter_ptrs)
-        grad_w13 = torch.empty(self.E, 2 * F, D, dtype=out_dtype, device=self.device)
+        grad_w13 = (wgrad_into[0] if wgrad_into is not None
+                    else torch.empty(self.E, 2 * F, D, dtype=out_dtype, device=self.device))
         if self.wgrad_stream is not None:
             # grad_w13 is allocated on the main stream and the caller joins (join_side_work)
             # before returning it or touching scratch again, so no record_stream is needed.
@@ -290,13 +301,19 @@ class ExpertPipeline:
                 self._wgrad(grad_h1, xg_addr, offs, grad_w13)
         else:
             self._wgrad(grad_h1, xg_addr, offs, grad_w13)
+        if wgrad_into is not None:
+            return None, None
         return grad_w13, grad_w2
 
-    def _wgrad(self, a, b, offs, out: torch.Tensor) -> None:
+    def _wgrad(self, a, b, offs, out) -> None:
         """out[e] = a_e^T @ b_e (a, b: device pointers to bf16 rows), on CUTLASS with
-        DIST_MOE_WGRAD_CUTLASS, else on the Triton kernel."""
+        DIST_MOE_WGRAD_CUTLASS, else on the Triton kernel; out[e] += a_e^T @ b_e when out is an
+        ExpertOutTable (routed_experts(wgrad_into=...))."""
+        from ...kernels.grouped_gemm import ExpertOutTable, grouped_mm_wgrad
+        if isinstance(out, ExpertOutTable):
+            grouped_mm_wgrad(a, b, offs, out, accumulate=True, dtype=torch.bfloat16)
+            return
         if self.wgrad_cutlass is None:
-            from ...kernels.grouped_gemm import grouped_mm_wgrad
             grouped_mm_wgrad(a, b, offs, out, dtype=torch.bfloat16)
             return
         gemm = self._wgrad_sm90.get(out.dtype)
@@ -305,6 +322,14 @@ class ExpertPipeline:
             gemm = self._wgrad_sm90[out.dtype] = GroupedWgradSm90(self.E, self.device,
                                                                   self.wgrad_cutlass, out.dtype)
         gemm(a, b, offs, out)
+
+    @staticmethod
+    def _add_into_table(table, g_EMN: torch.Tensor) -> None:
+        """table's matrices += g_EMN[e] (fp32), through a strided view per expert: the torch
+        engine's path of routed_experts(wgrad_into=...)."""
+        E, M, N = g_EMN.shape
+        for e in range(E):
+            table.tensors[e].view(M, N).add_(g_EMN[e])
 
     def join_side_work(self) -> None:
         """Order the main stream after the side-stream WGRAD (no-op without it)."""
