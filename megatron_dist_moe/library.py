@@ -60,7 +60,7 @@ import torch
 from .context import context_from_id
 
 __all__ = ["routed_experts_fwd", "routed_experts_bwd", "in_checkpoint_recompute",
-           "untraced", "is_fake_tensor"]
+           "untraced", "is_tracing", "is_fake_tensor"]
 
 
 def _score_grad_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -183,12 +183,17 @@ def is_fake_tensor(t) -> bool:
     return isinstance(t, torch.Tensor) and is_fake(t)
 
 
+def is_tracing() -> bool:
+    """True while make_fx (or torch.compile's AOT tracing) records ops into a graph."""
+    get_mode = getattr(torch._C, "_get_dispatch_mode", None)
+    key = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "PROXY", None)
+    return not (get_mode is not None and key is not None and get_mode(key) is None)
+
+
 def untraced():
     """Context manager: run host-side logic (argument checks that read values, the cross-rank
     agreement collective) eagerly, without recording it into a make_fx graph."""
-    get_mode = getattr(torch._C, "_get_dispatch_mode", None)
-    key = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "PROXY", None)
-    if get_mode is not None and key is not None and get_mode(key) is None:
+    if not is_tracing():
         return contextlib.nullcontext()      # not tracing: nothing to hide
     try:
         from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing

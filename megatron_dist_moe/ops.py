@@ -195,11 +195,18 @@ def routed_experts(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: t
     # FakeTensors (symbolic tracing, torch.compile) only metadata can be checked, and the
     # cross-rank agreement, a collective, waits for the real call.
     fake = any(library.is_fake_tensor(t) for t in (x_TD, expert_ids_TK, scores_TK, w13, w2_EDF))
+    tracing = library.is_tracing()
     with library.untraced():
         try:
             validate_inputs(x_TD, expert_ids_TK, scores_TK, w13, w2_EDF, ctx,
                             check_values=False if fake else None)
             if wgrad_into is not None:
+                if fake or tracing:
+                    # the accumulators travel beside the registered op (see below), which a
+                    # traced graph would not replay: the gradients would go astray silently
+                    raise RoutedExpertsInputError(
+                        "wgrad_into", "is not supported under make_fx / torch.compile tracing; "
+                        "call eagerly (CUDA-graph capture is fine) or drop wgrad_into")
                 wgrad_into = validate_wgrad_into(wgrad_into, ctx)
             local_error = None
         except RoutedExpertsInputError as e:

@@ -297,7 +297,7 @@ class DistMoELayer(MoELayer):
         # microbatch's gradient, and no stacked gradient written, read and added afterwards.
         into = (self.experts.main_grad_accumulators()
                 if self.dist_moe_options.wgrad_dtype == "fp32" and torch.is_grad_enabled()
-                else None)
+                and not torch.compiler.is_compiling() else None)
         fuse = bool(self.config.gradient_accumulation_fusion)
         w13, w2 = self.experts.stacked_weights(fuse_into_main_grad=fuse,
                                                grads_accumulated=into is not None)

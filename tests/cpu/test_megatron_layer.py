@@ -141,6 +141,15 @@ def _two_rank_worker(rank: int, world: int) -> dict:
         m32.load_state_dict(ref.state_dict())
         _, g32 = tiny_gpt.train_step(m32, M, seed=3 + rank)
         errs[kind] = tiny_gpt.max_rel_diff(ref_grads, {k: v.double() for k, v in g32.items()})
+    # 5b. the same fp32 dist_moe model with DDP's fp32 main_grad on every parameter: the expert
+    #     WGRADs go into main_grad through routed_experts(wgrad_into=...), nothing else does
+    m32 = tiny_gpt.build_gpt(c32, megatron_spec(c32), seed=1)
+    m32.load_state_dict(ref.state_dict())
+    _, g32 = tiny_gpt.train_step(m32, M, seed=3 + rank, main_grad=True)
+    errs["dist_moe_main_grad"] = tiny_gpt.max_rel_diff(
+        ref_grads, {k: v.double() for k, v in g32.items()})
+    r["main_grad_params"] = sorted(n for n, p in m32.named_parameters()
+                                   if p.grad_added_to_main_grad)
     r["fp32_err"] = errs
 
     # 6. Unsupported settings fail while the model is built.
@@ -192,6 +201,12 @@ def test_tiny_gpt_ep2_matches_alltoall(two_rank_results):
         assert r["contexts"] == [(1, 2, 32)], r["contexts"]
         e = r["fp32_err"]
         assert e["alltoall"] > 0 and e["dist_moe"] <= 8 * e["alltoall"] + 1e-7, e
+        assert e["dist_moe_main_grad"] <= 8 * e["alltoall"] + 1e-7, e
+        # exactly the expert weights of the two MoE layers went into main_grad
+        mg = r["main_grad_params"]
+        assert mg and all(re.search(r"layers\.[02]\.mlp\.experts\.local_experts\.\d+\."
+                                    r"linear_fc[12]\.weight$", n) for n in mg), mg
+        assert len(mg) == 2 * 2 * len({n.split("local_experts.")[1].split(".")[0] for n in mg}), mg
         assert "--disable-bias-linear" in r["unsupported"], r["unsupported"]
         assert "Unsupported token dispatcher type: dist_moe" in r["after_uninstall"]
 

@@ -197,6 +197,21 @@ def case_make_fx(rank, ws):
         out["fake_equal"] = [torch.equal(a, b) for a, b in zip(got, eager)]
         out["fake_run_at_start"] = _at_start(ctx)
 
+        # wgrad_into travels beside the op, so tracing it is refused (real and fake modes)
+        def train_step_into(x, ids, s, w13, w2, gy):
+            into = ([torch.zeros(w13.shape[1:]).view(-1, w13.shape[-1]) for _ in range(len(w13))],
+                    [torch.zeros(w2.shape[1:]) for _ in range(len(w2))])
+            y = dm.routed_experts(x, ids, s, w13, w2, ctx, wgrad_into=into)
+            return (y,) + torch.autograd.grad(y, (x, s, w13, w2), gy)
+
+        for mode in ("real", "fake"):
+            try:
+                make_fx(train_step_into, tracing_mode=mode)(*args(p, True))
+                out[f"into_{mode}"] = "traced"
+            except dm.RoutedExpertsInputError as e:
+                out[f"into_{mode}"] = e.arg
+        out["into_at_start"] = _at_start(ctx)
+
         gm_inf = make_fx(infer, tracing_mode="real")(*_inputs(p, rank, grad=False))
         out["infer_targets"] = _node_targets(gm_inf)
         out["infer_training_arg"] = [n.args[-1] for n in gm_inf.graph.nodes if n.target is FWD]
@@ -431,6 +446,12 @@ def test_make_fx_graph_recomputes_eager_values(results, tag):
         for rep in r["reps"]:
             assert all(rep["equal"]) and len(rep["equal"]) == 5, rep
             assert rep["at_start"], "a graph run left planner state or saved entries behind"
+
+
+def test_make_fx_refuses_wgrad_into(results):
+    for res in _get(results, "make_fx"):
+        assert res["into_real"] == res["into_fake"] == "wgrad_into", res
+        assert res["into_at_start"]
 
 
 def test_make_fx_fake_tracing(results):

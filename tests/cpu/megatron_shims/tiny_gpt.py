@@ -74,19 +74,30 @@ def forward_step(data_iterator, model):
     return out, _loss_func
 
 
-def train_step(model, num_microbatches: int, seed: int):
+def train_step(model, num_microbatches: int, seed: int, main_grad: bool = False):
     """One forward/backward over `num_microbatches` through Megatron's schedule for this run's
-    pipeline size; returns (per-microbatch losses on the last stage, {name: grad})."""
+    pipeline size; returns (per-microbatch losses on the last stage, {name: grad}).
+
+    main_grad: give every parameter an fp32 `main_grad` and `grad_added_to_main_grad`, as
+    Megatron's DDP does (its CUDA-only buffers are not built here). A parameter whose gradient
+    went into main_grad (flag set) reports main_grad; the others report .grad."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     for p in model.parameters():
         p.grad = None
+        if main_grad:
+            p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+            p.grad_added_to_main_grad = False
     losses = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(batches(num_microbatches, seed)),
         model=[model], num_microbatches=num_microbatches, seq_length=SEQ,
         micro_batch_size=MBS, forward_only=False)
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
-             if p.grad is not None}
+    grads = {}
+    for n, p in model.named_parameters():
+        if main_grad and p.grad_added_to_main_grad:
+            grads[n] = p.main_grad.detach().to(p.dtype).clone()
+        elif p.grad is not None:
+            grads[n] = p.grad.detach().clone()
     return [float(d["lm loss"]) for d in losses], grads
 
 
