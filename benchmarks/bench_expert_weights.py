@@ -2,12 +2,16 @@
 
     python benchmarks/bench_expert_weights.py --out OUT [--cases guide,dsv3]
 
-DistMoELayer keeps SequentialMLP's per-expert parameters (checkpoint layout) and stacks them into
-w13 [E, 2F, D] and w2 [E, D, F] on every forward (`stack_expert_weights`). In backward each
+DistMoELayer keeps SequentialMLP's per-expert parameters (checkpoint layout) and takes them as
+w13 [E, 2F, D] and w2 [E, D, F] on every forward (`stack_expert_weights`): a view when they are
+packed in one storage (DistMoEExperts packs them; Megatron's distributed optimizer moves them
+into its own buffer, and then each forward copies them). In backward each
 expert's slice of the stacked bf16 gradient goes to its parameter: into the fp32 `main_grad`
 with Megatron's gradient_accumulation_fusion (`_StackExpertWeights.backward`), else as `.grad`,
 which Megatron's DDP hook adds into `main_grad` the same way. Rows, one GPU, bf16 weights:
-    stack                  the forward's two stacks (reads and writes the weights once)
+    stack                  the forward's two stacks of unpacked weights (a copy: reads and
+                           writes the weights once)
+    stack_packed           the same on packed weights (views; the baseline is `stack`)
     main_grad_add          the fused backward: main_grad += g (g bf16, upcast inside the add)
     main_grad_add_upcast   the same through an fp32 temporary, main_grad += g.to(fp32) (the
                            plugin's code before 2026-12-01; the baseline of main_grad_add)
@@ -17,8 +21,9 @@ which Megatron's DDP hook adds into `main_grad` the same way. Rows, one GPU, bf1
                            what the plugin does under DDP since 2026-12-01)
     wgrad_bf16_then_add    the same two WGRADs storing a stacked bf16 gradient, then
                            main_grad_add (the plugin before; the baseline of the row above)
-Correctness first: the stack equals torch.stack, both adds give the same main_grad bits, and
-both WGRAD paths match an fp32 torch reference (the fused one to fp32 rounding).
+Correctness first: the stack equals torch.stack (the packed one is a view), both adds give the
+same main_grad bits, and both WGRAD paths match an fp32 torch reference (the fused one to fp32
+rounding).
 Timing: the guide's method (10 warm-ups, 5 windows x 30 calls, median window), eager launches.
 CSV rows (commit, GPU, shape, ms, GB/s in the note, ratio to the baseline) and a plot go to OUT.
 """
@@ -88,9 +93,22 @@ def check_case(name: str, dev):
         raise SystemExit(f"{name}: main_grad += g and main_grad += g.to(fp32) differ")
     for p in fc1 + fc2:
         p.main_grad.zero_()
-    print(f"[{name}] checks OK (stack == torch.stack; both adds give the same main_grad bits)",
-          flush=True)
+    packed = packed_experts(fc1 + fc2, E)
+    v13 = stack_expert_weights(packed[:E], True)
+    if not (v13.data_ptr() == packed[0].data_ptr() and torch.equal(v13, w13.detach())):
+        raise SystemExit(f"{name}: the stack of packed weights is not a view of them")
+    print(f"[{name}] checks OK (stack == torch.stack, a view when packed; both adds give the "
+          "same main_grad bits)", flush=True)
     return fc1, fc2, g13, g2
+
+
+def packed_experts(params: list, E: int) -> list:
+    """Copies of fc1 (first E) and fc2 (last E) parameters packed as DistMoEExperts packs them."""
+    from megatron_dist_moe.megatron.layer import pack_expert_weights
+    out = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    if not (pack_expert_weights(out[:E]) and pack_expert_weights(out[E:])):
+        raise SystemExit("pack_expert_weights refused same-shaped weights")
+    return out
 
 
 def run_case(name: str, dev, commit: str, gpu: str) -> list[dict]:
@@ -100,9 +118,12 @@ def run_case(name: str, dev, commit: str, gpu: str) -> list[dict]:
     n_elems = E * 3 * F * D                      # both weights' elements
     src = torch.empty(n_elems, dtype=torch.bfloat16, device=dev)
     dst = torch.empty_like(src)
+    packed = packed_experts(fc1 + fc2, E)
     fns = {
         "stack": (lambda: (stack_expert_weights(fc1, True), stack_expert_weights(fc2, True)),
                   4 * n_elems),                   # read bf16 + write bf16
+        "stack_packed": (lambda: (stack_expert_weights(packed[:E], True),
+                                  stack_expert_weights(packed[E:], True)), 0),   # no bytes
         "main_grad_add": (lambda: (add_fused(fc1, g13), add_fused(fc2, g2)),
                           10 * n_elems),          # read bf16 + read fp32 + write fp32
         "main_grad_add_upcast": (lambda: (add_upcast(fc1, g13), add_upcast(fc2, g2)),
@@ -111,11 +132,12 @@ def run_case(name: str, dev, commit: str, gpu: str) -> list[dict]:
     }
     times = {}
     for path, (fn, nbytes) in fns.items():
-        with torch.no_grad() if path != "stack" else torch.enable_grad():
+        with torch.no_grad() if not path.startswith("stack") else torch.enable_grad():
             t = time_windows(fn, graph=False)
         times[path] = (t, nbytes)
         print(f"  {name:6s} {path:22s} {t.median_ms:7.3f} ms [{t.min_ms:.3f}-{t.max_ms:.3f}]  "
               f"{nbytes / t.median_ms / 1e6:7.0f} GB/s", flush=True)
+    del packed
     flops = {}
     if dev.type == "cuda":
         wgrad_fns, wgrad_flops = wgrad_paths(fc1, fc2, E, D, F, dev)
@@ -126,12 +148,14 @@ def run_case(name: str, dev, commit: str, gpu: str) -> list[dict]:
             flops[path] = wgrad_flops
             print(f"  {name:6s} {path:22s} {t.median_ms:7.3f} ms [{t.min_ms:.3f}-{t.max_ms:.3f}]  "
                   f"{wgrad_flops / t.median_ms / 1e9:7.1f} TFLOP/s", flush=True)
-    base = {"stack": "copy_floor", "main_grad_add": "main_grad_add_upcast",
+    base = {"stack": "copy_floor", "stack_packed": "stack",
+            "main_grad_add": "main_grad_add_upcast",
             "wgrad_into_main_grad": "wgrad_bf16_then_add"}
     rows = []
     for path, (t, nbytes) in times.items():
         ref = times[base.get(path, path)][0].median_ms
         note = (f"{nbytes / 1e9:.2f} GB moved, {nbytes / t.median_ms / 1e6:.0f} GB/s" if nbytes
+                else "views, no bytes moved" if path == "stack_packed"
                 else "both WGRAD GEMMs, 2048 rows per expert")
         rows.append(dict(commit=commit, gpu=gpu, ep=1, case=name, T="", D=D, F=F, K="",
                          E_local=E, imbalance="", path=path, mode="weights",

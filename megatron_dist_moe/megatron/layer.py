@@ -10,9 +10,12 @@ What is kept from Megatron:
       and save unchanged, and DDP sees expert-parallel parameters with Megatron's attributes.
 
 What changes: forward turns the router's (probs [T, E], routing_map [T, E]) into top-k
-(expert_ids [T, K], scores [T, K]), stacks the per-expert weights into w13 [E_local, 2F, D] and
-w2 [E_local, D, F] (one copy per forward; see _StackExpertWeights for where the weight gradients
-go) and calls `megatron_dist_moe.routed_experts` on the EP group.
+(expert_ids [T, K], scores [T, K]), takes the per-expert weights as w13 [E_local, 2F, D] and
+w2 [E_local, D, F] and calls `megatron_dist_moe.routed_experts` on the EP group. DistMoEExperts
+packs each layer's fc1 and fc2 weights into one storage each, so w13 and w2 are views of the
+parameters; only where Megatron's distributed optimizer has moved the parameters into its own
+buffer does a forward copy them (see _StackExpertWeights, also for where the weight gradients
+go).
 
 `isinstance(layer, MoELayer)` holds, so TransformerLayer treats it as an MoE layer (pre-MLP
 layernorm, recompute decisions, aux-loss plumbing).
@@ -21,6 +24,7 @@ layernorm, recompute decisions, aux-loss plumbing).
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Optional
 
 import torch
@@ -46,8 +50,10 @@ from .config_map import (
 )
 from .runtime import get_runtime
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["DistMoELayer", "DistMoEExperts", "routing_map_to_topk", "stack_expert_weights",
-           "main_grad_accumulators"]
+           "main_grad_accumulators", "pack_expert_weights", "packed_expert_view"]
 
 
 def routing_map_to_topk(probs_TE: torch.Tensor, routing_map_TE: torch.Tensor, top_k: int
@@ -73,8 +79,37 @@ def routing_map_to_topk(probs_TE: torch.Tensor, routing_map_TE: torch.Tensor, to
     return ids_TK, scores_TK
 
 
+def packed_expert_view(weights: list[torch.Tensor] | tuple[torch.Tensor, ...]
+                       ) -> Optional[torch.Tensor]:
+    """[E, *shape] view of the weights' own memory when they lie back to back in one storage
+    (as DistMoEExperts packs them), else None.
+
+    stack_expert_weights records the weights' versions when it returns this view: an in-place
+    update of any weight between that forward and its backward raises an error there instead
+    of leaving gradients computed from two different weights.
+    """
+    if torch.compiler.is_compiling():   # fake tensors have no addresses; torch.stack traces
+        return None
+    w0 = weights[0]
+    n = w0.numel()
+    if n == 0 or not w0.is_contiguous() or w0.data_ptr() % 16:
+        return None
+    base_ptr = w0.untyped_storage().data_ptr()
+    for i, w in enumerate(weights):
+        if (w.shape != w0.shape or w.dtype != w0.dtype or w.device != w0.device
+                or not w.is_contiguous() or w.untyped_storage().data_ptr() != base_ptr
+                or w.storage_offset() != w0.storage_offset() + i * n):
+            return None
+    return w0.detach().as_strided((len(weights), *w0.shape), (n, *w0.stride()),
+                                  w0.storage_offset())
+
+
 class _StackExpertWeights(torch.autograd.Function):
-    """[W_0, ..., W_{E-1}] -> stacked [E, ...] copy; backward routes each slice to its owner.
+    """[W_0, ..., W_{E-1}] -> stacked [E, ...]; backward routes each slice to its owner.
+
+    Forward is free when the weights are packed (`packed_expert_view`: DistMoEExperts keeps
+    them so unless Megatron's distributed optimizer moves them into its own buffer); otherwise
+    it copies them (torch.stack).
 
     With Megatron's gradient_accumulation_fusion the slice is added straight into
     `param.main_grad` (fp32) and a dummy gradient is returned with `grad_added_to_main_grad`
@@ -88,10 +123,20 @@ class _StackExpertWeights(torch.autograd.Function):
         fctx.weights = weights
         fctx.fuse = fuse_into_main_grad
         fctx.accumulated = grads_accumulated
-        return torch.stack([w.detach() for w in weights])
+        packed = packed_expert_view(weights)
+        # the forward read the weights in place: backward checks that they are unchanged
+        fctx.versions = [w._version for w in weights] if packed is not None else None
+        return packed if packed is not None else torch.stack([w.detach() for w in weights])
 
     @staticmethod
     def backward(fctx, grad_stacked: torch.Tensor):
+        if fctx.versions is not None:
+            for i, (w, v) in enumerate(zip(fctx.weights, fctx.versions)):
+                if w._version != v:
+                    raise RuntimeError(
+                        f"expert weight {i} (shape {tuple(w.shape)}) was modified in place "
+                        f"(version {v} -> {w._version}) between the forward that read it in "
+                        "place and this backward; update the weights after backward")
         grads = []
         for w, g in zip(fctx.weights, grad_stacked.unbind(0)):
             if fctx.accumulated:
@@ -124,6 +169,23 @@ def stack_expert_weights(weights: list[torch.Tensor], fuse_into_main_grad: bool 
     return _StackExpertWeights.apply(fuse_into_main_grad, grads_accumulated, *weights)
 
 
+def pack_expert_weights(weights: list[torch.Tensor]) -> bool:
+    """Move same-shaped parameters into one [E, *shape] storage (each `.data` becomes a slice
+    of it), so that `stack_expert_weights` is a view instead of a copy. The Parameter objects
+    and their attributes are kept. Returns whether the weights are packed afterwards."""
+    if packed_expert_view(weights) is not None:
+        return True
+    w0 = weights[0]
+    if any(w.shape != w0.shape or w.dtype != w0.dtype or w.device != w0.device
+           for w in weights) or w0.device.type == "meta":
+        return False
+    with torch.no_grad():
+        packed = torch.stack([w.detach() for w in weights])
+    for w, slice_ in zip(weights, packed.unbind(0)):
+        w.data = slice_
+    return packed_expert_view(weights) is not None
+
+
 def main_grad_accumulators(weights: list[torch.Tensor]) -> list[torch.Tensor] | None:
     """The weights' fp32 `main_grad` buffers (Megatron DDP), when every weight has a contiguous,
     16-byte aligned one and the grad_added_to_main_grad flag; else None."""
@@ -141,9 +203,14 @@ def main_grad_accumulators(weights: list[torch.Tensor]) -> list[torch.Tensor] | 
 class DistMoEExperts(SequentialMLP):
     """SequentialMLP's parameters and checkpoint layout, computed by routed_experts.
 
-    Never run `forward` on it: the layer stacks `stacked_weights()` and calls routed_experts.
+    Never run `forward` on it: the layer takes `stacked_weights()` and calls routed_experts.
     Loading also accepts TEGroupedMLP's plain (non-distributed) layout
     `linear_fc1.weight{i}` / `linear_fc2.weight{i}`.
+
+    The fc1 weights of all local experts share one [E_local, 2F, D] storage and the fc2 weights
+    one [E_local, D, F] storage (`pack_weights`; each parameter is a slice), so
+    `stacked_weights()` costs nothing. Loading a state dict copies into the slices and keeps
+    the packing; a dtype or device conversion packs again.
     """
 
     def __init__(self, num_local_experts: int, config: TransformerConfig, pg_collection=None,
@@ -160,6 +227,34 @@ class DistMoEExperts(SequentialMLP):
                                        linear_fc2=RowParallelLinear),
                          pg_collection=pg_collection, name=name)
         self._register_load_state_dict_pre_hook(_grouped_to_sequential_keys, with_module=True)
+        self.pack_weights()
+
+    def _fc_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return ([e.linear_fc1.weight for e in self.local_experts],
+                [e.linear_fc2.weight for e in self.local_experts])
+
+    def pack_weights(self) -> bool:
+        """Pack the fc1 and the fc2 weights, each into one storage (`pack_expert_weights`), so
+        that every forward takes them as views; True when both are packed."""
+        return all([pack_expert_weights(ws) for ws in self._fc_weights()])
+
+    def weights_packed(self) -> bool:
+        """Whether a forward reads the weights in place (else it copies them, see
+        _StackExpertWeights): False after Megatron's distributed optimizer moved them into its
+        parameter buffer."""
+        return all(packed_expert_view(ws) is not None for ws in self._fc_weights())
+
+    def _apply(self, fn, recurse=True):
+        # .cuda() / .to(dtype) / .bfloat16() give each converted parameter its own tensor:
+        # pack them again. A conversion that kept every address (a no-op, or one that moved
+        # the shared storage as a whole) leaves the layout alone, in particular a layout that
+        # Megatron's distributed optimizer owns (its parameter buffer).
+        before = [w.data_ptr() for ws in self._fc_weights() for w in ws]
+        out = super()._apply(fn, recurse)
+        if ([w.data_ptr() for ws in self._fc_weights() for w in ws] != before
+                and not self.weights_packed()):
+            self.pack_weights()
+        return out
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("DistMoEExperts holds weights only; DistMoELayer computes the experts "
@@ -168,8 +263,7 @@ class DistMoEExperts(SequentialMLP):
     def stacked_weights(self, fuse_into_main_grad: bool = False, grads_accumulated: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [E_local, 2F, D], w2 [E_local, D, F]) differentiable w.r.t. every expert weight."""
-        fc1 = [e.linear_fc1.weight for e in self.local_experts]
-        fc2 = [e.linear_fc2.weight for e in self.local_experts]
+        fc1, fc2 = self._fc_weights()
         return (stack_expert_weights(fc1, fuse_into_main_grad, grads_accumulated),
                 stack_expert_weights(fc2, fuse_into_main_grad, grads_accumulated))
 
@@ -259,6 +353,7 @@ class DistMoELayer(MoELayer):
                                 num_local_input_tokens=self._num_local_input_tokens or 1)
         dm.plan_memory(probe, ep_size=get_pg_size(self.ep_group))
         self._dm_config = probe if self._num_local_input_tokens else None
+        self._weights_layout_logged = False
         get_runtime().register_layer(self)
 
     # -- Dist-MoE plumbing ----------------------------------------------------------------
@@ -299,6 +394,13 @@ class DistMoELayer(MoELayer):
                 if self.dist_moe_options.wgrad_dtype == "fp32" and torch.is_grad_enabled()
                 and not torch.compiler.is_compiling() else None)
         fuse = bool(self.config.gradient_accumulation_fusion)
+        if not self._weights_layout_logged:
+            self._weights_layout_logged = True
+            if not self.experts.weights_packed():
+                logger.info(
+                    "dist_moe layer %s: the expert weights are not packed in one storage "
+                    "(Megatron's distributed optimizer keeps them in its own buffer), so every "
+                    "forward copies them (E_local x 3 x F x D elements)", self.layer_number)
         w13, w2 = self.experts.stacked_weights(fuse_into_main_grad=fuse,
                                                grads_accumulated=into is not None)
         x_in = x_TD.to(w13.dtype)

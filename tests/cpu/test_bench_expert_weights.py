@@ -33,3 +33,12 @@ def test_the_check_catches_a_wrong_add(monkeypatch):
 def test_unknown_case_is_named():
     with pytest.raises(SystemExit):
         bew.main(["--cases", "nope"])
+
+
+def test_the_check_catches_a_stack_that_copies_packed_weights(monkeypatch):
+    """If the packed weights were still copied, the view check must fail."""
+    from megatron_dist_moe.megatron import layer
+    view = layer.stack_expert_weights
+    monkeypatch.setattr(layer, "stack_expert_weights", lambda ws, *a: view(ws, *a).clone())
+    with pytest.raises(SystemExit, match="not a view"):
+        bew.check_case("tiny", torch.device("cpu"))

@@ -99,6 +99,11 @@ def _two_rank_worker(rank: int, world: int) -> dict:
     r["sharded_equal"] = (_describe_sharded(spec_model.sharded_state_dict())
                           == _describe_sharded(ref.sharded_state_dict()))
     spec_model.load_state_dict(ref.state_dict())
+    experts = [l.mlp.experts for l in spec_model.decoder.layers if hasattr(l.mlp, "experts")]
+    r["packed_after_load"] = [e.weights_packed() for e in experts]
+    w13, _ = experts[0].stacked_weights()
+    r["stack_is_view"] = (w13.data_ptr() == experts[0].local_experts[0].linear_fc1.weight
+                          .data_ptr())
     back = tiny_gpt.build_gpt(ref_cfg, megatron_spec(ref_cfg), seed=5)   # and back to alltoall
     back.load_state_dict(spec_model.state_dict(), strict=True)
     r["round_trip"] = all(torch.equal(a, b) for a, b in zip(back.state_dict().values(),
@@ -114,6 +119,10 @@ def _two_rank_worker(rank: int, world: int) -> dict:
     r["te_layout_loads"] = all(torch.equal(a, b) for a, b in
                                zip(fresh.state_dict().values(), ref.state_dict().values())
                                if isinstance(a, torch.Tensor))
+    # a dtype conversion gives every parameter a new tensor: the experts pack them again
+    fresh.float()
+    r["packed_after_float"] = [l.mlp.experts.weights_packed() for l in fresh.decoder.layers
+                               if hasattr(l.mlp, "experts")]
 
     # 4. install(): '--moe-token-dispatcher-type dist_moe' with Megatron's default spec; the
     #    schedule runs through the slot hooks.
@@ -150,6 +159,8 @@ def _two_rank_worker(rank: int, world: int) -> dict:
         ref_grads, {k: v.double() for k, v in g32.items()})
     r["main_grad_params"] = sorted(n for n, p in m32.named_parameters()
                                    if p.grad_added_to_main_grad)
+    r["packed_after_training"] = [l.mlp.experts.weights_packed() for l in m32.decoder.layers
+                                  if hasattr(l.mlp, "experts")]
     r["fp32_err"] = errs
 
     # 6. Unsupported settings fail while the model is built.
@@ -189,6 +200,10 @@ def test_tiny_gpt_ep2_matches_alltoall(two_rank_results):
         assert r["state_dict_keys_equal"] and r["state_dict_shapes_equal"], rank
         assert r["sharded_equal"], f"rank {rank}: sharded state dict differs from SequentialMLP's"
         assert r["te_layout_loads"], rank
+        # the experts' weights stay packed: the forward reads them in place, no copy
+        for key in ("packed_after_load", "packed_after_float", "packed_after_training"):
+            assert r[key] == [True, True], (rank, key, r[key])
+        assert r["stack_is_view"], rank
         assert r["round_trip"], f"rank {rank}: alltoall -> dist_moe -> alltoall changed weights"
         for path in ("spec", "install"):
             assert r[f"{path}_loss_diff"] <= FP64_RTOL * 10, (rank, path, r)
@@ -349,3 +364,63 @@ def test_accumulated_mode_marks_main_grad_and_leaves_it_to_the_op():
     assert not bool(ws[1].grad.any())
     ws[0].main_grad = torch.zeros(6, 4, dtype=torch.bfloat16)   # not fp32: not an accumulator
     assert main_grad_accumulators(ws) is None
+
+
+def test_packed_weights_make_the_stack_a_view():
+    """pack_expert_weights keeps the Parameter objects and values; the stack is then a view of
+    their memory with the same gradient routing; an unpacked layout falls back to a copy; an
+    in-place weight update between forward and backward is refused, not silently used."""
+    from megatron_dist_moe.megatron.layer import (pack_expert_weights, packed_expert_view,
+                                                  stack_expert_weights)
+
+    torch.manual_seed(2)
+    ws = [torch.nn.Parameter(torch.randn(6, 4)) for _ in range(3)]
+    ws[0].allreduce = False                      # an attribute Megatron sets on expert params
+    ids, values = [id(w) for w in ws], [w.detach().clone() for w in ws]
+    assert packed_expert_view(ws) is None        # separate allocations
+    assert pack_expert_weights(ws)
+    assert [id(w) for w in ws] == ids and ws[0].allreduce is False
+    assert all(torch.equal(w, v) for w, v in zip(ws, values))
+    assert all(isinstance(w, torch.nn.Parameter) and w.requires_grad for w in ws)
+
+    upstream = torch.randn(3, 6, 4)
+    stacked = stack_expert_weights(ws)
+    assert stacked.data_ptr() == ws[0].data_ptr() and torch.equal(stacked, torch.stack(values))
+    (stacked * upstream).sum().backward()
+    assert all(torch.equal(w.grad, upstream[i]) for i, w in enumerate(ws))
+
+    with torch.no_grad():                        # an optimizer step writes the slices in place
+        ws[1].add_(1.0)
+    assert torch.equal(stack_expert_weights(ws)[1], values[1] + 1.0)
+
+    used = stack_expert_weights(ws)
+    loss = (used * used).sum()
+    with torch.no_grad():
+        ws[2].mul_(2.0)
+    with pytest.raises(RuntimeError, match="expert weight 2 .* modified in place"):
+        loss.backward()
+
+    ws[1].data = ws[1].data.clone()              # e.g. moved into DDP's parameter buffer
+    assert packed_expert_view(ws) is None
+    copied = stack_expert_weights(ws)
+    assert copied.data_ptr() != ws[0].data_ptr()
+    assert torch.equal(copied, torch.stack([w.detach() for w in ws]))
+    bad = [torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(4, 6))]
+    assert not pack_expert_weights(bad)          # shapes differ: left as they are
+
+
+def test_packed_stack_traces_under_torch_compile():
+    """Under torch.compile the stack is traced as torch.stack (fake tensors have no
+    addresses); values and gradients are those of the eager view."""
+    from megatron_dist_moe.megatron.layer import pack_expert_weights, stack_expert_weights
+
+    torch.manual_seed(3)
+    ws = [torch.nn.Parameter(torch.randn(6, 4)) for _ in range(3)]
+    assert pack_expert_weights(ws)
+    x = torch.randn(3, 6, 4)
+    fn = torch.compile(lambda x: (stack_expert_weights(ws) * x).sum(), backend="aot_eager",
+                       fullgraph=True)
+    y = fn(x)
+    y.backward()
+    assert torch.allclose(y, (torch.stack([w.detach() for w in ws]) * x).sum())
+    assert all(torch.equal(w.grad, x[i]) for i, w in enumerate(ws))
