@@ -107,20 +107,26 @@ def make_backend(cfg: dm.Config, group: ThreadGroup) -> cb.CudaBackend:
     return cb.CudaBackend(ctx)
 
 
-def rank_inputs(p, rank: int):
-    """(x, ids, scores, w13 [E_local, 2F, D], w2) of one rank from a testing.Problem."""
+def rank_inputs(p, rank: int, offset_views: bool = False):
+    """(x, ids, scores, w13 [E_local, 2F, D], w2) of one rank from a testing.Problem.
+    offset_views: w13 and w2 are views at a non-zero storage offset (an extra expert of 7s in
+    front), as the Megatron plugin passes its packed weights."""
     tok, exp = p.tokens(rank), p.experts(rank)
     w13 = p.w13[exp].reshape(p.w13[exp].shape[0], -1, p.w13.shape[-1]).contiguous()
-    return (p.x[tok].contiguous(), p.ids[tok].contiguous(), p.scores[tok].contiguous(), w13,
-            p.w2[exp].contiguous())
+    w2 = p.w2[exp].contiguous()
+    if offset_views:
+        w13, w2 = (torch.cat([torch.full_like(w[:1], 7), w])[1:] for w in (w13, w2))
+    return (p.x[tok].contiguous(), p.ids[tok].contiguous(), p.scores[tok].contiguous(), w13, w2)
 
 
-def run_layers(be: cb.CudaBackend, problems: list, rank: int, wgrad_into: bool = False) -> dict:
+def run_layers(be: cb.CudaBackend, problems: list, rank: int, wgrad_into: bool = False,
+               offset_views: bool = False) -> dict:
     """All layers' training forwards in one slot, then their backwards in reverse order.
     Returns this rank's results per layer, the planner's decisions and whether the slot
     cursors came back to their start. wgrad_into: each layer's weight gradients are added into
     fp32 per-expert accumulators holding small integers (routed_experts(wgrad_into=...)); the
-    gradients reported are (after - before), and the backend must return None for them."""
+    gradients reported are (after - before), and the backend must return None for them.
+    offset_views: the weights are passed as views at a storage offset (rank_inputs)."""
     planner = be.ctx.planner
     be.decision_trace = []
     start = planner.buffer_offsets.clone()
@@ -128,7 +134,7 @@ def run_layers(be: cb.CudaBackend, problems: list, rank: int, wgrad_into: bool =
     saved, results = [], []
     starts = []
     for p in problems:
-        y, s = be.forward(*rank_inputs(p, rank), training=True)
+        y, s = be.forward(*rank_inputs(p, rank, offset_views), training=True)
         if wgrad_into:
             w13, w2 = rank_inputs(p, rank)[3:]
             g = torch.Generator().manual_seed(7 + len(starts))

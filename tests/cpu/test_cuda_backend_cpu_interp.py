@@ -53,7 +53,8 @@ def run(variant, seed):
     oracles = [tt.oracle_results(p, cfg) for p in problems]
     with H.variant_env(variant["env"]):
         be = H.make_backend(cfg, H.ThreadGroup(0, H.new_shared(1)))
-        out = H.run_layers(be, problems, 0, wgrad_into=variant.get("wgrad_into", False))
+        out = H.run_layers(be, problems, 0, wgrad_into=variant.get("wgrad_into", False),
+                           offset_views=variant.get("offset_views", False))
         y_inf, none = be.forward(*H.rank_inputs(problems[0], 0), training=False)
         be.close()
     errs = [tt.rank_errors(o, orc, p, 0) for o, orc, p in zip(out["results"], oracles, problems)]
@@ -99,6 +100,9 @@ VARIANTS = {
     "wgrad_into,triton_gemm,standard": dict(env=dict(TRITON), pipeline="standard",
                                             wgrad_into=True),
     "wgrad_into,torch_gemm": dict(env=dict(TORCH), pipeline="standard", wgrad_into=True),
+    # weights as views at a storage offset (the Megatron plugin's packed weights)
+    "offset_weight_views,triton_gemm,staged": dict(env=dict(TRITON), pipeline="staged",
+                                                   offset_views=True),
 }
 for v, (name, variant) in enumerate(VARIANTS.items()):
     try:
@@ -118,7 +122,7 @@ NAMES = ["torch_gemm", "torch_gemm,torch_routing,torch_bookkeeping,saved_routes"
          "expert_score_grads,triton_gemm,standard,unfused_swiglu_bwd,clamped",
          "expert_score_grads,torch_gemm", "row_gather,triton_gemm,standard",
          "row_gather,torch_gemm,torch_tables,saved_routes", "wgrad_into,triton_gemm,standard",
-         "wgrad_into,torch_gemm"]
+         "wgrad_into,torch_gemm", "offset_weight_views,triton_gemm,staged"]
 
 
 @pytest.fixture(scope="module")

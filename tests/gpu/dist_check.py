@@ -140,10 +140,14 @@ def make_problem(cfg, EP, T, seed, routing="random", device="cuda"):
                 w2=bf(w2), gy=bf(gy))
 
 
-def run_case(name, cfg, ctx, prob, rank, EP, results, w13_4d=False, repeat=1, wgrad_into=False):
+def run_case(name, cfg, ctx, prob, rank, EP, results, w13_4d=False, repeat=1, wgrad_into=False,
+             offset_views=False):
     """wgrad_into: the weight gradients are added into fp32 per-expert accumulators holding
     small integers (exact in fp32; routed_experts(wgrad_into=...)); judged as (after - before),
-    and w13/w2 must receive exact zeros."""
+    and w13/w2 must receive exact zeros.
+    offset_views: w13 and w2 are views at a non-zero offset into a larger parameter (one extra
+    expert in front), as the Megatron plugin passes its packed weights; the extra expert must
+    get an exact zero gradient."""
     E_loc = cfg.num_experts // EP
     sl = slice(rank * E_loc, (rank + 1) * E_loc)
     x = prob["x"][rank].clone().requires_grad_()
@@ -153,6 +157,11 @@ def run_case(name, cfg, ctx, prob, rank, EP, results, w13_4d=False, repeat=1, wg
         w13 = w13.view(E_loc, 2, cfg.intermediate_dim, cfg.hidden_dim)
     w13 = w13.requires_grad_()
     w2 = prob["w2"][sl].clone().requires_grad_()
+    bases = None
+    if offset_views:
+        bases = [torch.cat([w.detach()[:1] * 0 + 7, w.detach()]).requires_grad_()
+                 for w in (w13, w2)]
+        w13, w2 = bases[0][1:], bases[1][1:]
     ids = prob["ids"][rank]
     into = start = None
     if wgrad_into:
@@ -161,10 +170,16 @@ def run_case(name, cfg, ctx, prob, rank, EP, results, w13_4d=False, repeat=1, wg
                  for w in (w13.detach().reshape(E_loc, -1, cfg.hidden_dim), w2.detach())]
         into = tuple([t.clone() for t in st] for st in start)
     for _ in range(repeat):
-        x.grad = s.grad = w13.grad = w2.grad = None
+        x.grad = s.grad = None
+        if bases is None:
+            w13.grad = w2.grad = None
         y = dm.routed_experts(x, ids, s, w13, w2, ctx, wgrad_into=into)
         y.backward(prob["gy"][rank])
-    if wgrad_into:
+    if bases is not None:
+        zero_w = not bool(bases[0].grad[0].any()) and not bool(bases[1].grad[0].any())
+        got = (y, x.grad, s.grad, bases[0].grad[1:].reshape(E_loc, -1, cfg.hidden_dim),
+               bases[1].grad[1:])
+    elif wgrad_into:
         zero_w = not bool(w13.grad.any()) and not bool(w2.grad.any())
         got = (y, x.grad, s.grad) + tuple(torch.stack(acc) - st for acc, st in zip(into, start))
     else:
@@ -177,7 +192,8 @@ def run_case(name, cfg, ctx, prob, rank, EP, results, w13_4d=False, repeat=1, wg
           and bool(torch.isfinite(y).all()))
     results.append(dict(case=name, rank=rank, ok=ok, exact_zero_rows=exact_zero, **errs,
                         tol_max=max(tols.values()),
-                        **({} if zero_w else dict(msg="w13/w2 got non-zero gradients"))))
+                        **({} if zero_w else dict(msg="w13/w2 (or the extra expert in front of "
+                                                      "the views) got non-zero gradients"))))
     return ok
 
 
@@ -293,6 +309,9 @@ def main():
                     prob = make_problem(cfg, EP, T, seed=6, routing="inactive")
                     run_case(f"{tag}_wgrad_into", cfg, ctx, prob, rank, EP, results,
                              wgrad_into=True)
+                    prob = make_problem(cfg, EP, T, seed=8, routing="hot_expert")
+                    run_case(f"{tag}_weights_offset_views", cfg, ctx, prob, rank, EP, results,
+                             offset_views=True)
                     if activation == "swiglu":
                         run_graph_case(cfg, ctx, EP, rank, results, T)
                         run_sync_free_case(cfg, ctx, EP, rank, results, T)
