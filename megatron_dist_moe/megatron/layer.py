@@ -229,6 +229,19 @@ class DistMoEExperts(SequentialMLP):
         self._register_load_state_dict_pre_hook(_grouped_to_sequential_keys, with_module=True)
         self.pack_weights()
 
+    def run_weight_pre_hooks(self) -> None:
+        """Run the forward pre-hooks of the expert linears, whose own forward never runs.
+        Megatron's DDP waits there for the parameter all-gather of --overlap-param-gather (and
+        dispatches the next bucket's); skipping them would read weights that are still being
+        gathered."""
+        for e in self.local_experts:
+            for m in (e.linear_fc1, e.linear_fc2):
+                for hook_id, hook in tuple(m._forward_pre_hooks.items()):
+                    if hook_id in m._forward_pre_hooks_with_kwargs:
+                        hook(m, (), {})
+                    else:
+                        hook(m, ())
+
     def _fc_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         return ([e.linear_fc1.weight for e in self.local_experts],
                 [e.linear_fc2.weight for e in self.local_experts])
@@ -394,6 +407,7 @@ class DistMoELayer(MoELayer):
                 if self.dist_moe_options.wgrad_dtype == "fp32" and torch.is_grad_enabled()
                 and not torch.compiler.is_compiling() else None)
         fuse = bool(self.config.gradient_accumulation_fusion)
+        self.experts.run_weight_pre_hooks()
         if not self._weights_layout_logged:
             self._weights_layout_logged = True
             if not self.experts.weights_packed():

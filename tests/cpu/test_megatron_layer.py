@@ -133,7 +133,29 @@ def _two_rank_worker(rank: int, world: int) -> dict:
     r["install_is_moe_layer"] = [(type(l.mlp).__name__, isinstance(l.mlp, MoELayer),
                                   l.is_moe_layer) for l in layers]
     model.load_state_dict(ref.state_dict())
+    # The expert linears' forward never runs; their forward pre-hooks (where Megatron's DDP
+    # waits for --overlap-param-gather's all-gather) must still run before the weights are read
+    # in every forward: this hook writes the weights as a finished all-gather would.
+    hook_calls = []
+
+    def gather_hook(module, args):
+        hook_calls.append(module)
+        if len(hook_calls) <= len(gathered):      # the first forward's "all-gather" lands
+            with torch.no_grad():
+                module.weight.copy_(gathered[module])
+
+    moe_layers = [l for l in layers if hasattr(l.mlp, "experts")]
+    gathered = {}                                 # expert linear -> its gathered weight
+    for l in moe_layers:
+        for e in l.mlp.experts.local_experts:
+            for m in (e.linear_fc1, e.linear_fc2):
+                gathered[m] = m.weight.detach().clone()
+                with torch.no_grad():
+                    m.weight.mul_(-3.0)            # stale until the hook runs
+                m.register_forward_pre_hook(gather_hook)
     losses, grads = tiny_gpt.train_step(model, M, seed=3 + rank)
+    r["weight_pre_hook_calls"] = len(hook_calls)
+    r["weight_pre_hook_expected"] = M * len(gathered)
     r["install_loss_diff"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
     r["install_grad_rel"] = tiny_gpt.max_rel_diff(ref_grads, grads)
     from megatron_dist_moe.megatron.patches import slot_hooks
@@ -212,6 +234,9 @@ def test_tiny_gpt_ep2_matches_alltoall(two_rank_results):
         assert all(is_moe == (name != "MLP") and isinstance_moe == is_moe
                    for name, isinstance_moe, is_moe in r["install_is_moe_layer"]), r
         assert r["live_slots_after"] == 0
+        # every forward ran the expert linears' pre-hooks, before reading the weights (the
+        # losses above match only if the first forward saw the "gathered" weights)
+        assert r["weight_pre_hook_calls"] == r["weight_pre_hook_expected"] > 0, r
         # one context; no pipelining -> 1 slot; 2 MoE layers per chunk; T = SEQ x MBS
         assert r["contexts"] == [(1, 2, 32)], r["contexts"]
         e = r["fp32_err"]
