@@ -62,74 +62,12 @@ struct GroupArgsLayout {
   }
 };
 
-template <class TileShape_, class ClusterShape_, class KernelSchedule_, class EpilogueSchedule_>
-struct FpropGemm {
-  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape_, ClusterShape_,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-      void, LayoutD*, kAlignment,        // no source operand C
-      Element, LayoutD*, kAlignment, EpilogueSchedule_,
-      cutlass::epilogue::fusion::LinearCombination<Element, float>>::CollectiveOp;
-
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-      Element, LayoutA*, kAlignment, Element, LayoutB*, kAlignment, float,
-      TileShape_, ClusterShape_,
-      cutlass::gemm::collective::StageCountAutoCarveout<
-          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      KernelSchedule_>::CollectiveOp;
-
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
-                                                      CollectiveEpilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  using StrideA = typename Kernel::InternalStrideA;
-  using StrideB = typename Kernel::InternalStrideB;
-  using StrideD = typename Kernel::InternalStrideD;
-  using Shape3 = typename ProblemShape::UnderlyingProblemShape;
-
-  using Layout = GroupArgsLayout<StrideA, StrideB, StrideD, Shape3>;
-
-  static typename Gemm::Arguments arguments(int E, char* args, int device, int sm_count) {
-    Layout L(E);
-    typename Gemm::Arguments arguments{
-        cutlass::gemm::GemmUniversalMode::kGrouped,
-        {E, reinterpret_cast<Shape3*>(args + L.shapes), nullptr},
-        {reinterpret_cast<Element const**>(args + L.ptr_a),
-         reinterpret_cast<StrideA*>(args + L.stride_a),
-         reinterpret_cast<Element const**>(args + L.ptr_b),
-         reinterpret_cast<StrideB*>(args + L.stride_b)},
-        {{},
-         nullptr,
-         reinterpret_cast<StrideD*>(args + L.stride_d),
-         reinterpret_cast<Element**>(args + L.ptr_d),
-         reinterpret_cast<StrideD*>(args + L.stride_d)}};
-    arguments.epilogue.thread.alpha = 1.0f;
-    arguments.epilogue.thread.beta = 0.0f;
-    arguments.hw_info.device_id = device;
-    arguments.hw_info.sm_count = sm_count;
-    return arguments;
-  }
-};
-
-// Grouped WGRAD: out[e] = a_e^T @ b_e over the rows of expert e, K = that expert's row count.
-//
-//   a    bf16 [R, M] row-major at *a_addr: A_e = a_e^T is M x K_e with M contiguous (M-major)
-//   b    bf16 [R, N] row-major at *b_addr: B_e = b_e   is K_e x N with N contiguous (N-major)
-//   out  ElementD [E, M, N] contiguous (bf16 or fp32)
-//
-// The reduction runs over each expert's ragged row range, so the per-group K differs and the
-// last K tile of an expert is partial (TMA fills the rows past its end with zeros). An expert
-// with no rows still owns a full output tile grid: its A and B point at a zero block of
-// kZeroRows rows, so its tiles run one K tile of zeros and store exact zeros (CUTLASS leaves
-// the accumulators of a K = 0 tile unset).
-constexpr int kZeroRows = 8;
-
-template <class ElementD_, class TileShape_, class ClusterShape_, class KernelSchedule_,
-          class EpilogueSchedule_>
-struct WgradGemm {
+// One CUTLASS 3 ptr-array grouped GEMM: D_e = A_e @ B_e per group, fp32 accumulation, no source
+// operand C, ElementD out. FpropGemm and WgradGemm below are its two uses.
+template <class ElementD_, class LayoutA_, class LayoutB_, class TileShape_, class ClusterShape_,
+          class KernelSchedule_, class EpilogueSchedule_>
+struct GroupedGemm {
   using ElementD = ElementD_;
-  using LayoutA = cutlass::layout::ColumnMajor;  // A_e = a_e^T [M, K_e], M contiguous
-  using LayoutB = cutlass::layout::RowMajor;     // B_e = b_e [K_e, N], N contiguous
   static constexpr int kAlignmentD = 16 / sizeof(ElementD);
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -141,7 +79,7 @@ struct WgradGemm {
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-      Element, LayoutA*, kAlignment, Element, LayoutB*, kAlignment, float,
+      Element, LayoutA_*, kAlignment, Element, LayoutB_*, kAlignment, float,
       TileShape_, ClusterShape_,
       cutlass::gemm::collective::StageCountAutoCarveout<
           static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
@@ -177,6 +115,30 @@ struct WgradGemm {
     return arguments;
   }
 };
+
+template <class TileShape_, class ClusterShape_, class KernelSchedule_, class EpilogueSchedule_>
+using FpropGemm = GroupedGemm<Element, LayoutA, LayoutB, TileShape_, ClusterShape_,
+                              KernelSchedule_, EpilogueSchedule_>;
+
+// Grouped WGRAD: out[e] = a_e^T @ b_e over the rows of expert e, K = that expert's row count.
+//
+//   a    bf16 [R, M] row-major at *a_addr: A_e = a_e^T is M x K_e with M contiguous (M-major)
+//   b    bf16 [R, N] row-major at *b_addr: B_e = b_e   is K_e x N with N contiguous (N-major)
+//   out  ElementD [E, M, N] contiguous (bf16 or fp32)
+//
+// The reduction runs over each expert's ragged row range, so the per-group K differs and the
+// last K tile of an expert is partial (TMA fills the rows past its end with zeros). An expert
+// with no rows still owns a full output tile grid: its A and B point at a zero block of
+// kZeroRows rows, so its tiles run one K tile of zeros and store exact zeros (CUTLASS leaves
+// the accumulators of a K = 0 tile unset).
+constexpr int kZeroRows = 8;
+
+template <class ElementD_, class TileShape_, class ClusterShape_, class KernelSchedule_,
+          class EpilogueSchedule_>
+using WgradGemm = GroupedGemm<ElementD_,
+                              cutlass::layout::ColumnMajor,  // A_e = a_e^T [M, K_e], M contiguous
+                              cutlass::layout::RowMajor,     // B_e = b_e [K_e, N], N contiguous
+                              TileShape_, ClusterShape_, KernelSchedule_, EpilogueSchedule_>;
 
 // One thread per expert: the per-group problem shapes, pointers and strides from the device
 // offsets and base addresses. Traps on offsets that are not cumulative row ends.
@@ -260,6 +222,20 @@ int64_t workspace_bytes(int E, int sm_count) {
   return static_cast<int64_t>(G::Gemm::get_workspace_size(arguments));
 }
 
+// After the argument kernel's launch: check it, then CUTLASS's checks, initialize and run.
+template <class G>
+int launch_gemm(typename G::Gemm::Arguments const& arguments, void* workspace,
+                cudaStream_t stream) {
+  if (cudaGetLastError() != cudaSuccess) return kLaunchFailed;
+  typename G::Gemm gemm;
+  if (gemm.can_implement(arguments) != cutlass::Status::kSuccess) return kCannotImplement;
+  if (gemm.initialize(arguments, workspace, stream) != cutlass::Status::kSuccess)
+    return kInitFailed;
+  if (gemm.run(stream) != cutlass::Status::kSuccess) return kLaunchFailed;
+  if (cudaGetLastError() != cudaSuccess) return kLaunchFailed;
+  return kOk;
+}
+
 template <class G>
 int run(int E, int N, int K, const int32_t* offsets, const int64_t* a_addr, const void* w,
         const int64_t* out_addr, void* args, void* workspace, int64_t workspace_size,
@@ -271,14 +247,7 @@ int run(int E, int N, int K, const int32_t* offsets, const int64_t* a_addr, cons
   fill_group_args<G><<<(E + 127) / 128, 128, 0, stream>>>(
       E, N, K, offsets, a_addr, static_cast<Element const*>(w), out_addr,
       static_cast<char*>(args));
-  if (cudaGetLastError() != cudaSuccess) return kLaunchFailed;
-  typename G::Gemm gemm;
-  if (gemm.can_implement(arguments) != cutlass::Status::kSuccess) return kCannotImplement;
-  if (gemm.initialize(arguments, workspace, stream) != cutlass::Status::kSuccess)
-    return kInitFailed;
-  if (gemm.run(stream) != cutlass::Status::kSuccess) return kLaunchFailed;
-  if (cudaGetLastError() != cudaSuccess) return kLaunchFailed;
-  return kOk;
+  return launch_gemm<G>(arguments, workspace, stream);
 }
 
 // out[e] = a_e^T @ b_e; zeros: device bf16 [kZeroRows * max(M, N)], all zero.
@@ -293,14 +262,7 @@ int run_wgrad(int E, int M, int N, const int32_t* offsets, const int64_t* a_addr
   fill_wgrad_args<G><<<(E + 127) / 128, 128, 0, stream>>>(
       E, M, N, offsets, a_addr, b_addr, static_cast<typename G::ElementD*>(out),
       static_cast<Element const*>(zeros), static_cast<char*>(args));
-  if (cudaGetLastError() != cudaSuccess) return kLaunchFailed;
-  typename G::Gemm gemm;
-  if (gemm.can_implement(arguments) != cutlass::Status::kSuccess) return kCannotImplement;
-  if (gemm.initialize(arguments, workspace, stream) != cutlass::Status::kSuccess)
-    return kInitFailed;
-  if (gemm.run(stream) != cutlass::Status::kSuccess) return kLaunchFailed;
-  if (cudaGetLastError() != cudaSuccess) return kLaunchFailed;
-  return kOk;
+  return launch_gemm<G>(arguments, workspace, stream);
 }
 
 }  // namespace dm_sm90

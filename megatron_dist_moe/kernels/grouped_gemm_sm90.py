@@ -237,7 +237,23 @@ def _check_offsets(expert_offsets: torch.Tensor, E: int, device: torch.device) -
                          f"{expert_offsets.device}")
 
 
-class GroupedFpropSm90:
+class _GroupedCallSm90:
+    """What every grouped GEMM instance holds: its device (sm_90), E, SM count, run entry point,
+    and the device argument block and workspace that the library's entry points size.
+    entry_points(lib) -> (args_bytes, workspace_bytes, run) of the loaded library."""
+
+    def __init__(self, num_experts: int, device, entry_points):
+        device = _hopper_device(device)
+        self.E, self.device, self.dev_index = int(num_experts), device, device.index
+        self.sm_count = torch.cuda.get_device_properties(self.dev_index).multi_processor_count
+        args_bytes, ws_bytes, self._run = entry_points(load_library())
+        self.args = torch.zeros(int(args_bytes(self.E)), dtype=torch.uint8, device=device)
+        self.workspace_bytes = int(ws_bytes(self.E, self.sm_count))
+        self.workspace = torch.zeros(max(self.workspace_bytes, 16), dtype=torch.uint8,
+                                     device=device)
+
+
+class GroupedFpropSm90(_GroupedCallSm90):
     """out[r] = a[r] @ w[e]^T per expert on one CUTLASS configuration ("coop" or "pingpong").
 
     One instance per (device, number of experts). It owns the device argument block and the
@@ -247,15 +263,8 @@ class GroupedFpropSm90:
     def __init__(self, num_experts: int, device: torch.device, config: str = "coop"):
         if config not in CONFIGS:
             raise ValueError(f"config={config!r}: expected one of {CONFIGS}")
-        device = _hopper_device(device)
-        self.E, self.device, self.config = int(num_experts), device, config
-        self.dev_index = device.index
-        self.sm_count = torch.cuda.get_device_properties(self.dev_index).multi_processor_count
-        args_bytes, ws_bytes, self._run = load_library().fns[config]
-        self.args = torch.zeros(int(args_bytes(self.E)), dtype=torch.uint8, device=device)
-        self.workspace_bytes = int(ws_bytes(self.E, self.sm_count))
-        self.workspace = torch.zeros(max(self.workspace_bytes, 16), dtype=torch.uint8,
-                                     device=device)
+        self.config = config
+        super().__init__(num_experts, device, lambda lib: lib.fns[config])
 
     def __call__(self, w: torch.Tensor, expert_offsets: torch.Tensor, a: torch.Tensor,
                  out: torch.Tensor) -> None:
@@ -283,7 +292,7 @@ class GroupedFpropSm90:
                                f"{_STATUS.get(status, f'status {status}')}")
 
 
-class GroupedWgradSm90:
+class GroupedWgradSm90(_GroupedCallSm90):
     """out[e] = a_e^T @ b_e over the rows of each expert, on a CUTLASS configuration ("coop":
     128x256x64 tiles, 2x1 clusters), storing bf16 or fp32 (`out_dtype`).
 
@@ -298,18 +307,10 @@ class GroupedWgradSm90:
             raise ValueError(f"config={config!r}: expected one of {WGRAD_CONFIGS}")
         if out_dtype not in _WGRAD_DTYPES:
             raise ValueError(f"out_dtype={out_dtype}: expected torch.bfloat16 or torch.float32")
-        device = _hopper_device(device)
-        self.E, self.device, self.config, self.out_dtype = (int(num_experts), device, config,
-                                                            out_dtype)
-        self.dev_index = device.index
-        self.sm_count = torch.cuda.get_device_properties(self.dev_index).multi_processor_count
-        args_bytes, ws_bytes, self._run = load_library().wgrad_fns[
-            (config, _WGRAD_DTYPES[out_dtype])]
-        self.args = torch.zeros(int(args_bytes(self.E)), dtype=torch.uint8, device=device)
-        self.workspace_bytes = int(ws_bytes(self.E, self.sm_count))
-        self.workspace = torch.zeros(max(self.workspace_bytes, 16), dtype=torch.uint8,
-                                     device=device)
-        self.zeros = torch.zeros(0, dtype=torch.bfloat16, device=device)   # grown on first use
+        self.config, self.out_dtype = config, out_dtype
+        super().__init__(num_experts, device,
+                         lambda lib: lib.wgrad_fns[(config, _WGRAD_DTYPES[out_dtype])])
+        self.zeros = torch.zeros(0, dtype=torch.bfloat16, device=self.device)  # grown on first use
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor,
                  out: torch.Tensor) -> None:
