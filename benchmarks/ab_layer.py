@@ -1,22 +1,21 @@
-"""Interleaved A/B timing of the CUDA backend: two switch settings, one process, alternating windows.
+"""Interleaved A/B timing of the CUDA backend: two settings, one process, alternating windows.
 
-    torchrun --nproc-per-node=2 benchmarks/ab_layer.py --b "DIST_MOE_WGRAD_OVERLAP=1" \\
-        [--a ""] [--case guide] [--pipeline standard] [--modes fwd,fwdbwd] [--rounds 16] --out OUT
+    torchrun --nproc-per-node=2 benchmarks/ab_layer.py --b-config "save_route_outputs=1" \\
+        [--a "gemm_engine=torch"] [--case guide] [--pipeline standard] [--modes fwd,fwdbwd] \\
+        [--rounds 16] --out OUT
 
 Separate benchmark runs of the same binary drift by about ±0.2 ms at the guide load (three
 runs within 20 minutes measured 9.08, 9.28, 9.29 ms fwd+bwd), which hides levers worth 0.1-0.2 ms.
 Here both settings live in one process: context A is created (and its CUDA graph captured) with
-the A switches set, context B with the B switches, then windows of 30 graph replays alternate
-A B B A A B ... so clock and thermal drift fall on both alike. Reported per mode: the median
+A's Config changes and execution overrides, context B with B's, then windows of 30 graph replays
+alternate A B B A A B ... so clock and thermal drift fall on both alike. Reported per mode: the median
 window of each (max over ranks, as the guide's method), and the median of the per-round paired
 differences B - A with its interquartile range; B is called faster (or slower) only when the
 whole interquartile range lies below (above) zero.
 
-Switches are environment variables read when a context is built (DIST_MOE_ROUTING,
-DIST_MOE_BOOKKEEPING, DIST_MOE_FUSE_SWIGLU_BWD, DIST_MOE_WGRAD_OVERLAP, DIST_MOE_GEMM,
-DIST_MOE_GATHER_FANOUT) or at import (DIST_MOE_CLAIM_SLICE_K, DIST_MOE_GEMM_FLATTEN,
-DIST_MOE_WGRAD_PERSISTENT, DIST_MOE_PDL: set on the module here while each setting's graphs are
-captured). Correctness first:
+A setting is Config field changes (--a-config / --b-config, e.g. "pipeline=staged") and
+execution overrides (--a / --b, execution.OVERRIDES, e.g. "gemm_engine=torch"), both given to
+create_context. Correctness first:
 A's and B's outputs and input gradients are compared with baseline (a) (all-to-all +
 torch._grouped_mm) before any timing; a mismatch exits 1. Writes OUT/ab_layer.csv (the common
 benchmark columns, ratio = A ms / B ms) and OUT/ab_layer.png (paired differences per round).
@@ -25,7 +24,6 @@ benchmark columns, ratio = A ms / B ms) and OUT/ab_layer.png (paired differences
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
@@ -35,6 +33,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 import megatron_dist_moe as dm  # noqa: E402
+from megatron_dist_moe.execution import parse_overrides  # noqa: E402
 from baselines import a2a_grouped_mm_experts  # noqa: E402
 from bench_layer import (  # noqa: E402
     CASES,
@@ -47,47 +46,6 @@ from bench_layer import (  # noqa: E402
 from common import ITERS, WARMUP, append_csv, capture_graph, git_commit  # noqa: E402
 from common import parse_config_overrides as parse_config  # noqa: E402
 from plotting import pyplot  # noqa: E402
-
-
-def parse_switches(text: str) -> dict[str, str]:
-    """'A=1 B=x' (spaces or commas) -> {'A': '1', 'B': 'x'}; names must start with DIST_MOE_."""
-    out = {}
-    for item in text.replace(",", " ").split():
-        name, eq, value = item.partition("=")
-        if not eq or not name.startswith("DIST_MOE_"):
-            raise ValueError(f"switch {item!r}: expected DIST_MOE_NAME=value")
-        out[name] = value
-    return out
-
-
-@contextlib.contextmanager
-def switches(env: dict[str, str]):
-    """Set the switches (and the module's claim slice width) for a context's build and capture."""
-    from megatron_dist_moe.kernels import grouped_gemm as G
-    from megatron_dist_moe.kernels import launch as L
-
-    old_env = {k: os.environ.get(k) for k in env}
-    old_slice, old_flatten, old_pers = G.CLAIM_SLICE_K, G.FLATTEN, G.WGRAD_PERSISTENT
-    old_pdl = L.PDL
-    os.environ.update(env)
-    if "DIST_MOE_CLAIM_SLICE_K" in env:
-        G.CLAIM_SLICE_K = int(env["DIST_MOE_CLAIM_SLICE_K"] or G.CLAIM_SLICE_K_DEFAULT)
-    if "DIST_MOE_GEMM_FLATTEN" in env:
-        G.FLATTEN = env["DIST_MOE_GEMM_FLATTEN"] == "1"
-    if "DIST_MOE_WGRAD_PERSISTENT" in env:
-        G.WGRAD_PERSISTENT = env["DIST_MOE_WGRAD_PERSISTENT"] == "1"
-    if "DIST_MOE_PDL" in env:
-        L.PDL = env["DIST_MOE_PDL"] == "1"
-    try:
-        yield
-    finally:
-        for k, v in old_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        G.CLAIM_SLICE_K, G.FLATTEN, G.WGRAD_PERSISTENT = old_slice, old_flatten, old_pers
-        L.PDL = old_pdl
 
 
 def round_order(rounds: int) -> list[str]:
@@ -139,8 +97,8 @@ def plot(results: dict, path: str, title: str) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--a", default="", help="switches of A (default: none, i.e. the defaults)")
-    ap.add_argument("--b", default="", help='switches of B, e.g. "DIST_MOE_WGRAD_OVERLAP=1"')
+    ap.add_argument("--a", default="", help="execution overrides of A (default: none)")
+    ap.add_argument("--b", default="", help='execution overrides of B, e.g. "gemm_engine=torch"')
     ap.add_argument("--a-config", default="", help='Config overrides of A, e.g. "save_route_outputs=1"')
     ap.add_argument("--b-config", default="", help="Config overrides of B")
     ap.add_argument("--case", default="guide", choices=sorted(CASES))
@@ -149,7 +107,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=16)
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args()
-    env_a, env_b = parse_switches(args.a), parse_switches(args.b)
+    exe = {"A": parse_overrides(args.a, "--a"), "B": parse_overrides(args.b, "--b")}
     over = {"A": parse_config(args.a_config), "B": parse_config(args.b_config)}
     rank = int(os.environ.get("RANK", 0))
     EP = int(os.environ.get("WORLD_SIZE", 1))
@@ -167,23 +125,23 @@ def main():
     del y
     cfg = layer_config(c, EP, factor, args.pipeline)
     graphs, ctxs = {}, []
-    for name, env in (("A", env_a), ("B", env_b)):
-        with switches(env):
-            ctx = dm.create_context(config=cfg.replace(**over[name]), device=dev)
-            ctxs.append(ctx)
-            y = dm.routed_experts(x, ids, s, w13, w2, ctx)
-            gx, = torch.autograd.grad(y, (x,), gy)
-            if not check_against_reference(f"{name} ({args.a if name == 'A' else args.b} "
-                                           f"{args.pipeline})".replace("( ", "("),
-                                           y.detach(), gx, ref_y, ref_gx, rank):
-                sys.exit(1)
-            del y, gx
-            fwd, fwdbwd = dist_moe_fns(ctx, inp)
-            for mode in args.modes.split(","):
-                g = capture_graph(fwd if mode == "fwd" else fwdbwd)
-                for _ in range(WARMUP):
-                    g.replay()
-                graphs[(name, mode)] = g
+    for name in ("A", "B"):
+        ctx = dm.create_context(config=cfg.replace(**over[name]), device=dev,
+                                execution_overrides=exe[name])
+        ctxs.append(ctx)
+        y = dm.routed_experts(x, ids, s, w13, w2, ctx)
+        gx, = torch.autograd.grad(y, (x,), gy)
+        if not check_against_reference(f"{name} ({args.a if name == 'A' else args.b} "
+                                       f"{args.pipeline})".replace("( ", "("),
+                                       y.detach(), gx, ref_y, ref_gx, rank):
+            sys.exit(1)
+        del y, gx
+        fwd, fwdbwd = dist_moe_fns(ctx, inp)
+        for mode in args.modes.split(","):
+            g = capture_graph(fwd if mode == "fwd" else fwdbwd)
+            for _ in range(WARMUP):
+                g.replay()
+            graphs[(name, mode)] = g
     torch.cuda.synchronize()
     results, rows = {}, []
     commit, gpu = git_commit(), torch.cuda.get_device_name()
@@ -204,7 +162,7 @@ def main():
                              ms_max=round(max(times[name]), 4),
                              useful_tflops=round(flops / (ms * 1e-3) / 1e12, 1),
                              ratio_to_baseline=round(summ["a_ms"] / ms, 4),
-                             note=f"switches: {sw or 'defaults'}; B-A median "
+                             note=f"setting: {sw or 'defaults'}; B-A median "
                                   f"{summ['diff_ms']:+.4f} ms IQR [{summ['diff_q1']:+.4f}, "
                                   f"{summ['diff_q3']:+.4f}] over {args.rounds} rounds: "
                                   f"{summ['verdict']}"))

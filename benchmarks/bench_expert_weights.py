@@ -122,8 +122,8 @@ def run_case(name: str, dev, commit: str, gpu: str) -> list[dict]:
     fns = {
         "stack": (lambda: (stack_expert_weights(fc1, True), stack_expert_weights(fc2, True)),
                   4 * n_elems),                   # read bf16 + write bf16
-        "stack_packed": (lambda: (stack_expert_weights(packed[:E], True),
-                                  stack_expert_weights(packed[E:], True)), 0),   # no bytes
+        "stack_packed": (lambda packed=packed: (stack_expert_weights(packed[:E], True),
+                                                stack_expert_weights(packed[E:], True)), 0),
         "main_grad_add": (lambda: (add_fused(fc1, g13), add_fused(fc2, g2)),
                           10 * n_elems),          # read bf16 + read fp32 + write fp32
         "main_grad_add_upcast": (lambda: (add_upcast(fc1, g13), add_upcast(fc2, g2)),
@@ -205,7 +205,7 @@ def wgrad_paths(fc1, fc2, E: int, D: int, F: int, dev, rows_per_expert: int = 20
                 err = float((got - want).norm() / want.norm())
                 if not err <= tol:
                     raise SystemExit(f"{path}: expert {e} main_grad rel err {err:.3g} > {tol}")
-    print(f"  WGRAD paths checked against fp32 torch (fused <= 1e-4, bf16 store <= 8e-3)",
+    print("  WGRAD paths checked against fp32 torch (fused <= 1e-4, bf16 store <= 8e-3)",
           flush=True)
     return ({"wgrad_into_main_grad": fused, "wgrad_bf16_then_add": stacked},
             2 * R * (2 * F * D + D * F))

@@ -4,12 +4,13 @@ Checks correctness first (exit code 1 on a mismatch), then times each kernel and
 counterpart and prints ms and TFLOP/s. Kernels (R rows over E experts, D hidden, F intermediate):
 
   fwd_swiglu         h1 = x @ W13[e]^T and h2 = SwiGLU(h1)       torch: _grouped_mm + eager SwiGLU
-  fwd_swiglu_gather  same, rows gathered by address + a_copy_out  torch: index_select + the above
-  fwd_swiglu_claim   same rows, claim mode: each m-tile copied once into a_copy_out by the first
-                     program to reach it, then read densely (TMA)  torch: as fwd_swiglu_gather
+  fwd_swiglu_claim   same, rows gathered by address in claim mode: each m-tile copied once into
+                     a_copy_out (in column slices) by the programs that reach it, then read
+                     densely (TMA)                               torch: index_select + the above
   fwd_w2_scatter     y = h2 @ W2[e]^T, rows scattered by address  torch: _grouped_mm + index_copy_
   dgrad_w2           grad_h2 = grad_h3 @ W2[e]                    torch: _grouped_mm
   dgrad_w2_claim     same, grad_h3 rows gathered by claim into a_copy_out  torch: index_select + gm
+  dgrad_w2_swiglu_bwd  W2 DGRAD with the SwiGLU backward in its epilogue    torch: gm + eager bwd
   dgrad_w13          grad_x = grad_h1 @ W13[e]                    torch: _grouped_mm
   wgrad_w13          dW13[e] = grad_h1_e^T @ x_e (bf16 out)       torch: _grouped_mm 2D x 2D
   wgrad_w2           dW2[e] = grad_h3_e^T @ h2_e (bf16 out)       torch: _grouped_mm 2D x 2D
@@ -23,7 +24,7 @@ dense buffer, then the dense GEMM), and the dense GEMM alone, "ours_gemm"; the s
 "copy hidden" = (gather_gemm - claim) / (gather_gemm - gemm): 1 means the claim kernel costs
 what the dense GEMM alone does. --peer puts the gathered source rows on GPU 1 (reads over
 NVLink, as in production; needs 2 GPUs); without it they are local (HBM) and the copy is cheap.
---claim-sweep times claim look-ahead / copy width / group_m variants.
+--claim-sweep times claim look-ahead / copy width / slice width / group_m variants.
 --cutlass adds CUTLASS's Hopper warp-specialized grouped GEMM (kernels/grouped_gemm_sm90.py,
 built from csrc/ on first use) for the FPROP kernels: "cutlass_<config>" is the GEMM into h1 plus
 our SwiGLU row kernel (fwd_swiglu; comparable to "ours"), "cutlass_<config>_gemm" the GEMM alone
@@ -54,7 +55,7 @@ from megatron_dist_moe.kernels.rows import gather_rows  # noqa: E402
 BF16 = torch.bfloat16
 # name -> (experts, rows per expert, D, F); both have R = 12288 rows
 SHAPES = {"e6_f3072": (6, 2048, 7168, 3072), "e8_f2048": (8, 1536, 7168, 2048)}
-KERNELS = ("fwd_swiglu", "fwd_swiglu_gather", "fwd_swiglu_claim", "fwd_w2_scatter", "dgrad_w2",
+KERNELS = ("fwd_swiglu", "fwd_swiglu_claim", "fwd_w2_scatter", "dgrad_w2",
            "dgrad_w2_claim", "dgrad_w2_swiglu_bwd", "dgrad_w13", "wgrad_w13", "wgrad_w2")
 CLAIM_KERNELS = {"fwd_swiglu_claim": "fwd_swiglu", "dgrad_w2_claim": "dgrad_w2"}  # -> dense twin
 SWEEP = [
@@ -64,9 +65,6 @@ SWEEP = [
     GroupedGemmConfig(128, 128, 64, 8, 8, 4, tma=False),
     GroupedGemmConfig(128, 128, 64, 8, 8, 5, tma=True),
     GroupedGemmConfig(256, 128, 64, 8, 8, 3, tma=True),
-    # flattened persistent loops (the next tile's loads overlap this tile's epilogue)
-    GroupedGemmConfig(128, 256, 64, 8, 8, 4, tma=True, flatten=True),
-    GroupedGemmConfig(128, 256, 64, 8, 8, 3, tma=True, flatten=True),
 ]
 # WGRAD-only candidates (its K loop runs over an expert's rows, ~2048: short, so the pipeline
 # fill and the epilogue weigh more): longer K steps, deeper or shallower pipelines, grouping.
@@ -78,21 +76,15 @@ WGRAD_SWEEP = [
     GroupedGemmConfig(256, 128, 64, 8, 8, 4, tma=True),
     GroupedGemmConfig(128, 128, 128, 8, 8, 3, tma=True),
     GroupedGemmConfig(128, 128, 64, 8, 4, 5, tma=True),
-    # persistent over every expert's tiles, plain and with the flattened loop nest
-    GroupedGemmConfig(128, 256, 64, 8, 8, 4, tma=True, wgrad_persistent=True),
-    GroupedGemmConfig(128, 256, 64, 8, 8, 4, tma=True, wgrad_persistent=True, flatten=True),
-    GroupedGemmConfig(128, 256, 64, 8, 8, 3, tma=True, wgrad_persistent=True, flatten=True),
 ]
-_CLAIM_BASE = GroupedGemmConfig(128, 256, 64, 8, 8, 4, tma=True, claim_slice_k=0)   # whole m-tiles
+_CLAIM_BASE = GroupedGemmConfig(128, 256, 64, 8, 8, 4, tma=True)
 CLAIM_SWEEP = (
-    [replace(_CLAIM_BASE, claim_ahead=a, copy_k=k) for a in (0, 1, 2, 3) for k in (128, 256)]
-    + [replace(_CLAIM_BASE, group_m=g) for g in (4, 16)]
-    + [replace(_CLAIM_BASE, tma=False)]
-    # sliced claims: the m-tile copy shared by the programs that read it
-    + [replace(_CLAIM_BASE, claim_ahead=a, claim_slice_k=sk) for a in (0, 1, 2)
-       for sk in (256, 512, 1024)]
+    [replace(_CLAIM_BASE, claim_ahead=a, claim_slice_k=sk) for a in (0, 1, 2)
+     for sk in (256, 512, 1024)]
     + [replace(_CLAIM_BASE, claim_ahead=1, claim_slice_k=512, claim_ahead_slices=n)
        for n in (1, 4)]
+    + [replace(_CLAIM_BASE, group_m=g) for g in (4, 16)]
+    + [replace(_CLAIM_BASE, tma=False)]
 )
 
 
@@ -100,14 +92,9 @@ def _cfg_name(cfg: GroupedGemmConfig, claim: bool = False) -> str:
     name = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}s{cfg.num_stages}w{cfg.num_warps}" + ("tma" if cfg.tma else "")
     if not claim and cfg.group_m != 8:
         name += f"g{cfg.group_m}"
-    if cfg.wgrad_persistent:
-        name += "-pers"
-    if cfg.flatten:
-        name += "-flat"
     if claim:
-        name += f"-a{cfg.claim_ahead}k{cfg.copy_k}g{cfg.group_m}"
-        if cfg.claim_slice_k:
-            name += f"sl{cfg.claim_slice_k}x{cfg.claim_ahead_slices}"
+        name += (f"-a{cfg.claim_ahead}k{cfg.copy_k}g{cfg.group_m}"
+                 f"sl{cfg.slice_k}x{cfg.claim_ahead_slices}")
     return name
 
 
@@ -128,7 +115,7 @@ def _parse_shape(s: str):
 
 def _commit() -> str:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import git_commit   # one rule for every benchmark ($DIST_MOE_COMMIT, else git)
+    from common import git_commit   # one rule for every benchmark ($GIT_COMMIT, else git)
     return git_commit()
 
 
@@ -188,9 +175,6 @@ class Problem:
         p, kw = self.p, dict(expert_offsets=self.offs, max_rows=self.r, config=cfg)
         if kernel == "fwd_swiglu":
             return lambda: grouped_mm_fwd(w=self.w13, a=p["x"], epilogue="swiglu", h1=p["h1"], h2=p["h2"], **kw)
-        if kernel == "fwd_swiglu_gather":
-            return lambda: grouped_mm_fwd(w=self.w13, a_row_ptrs=self.a_rows, a_copy_out=p["x_saved"],
-                                          epilogue="swiglu", h1=p["h1"], h2=p["h2"], **kw)
         if kernel == "fwd_swiglu_claim":
             return lambda: grouped_mm_fwd(w=self.w13, a_row_ptrs=self.a_rows, a_copy_out=p["x_saved"],
                                           claim_flags=self.flags, epilogue="swiglu", h1=p["h1"],
@@ -238,22 +222,8 @@ class Problem:
             grouped_mm_dgrad(w=self.w2, a=p["g3_saved"], out=p["g2"], **kw)
         return fn
 
-    def ours_unfused(self):
-        """What DIST_MOE_FUSE_SWIGLU_BWD replaces: DGRAD to grad_h2, then the row kernels that
-        rebuild h2 and compute grad_h1 (reads h1_src, writes g1)."""
-        from megatron_dist_moe.kernels import rows as K_rows
-        p, n = self.p, self.offs[-1:]
-        kw = dict(expert_offsets=self.offs, max_rows=self.r)
-
-        def fn():
-            K_rows.swiglu_fwd(p["h1_src"], p["h2"], n, self.f, self.r, False, 1.702, 7.0)
-            grouped_mm_dgrad(w=self.w2, a=p["g3"], out=p["g2"], **kw)
-            K_rows.swiglu_bwd(p["h1_src"], p["g2"], p["g1"], n, self.f, self.r, False, 1.702, 7.0)
-        return fn
-
     def ours_output(self, kernel):
-        return {"fwd_swiglu": (self.h1, self.h2), "fwd_swiglu_gather": (self.h1, self.h2),
-                "fwd_swiglu_claim": (self.h1, self.h2), "dgrad_w2_claim": (self.g2,),
+        return {"fwd_swiglu": (self.h1, self.h2), "fwd_swiglu_claim": (self.h1, self.h2), "dgrad_w2_claim": (self.g2,),
                 "fwd_w2_scatter": (self.y,), "dgrad_w2": (self.g2,), "dgrad_w13": (self.gx,),
                 "dgrad_w2_swiglu_bwd": (self.h1_work,),
                 "wgrad_w13": (self.dw13,), "wgrad_w2": (self.dw2,)}[kernel]
@@ -307,7 +277,7 @@ class Problem:
         def swiglu(h1):
             return (torch.nn.functional.silu(h1[:, :f].float()) * h1[:, f:].float()).to(BF16)
 
-        if kernel in ("fwd_swiglu", "fwd_swiglu_gather", "fwd_swiglu_claim"):
+        if kernel in ("fwd_swiglu", "fwd_swiglu_claim"):
             gather = kernel != "fwd_swiglu"
 
             def gemm():
@@ -361,8 +331,8 @@ class Problem:
 
     def flops(self, kernel) -> float:
         r, d, f = self.r, self.d, self.f
-        return 2.0 * r * d * f * (2 if kernel in ("fwd_swiglu", "fwd_swiglu_gather", "fwd_swiglu_claim",
-                                                  "dgrad_w13", "wgrad_w13") else 1)
+        return 2.0 * r * d * f * (2 if kernel in ("fwd_swiglu", "fwd_swiglu_claim", "dgrad_w13",
+                                                  "wgrad_w13") else 1)
 
     def check(self, kernel, cfg=None) -> float:
         """Max relative (norm-wise) difference of our outputs to torch's."""
@@ -370,7 +340,7 @@ class Problem:
             t.fill_(float("nan"))
         self.ours(kernel, cfg)()
         ref = self.torch_fns(kernel)[0]()
-        if kernel in ("fwd_swiglu_gather", "fwd_swiglu_claim"):
+        if kernel == "fwd_swiglu_claim":
             assert torch.equal(self.x_saved, self.x.index_select(0, self.src_idx)), "a_copy_out mismatch"
         if kernel == "dgrad_w2_claim":
             assert torch.equal(self.g3_saved, self.g3.index_select(0, self.g_idx)), "a_copy_out mismatch"
@@ -443,11 +413,6 @@ def main(argv=None) -> int:
                        if kernel == "dgrad_w2_swiglu_bwd" else 0.0)
             t_ours = _time_ms(prob.ours(kernel), args.timer, args.rep) - t_extra
             results.append(("ours", "default", t_ours))
-            if kernel == "dgrad_w2_swiglu_bwd":
-                t_unf = _time_ms(prob.ours_unfused(), args.timer, args.rep)
-                results.append(("ours_unfused", "default", t_unf))
-                print(f"  {kernel}: fused {t_ours:.3f} ms, unfused (dgrad + 2 row kernels) "
-                      f"{t_unf:.3f} ms")
             if args.cutlass and kernel in Problem.CUTLASS_KERNELS:
                 from megatron_dist_moe.kernels import grouped_gemm_sm90 as sm90
                 wgrad = kernel.startswith("wgrad")
@@ -493,11 +458,6 @@ def main(argv=None) -> int:
             if args.sweep:
                 best = None
                 for cfg in SWEEP + (WGRAD_SWEEP if kernel.startswith("wgrad") else []):
-                    if cfg.flatten and not cfg.wgrad_persistent and (
-                            kernel.startswith("wgrad") or kernel in CLAIM_KERNELS):
-                        continue   # flattening: the plain grouped-GEMM loop, persistent WGRAD
-                    if kernel.startswith("wgrad"):   # unmarked rows: the per-tile WGRAD kernel
-                        cfg = replace(cfg, wgrad_persistent=bool(cfg.wgrad_persistent))
                     name = _cfg_name(cfg, claim=kernel in CLAIM_KERNELS)
                     try:
                         e_cfg = prob.check(kernel, cfg)

@@ -267,13 +267,13 @@ def main():
                     torch.autograd.grad(y, mparams, gy)
                 graph = False
             else:
-                os.environ["DIST_MOE_GEMM"] = "torch" if path == "dist_moe_torchgemm" else "triton"
+                exe = {"gemm_engine": "torch"} if path == "dist_moe_torchgemm" else {}
                 cfg = layer_config(c, EP, scratch_factor,
                                    "staged" if path == "dist_moe_staged" else "standard"
                                    ).replace(**overrides)
                 if overrides:
                     row_note = f"{note}; set {args.overrides}"
-                ctx = dm.create_context(config=cfg, device=dev)
+                ctx = dm.create_context(config=cfg, device=dev, execution_overrides=exe)
                 y = dm.routed_experts(x, ids, s, w13, w2, ctx)
                 gx, = torch.autograd.grad(y, (x,), gy)
                 y = y.detach()   # drop the autograd graph before any capture

@@ -35,10 +35,10 @@ IMBALANCE = (1.0, 1.6, 1.0, 1.9, 1.2, 1.0, 1.8, 1.4, 1.0, 1.7)   # tracked-rank 
 
 def build_layers(T, D, F, K, E_local, EP, rank, dev):
     layers = []
-    for l in range(L):
-        gen = torch.Generator().manual_seed(7000 + 31 * l + rank)
-        ids, scores = make_routing(T, K, E_local, EP, IMBALANCE[l], gen, dev)
-        hot = l % EP      # alternate the hot rank: rank `hot` gets the extra rows
+    for i in range(L):
+        gen = torch.Generator().manual_seed(7000 + 31 * i + rank)
+        ids, scores = make_routing(T, K, E_local, EP, IMBALANCE[i], gen, dev)
+        hot = i % EP      # alternate the hot rank: rank `hot` gets the extra rows
         ids = torch.where(ids >= 0, (ids + hot * E_local) % (E_local * EP), ids)
         x = torch.randn(T, D, generator=gen).to(torch.bfloat16).to(dev).requires_grad_()
         s = scores.float().requires_grad_()
@@ -52,18 +52,18 @@ def build_layers(T, D, F, K, E_local, EP, rank, dev):
 def run_all(ctx, layers, slots):
     """All forwards (slot per layer as given), then reverse-order backwards."""
     ys = []
-    for l, p in enumerate(layers):
+    for i, p in enumerate(layers):
         if slots == "shared":
-            if l == 0:
+            if i == 0:
                 ctx.select_activation_slot(0, L)
         else:
-            ctx.select_activation_slot(l, 1)
+            ctx.select_activation_slot(i, 1)
         ys.append(dm.routed_experts(p["x"], p["ids"], p["s"], p["w13"], p["w2"], ctx))
     saved_after_fwd = ctx.planner.saved_bytes.clone()
     grads = [None] * L
-    for l in reversed(range(L)):
-        p = layers[l]
-        grads[l] = torch.autograd.grad(ys[l], (p["x"], p["s"], p["w13"], p["w2"]), p["gy"])
+    for i in reversed(range(L)):
+        p = layers[i]
+        grads[i] = torch.autograd.grad(ys[i], (p["x"], p["s"], p["w13"], p["w2"]), p["gy"])
     return grads, saved_after_fwd
 
 

@@ -351,7 +351,8 @@ def main(argv=None) -> int:
             busy = [s for s in gathered[0] if s["t_s"] >= 0]
             early = [s for s in busy if s["t_s"] < 0.1]
             late = busy[len(busy) // 2:]
-            clk = (lambda rs, k: statistics.median([s[k] for s in rs]) if rs else float("nan"))
+            def clk(rs, k):
+                return statistics.median([s[k] for s in rs]) if rs else float("nan")
             note = (f"{len(ms)} replays; settled from replay {st['settle_index']}; rank 0 SM "
                     f"{clk(early, 'sm_mhz'):.0f} MHz in the first 0.1 s, {clk(late, 'sm_mhz'):.0f} "
                     f"MHz settled, {clk(late, 'power_w'):.0f} W, "

@@ -25,14 +25,14 @@ ITERS = 30
 
 
 def git_commit() -> str:
-    """Short commit hash: $DIST_MOE_COMMIT when set (the GPU machine gets no .git), else git."""
-    if os.environ.get("DIST_MOE_COMMIT"):
-        return os.environ["DIST_MOE_COMMIT"]
+    """Short commit hash: $GIT_COMMIT when set (the GPU machine gets no .git), else git."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10).stdout.strip() or "unknown"
     except Exception:
-        return os.environ.get("DIST_MOE_COMMIT", "unknown")
+        return os.environ.get("GIT_COMMIT", "unknown")
 
 
 @dataclass

@@ -34,10 +34,11 @@ PARTS = [
     ("grouped WGRAD", r"^_grouped_mm_wgrad_(persistent_)?kernel"),
     ("row gathers and scatters", r"^_(gather|scatter|fanout)_rows_kernel"),
     ("owner kernels (combine, grad routes, route reduction)",
-     r"^_(combine_routes|publish_grad_routes|publish_grad_y|reduce_routes)_kernel"),
+     r"^_(combine_routes|publish_grad_routes|publish_grad_y|reduce_routes|sum_score_parts)_kernel"),
     ("SwiGLU row kernels", r"^_(swiglu_(fwd|bwd)|score_grad_rows)_kernel"),
     ("device barriers", r"barrier"),
-    ("routing tables and bookkeeping (ours)", r"^_?(route_|plan_forward|plan_backward)"),
+    ("routing tables and bookkeeping (ours)",
+     r"^_?(route_|plan_forward|plan_backward|bf16_layout)"),
     ("row copies and checks (ours)", r"^_(copy_rows|device_check|check)"),
     ("torch ops, copies, memsets", r"at::|at_cuda_detail|Memcpy|Memset|elementwise|reduce_kernel"),
 ]

@@ -10,17 +10,26 @@ Importing this package touches no GPU and no process group.
     y_TD = dm.routed_experts(x_TD, expert_ids_TK, scores_TK, w13, w2, ctx)
 """
 
-from .config import Config, ConfigError, load_config
+from .config import ACTIVATIONS, BACKENDS, PIPELINES, PRECISIONS, WGRAD_DTYPES, Config, load_config
 from .context import Context, create_context
+from .errors import ConfigError, RoutedExpertsInputError
+from .execution import RUNS, Execution
 from .memory_plan import MemoryPlan, plan_memory
-from .ops import RoutedExpertsInputError, routed_experts
+from .ops import routed_experts
 
 __all__ = [
+    "ACTIVATIONS",
+    "BACKENDS",
     "Config",
     "ConfigError",
     "Context",
+    "Execution",
     "MemoryPlan",
+    "PIPELINES",
+    "PRECISIONS",
+    "RUNS",
     "RoutedExpertsInputError",
+    "WGRAD_DTYPES",
     "create_context",
     "load_config",
     "plan_memory",

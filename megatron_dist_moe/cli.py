@@ -162,6 +162,10 @@ def cmd_plan(args) -> int:
 
     overrides = _parse_overrides(args.set)
     profile = _parse_profile(args.imbalance)
+    if overrides.get("inference") is True and (profile or args.layers is not None):
+        args.parser.error("--imbalance / --layers simulate the save/replay planner of a training "
+                          "context; an inference plan (--set inference=true) keeps no saved "
+                          "state: drop them, or plan a training context")
     layers = args.layers
     if layers is None and profile:
         layers = len(profile)
@@ -169,6 +173,9 @@ def cmd_plan(args) -> int:
         overrides["max_moe_layers_per_activation_slot"] = max(
             layers, overrides.get("max_moe_layers_per_activation_slot", 1))
     cfg = load_config(args.config, **overrides)
+    if args.tracked_rank >= args.ep:
+        args.parser.error(f"--tracked-rank {args.tracked_rank} is not a rank of --ep {args.ep} "
+                          f"(0 .. {args.ep - 1})")
     plan = plan_memory(cfg, ep_size=args.ep)
     print(plan.explain())
     sim = None
@@ -186,6 +193,31 @@ def cmd_plan(args) -> int:
 
 # -- demo --------------------------------------------------------------------------------------
 DEMO_TOLERANCE = 2e-2     # bf16 rounding at h1/h2/h3/y and the gradients: errors are a few 1e-3
+
+
+def demo_bytes(cfg, ranks: int) -> int:
+    """Host memory the demo takes on a machine without GPUs (all ranks on it): each rank holds
+    its context (the plan's allocations) and the whole problem it draws (testing.make_problem:
+    x, grad_y, scores, IDs of every rank, every expert's weights) in fp64 for the oracle."""
+    from .memory_plan import plan_memory
+
+    plan = plan_memory(cfg, ep_size=ranks)
+    T, D, F, K, E = (cfg.num_local_input_tokens, cfg.hidden_dim, cfg.intermediate_dim,
+                     cfg.top_k, cfg.num_experts)
+    problem = (2 * ranks * T * D + ranks * T * K * 2 + E * 3 * F * D) * 8
+    return ranks * (plan.total_device_bytes + 2 * problem)
+
+
+def available_bytes() -> int | None:
+    """MemAvailable (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def _capable_gpus() -> int:
@@ -241,7 +273,7 @@ def cmd_demo(args) -> int:
     if gpus:
         ranks = args.ranks or gpus
         if ranks > gpus:
-            raise SystemExit(f"--ranks {ranks} exceeds the {gpus} capable GPU(s)")
+            args.parser.error(f"--ranks {ranks} exceeds the {gpus} capable GPU(s)")
         backend, dist_backend = "auto", "nccl"
         where = f"{ranks} GPU rank(s), NCCL, backend 'auto' (cuda on sm_90+)"
     else:
@@ -262,6 +294,21 @@ def cmd_demo(args) -> int:
         base["num_experts"] = 4 * ranks
     base["backend"] = backend
     cfg = Config(**base)
+    E_local = cfg.num_local_experts(ranks)
+    if args.routing == "one_rank" and cfg.top_k > E_local:
+        args.parser.error(f"--routing one_rank sends all of a token's {cfg.top_k} routes to one "
+                          f"rank's experts, which has E_local={E_local} (E={cfg.num_experts} over "
+                          f"{ranks} ranks): use --topk <= {E_local} or more --experts")
+    if not gpus:
+        need, have = demo_bytes(cfg, ranks), available_bytes()
+        if have is not None and need > 0.8 * have:
+            fit = max(1, int(cfg.num_local_input_tokens * 0.8 * have / need))
+            args.parser.error(
+                f"this shape needs about {need / 2**30:.1f} GiB on this CPU machine ({ranks} "
+                f"ranks, each with its context and the fp64 oracle's copy of the problem) and "
+                f"{have / 2**30:.1f} GiB are available; the demo runs the reference backend "
+                f"here: pick a smaller shape (--tokens {min(fit, 64)} --hidden 128 "
+                f"--intermediate 128, or configs/tiny.yaml)")
     plan = plan_memory(cfg, ep_size=ranks)
     print(f"[demo] {where}")
     print(plan.explain(), flush=True)
@@ -291,6 +338,26 @@ def cmd_demo(args) -> int:
 
 
 # -- entry point -------------------------------------------------------------------------------
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m megatron_dist_moe",
                                 description="Dist-MoE: memory plans and a runnable demo.")
@@ -299,31 +366,33 @@ def build_parser() -> argparse.ArgumentParser:
     pp = sub.add_parser("plan", help="print the memory plan of a config; optionally simulate "
                         "the planner under routing imbalance and plot it")
     pp.add_argument("--config", required=True, help="YAML preset, e.g. configs/guide_bench.yaml")
-    pp.add_argument("--ep", type=int, required=True, help="expert-parallel ranks")
+    pp.add_argument("--ep", type=_positive_int, required=True, help="expert-parallel ranks")
     pp.add_argument("--imbalance", metavar="M1,M2,...",
                     help="tracked rank's rows as multiples of T*K in successive layers, e.g. 1,4,8")
-    pp.add_argument("--layers", type=int, help="MoE layers in the slot (default: profile length; "
+    pp.add_argument("--layers", type=_positive_int,
+                    help="MoE layers in the slot (default: profile length; "
                     "raises max_moe_layers_per_activation_slot when needed)")
-    pp.add_argument("--tracked-rank", type=int, default=0, help="rank receiving the multiple")
+    pp.add_argument("--tracked-rank", type=_nonnegative_int, default=0,
+                    help="rank receiving the multiple")
     pp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a Config field, e.g. --set activation_slot_capacity_factor=0.5")
     pp.add_argument("--plot", metavar="OUT.png", help="draw the buffer layout and the decisions")
-    pp.set_defaults(func=cmd_plan)
+    pp.set_defaults(func=cmd_plan, parser=pp)
 
     pd = sub.add_parser("demo", help="run forward + backward on local ranks and compare with an "
                         "fp64 oracle (reference backend on CPU; cuda backend on sm_90+ GPUs)")
-    pd.add_argument("--ranks", type=int, help="EP ranks (default 2 on CPU, one per GPU)")
+    pd.add_argument("--ranks", type=_positive_int, help="EP ranks (default 2 on CPU, one per GPU)")
     pd.add_argument("--config", help="YAML preset for the shape (default: a small built-in shape)")
-    pd.add_argument("--tokens", type=int, help="T: tokens per rank")
-    pd.add_argument("--hidden", type=int, help="D")
-    pd.add_argument("--intermediate", type=int, help="F")
-    pd.add_argument("--experts", type=int, help="E (global)")
-    pd.add_argument("--topk", type=int, help="K")
+    pd.add_argument("--tokens", type=_positive_int, help="T: tokens per rank")
+    pd.add_argument("--hidden", type=_positive_int, help="D")
+    pd.add_argument("--intermediate", type=_positive_int, help="F")
+    pd.add_argument("--experts", type=_positive_int, help="E (global)")
+    pd.add_argument("--topk", type=_positive_int, help="K")
     pd.add_argument("--activation", choices=("swiglu", "swiglu_clamped"))
     pd.add_argument("--routing", default="random",
                     choices=("random", "hot_expert", "zipf", "one_rank"))
     pd.add_argument("--seed", type=int, default=0)
-    pd.set_defaults(func=cmd_demo)
+    pd.set_defaults(func=cmd_demo, parser=pd)
     return p
 
 

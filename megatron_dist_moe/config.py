@@ -8,22 +8,21 @@ launch flag without reading the source.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from .errors import ConfigError
+
 __all__ = [
     "Config",
     "ConfigError",
-    "env_switch",
     "PRECISIONS",
     "PIPELINES",
     "ACTIVATIONS",
     "BACKENDS",
     "WGRAD_DTYPES",
     "load_config",
-    "gemm_row_multiple",
     "feature_multiple",
 ]
 
@@ -34,14 +33,6 @@ BACKENDS = ("auto", "reference", "cuda")
 WGRAD_DTYPES = ("bf16", "fp32")
 
 
-class ConfigError(ValueError):
-    """A Config field (named in the message) holds a value or combination we cannot run."""
-
-    def __init__(self, field: str, message: str):
-        self.field = field
-        super().__init__(f"Config.{field}: {message}")
-
-
 def feature_multiple(precision: str) -> int:
     """Multiple that D and F must be for the kernels of `precision`.
 
@@ -50,11 +41,6 @@ def feature_multiple(precision: str) -> int:
     their Hopper GEMMs promote every 128 elements of K, so D and F must be multiples of 128.
     """
     return 64 if precision == "bf16" else 128
-
-
-def gemm_row_multiple(precision: str) -> int:
-    """Rows each expert's segment is padded to in the grouped GEMMs (block-scaled formats only)."""
-    return 1 if precision == "bf16" else 128
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -81,8 +67,11 @@ class Config:
         num_experts             E, global experts; E = E_local x EP must hold at context creation.
 
     Policy:
-        precision     "bf16" | "mxfp8" | "fp8_block" | "nvfp4" (nvfp4 needs inference=True).
-        pipeline      "standard" | "staged" | "mega" (mega is not implemented yet).
+        precision     "bf16". (The formats of the design, "fp8_block", "mxfp8" and "nvfp4",
+                      are named here so that asking for one gets a clear error while no
+                      backend runs it: execution.RUNS lists what runs.)
+        pipeline      "standard" | "staged" (CUDA kernel sequence; the reference backend runs
+                      one algorithm for both). "mega" is refused until a backend runs it.
         inference     True: no backward state is kept; no activation slots are needed.
         num_activation_slots                 saved-state slots (>= 1 when training).
         max_moe_layers_per_activation_slot   layers that may stack in one slot.
@@ -106,6 +95,9 @@ class Config:
                       h2 = g * sigmoid(alpha * g) * (u + 1)).
         backend       "auto" (cuda when a capable GPU is present, else reference) |
                       "reference" | "cuda".
+        wait_timeout_s  how long a device-side wait of ours (a peer at a device barrier, a
+                      claimed row copy) may last before it traps naming what it waited for;
+                      the default matches torch.distributed's collective timeout.
     """
 
     num_local_input_tokens: int
@@ -128,6 +120,7 @@ class Config:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     backend: str = "auto"
+    wait_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         for name in ("num_local_input_tokens", "hidden_dim", "intermediate_dim", "top_k",
@@ -182,8 +175,26 @@ class Config:
                               f"device_scratch_capacity_factor={self.device_scratch_capacity_factor}")
         if self.activation == "swiglu_clamped" and not (self.swiglu_limit > 0):
             raise ConfigError("swiglu_limit", f"must be > 0, got {self.swiglu_limit}")
+        if isinstance(self.wait_timeout_s, bool) or not isinstance(self.wait_timeout_s, (int, float)) \
+                or not self.wait_timeout_s > 0:
+            raise ConfigError("wait_timeout_s", f"must be a number > 0, got {self.wait_timeout_s!r}")
+        self._check_runs()
         if self.num_local_input_tokens * self.top_k >= 2**31:
             raise ConfigError("num_local_input_tokens", "T x K must stay below 2**31 route slots")
+
+    def _check_runs(self) -> None:
+        """Refuse a precision / pipeline that no backend (or not the chosen one) runs."""
+        from .execution import RUNS, runs, what_runs
+
+        backends = list(RUNS) if self.backend == "auto" else [self.backend]
+        if any(runs(b, self.precision, self.pipeline) for b in backends):
+            return
+        where = "no backend runs" if self.backend == "auto" else f"the {self.backend} backend " \
+            "does not run"
+        field = "precision" if not any(self.precision in RUNS[b]["precisions"]
+                                       for b in backends) else "pipeline"
+        raise ConfigError(field, f"{where} precision={self.precision!r} with pipeline="
+                          f"{self.pipeline!r} yet; what runs: {what_runs()}")
 
     # -- derived shape helpers -------------------------------------------------------------
     def num_local_experts(self, ep_size: int) -> int:
@@ -224,14 +235,3 @@ def load_config(path: str | Path, **overrides: Any) -> Config:
     data = {k: v for k, v in data.items() if k != "name" and k != "description"}
     data.update(overrides)
     return Config.from_dict(data)
-
-
-def env_switch(name: str, default: bool) -> bool:
-    """An on/off environment switch of the CUDA backend: unset -> default, "0" / "1" -> off / on;
-    anything else raises ValueError naming the variable (a typo never silently means off)."""
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    if value not in ("0", "1"):
-        raise ValueError(f"{name}={value!r}: expected 0 or 1")
-    return value == "1"

@@ -15,13 +15,14 @@ import torch
 import torch.distributed as dist
 
 from .config import Config, ConfigError
+from .execution import Execution
 from .memory_plan import MemoryPlan, plan_memory
 from .planner import PlannerState
 
 if TYPE_CHECKING:
     from .backends.base import Backend
 
-__all__ = ["Context", "create_context", "resolve_backend", "context_from_id"]
+__all__ = ["Context", "create_context", "context_from_id", "check_same_config"]
 
 # Open contexts by Context.id, so registered ops (library.py) can name a context with an int.
 # Weak: the registry never keeps a context alive; close() unregisters eagerly.
@@ -36,7 +37,7 @@ def context_from_id(ctx_id: int) -> "Context":
     """
     ctx = _CONTEXTS.get(int(ctx_id))
     if ctx is None or ctx.closed:
-        from .ops import RoutedExpertsInputError
+        from .errors import RoutedExpertsInputError
 
         raise RoutedExpertsInputError(
             "ctx", f"no open Dist-MoE context has id {ctx_id} in this process (it was closed, "
@@ -44,22 +45,12 @@ def context_from_id(ctx_id: int) -> "Context":
     return ctx
 
 
-def resolve_backend(config: Config, device: torch.device) -> str:
-    """'reference' or 'cuda' for this config and device ('auto' picks cuda on sm_90+)."""
-    if config.backend != "auto":
-        if config.backend == "cuda" and device.type != "cuda":
-            raise ConfigError("backend", f"backend='cuda' needs a CUDA device, got {device}")
-        return config.backend
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0):
-        return "cuda"
-    return "reference"
-
-
 class Context:
     """Per-EP-group state. Use through create_context(); close() (or `with`) frees everything.
 
     Attributes:
         config, plan, group, rank, ep_size, device, num_local_experts
+        execution: how this context runs (execution.Execution), decided at creation
         id:      int unique in this process; the registered ops (library.py) name the context
                  by it (graphs traced with make_fx hold this int, not the object)
         planner: PlannerState (device tensors: cursors, saved bytes, positions, selector)
@@ -67,7 +58,7 @@ class Context:
     """
 
     def __init__(self, group, config: Config, device: torch.device, plan: MemoryPlan,
-                 backend_name: str):
+                 execution: Execution):
         self.group = group
         self.config = config
         self.device = device
@@ -75,22 +66,18 @@ class Context:
         self.rank = dist.get_rank(group)
         self.ep_size = dist.get_world_size(group)
         self.num_local_experts = plan.num_local_experts
+        self.execution = execution
         self.planner = PlannerState.create(plan, device)
         self._closed = False
-        # routed_experts(wgrad_into=...): set right before the forward op, taken by it (library)
-        self._pending_wgrad_into = None
         # Saved state of training forwards awaiting their backward: saved id -> (token, saved).
         # See _stash_saved / _pop_saved; the lock guards against finalizers on other threads.
         self._saved: dict[int, tuple[object, Any]] = {}
         self._saved_lock = threading.Lock()
         self._last_stashed: tuple[weakref.ref, int] | None = None
         self.id = next(_NEXT_ID)
-        if backend_name == "reference":
-            from .backends.reference import ReferenceBackend
-            self.backend: Backend = ReferenceBackend(self)
-        else:
-            from .backends.cuda import CudaBackend
-            self.backend = CudaBackend(self)
+        from .backends import make_backend
+
+        self.backend: Backend = make_backend(self, execution)
         _CONTEXTS[self.id] = self
 
     # -- slots ------------------------------------------------------------------------------
@@ -196,9 +183,16 @@ class Context:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def explain(self) -> str:
+        """The memory plan and how this context executes (what runs, which kernels)."""
+        return f"{self.plan.explain()}\n\n{self.execution.explain()}"
+
     def __repr__(self) -> str:
-        return (f"Context(backend={self.backend.name}, rank={self.rank}/{self.ep_size}, "
-                f"device={self.device}, E_local={self.num_local_experts})")
+        ex = self.execution
+        extra = f", pipeline={ex.pipeline}" if ex.backend == "cuda" else ""
+        return (f"Context(backend={ex.backend}, precision={ex.precision}{extra}, "
+                f"{'inference' if ex.inference else 'training'}, rank={self.rank}/"
+                f"{self.ep_size}, device={self.device}, E_local={self.num_local_experts})")
 
 
 def _release_saved(ctx_ref: "weakref.ref[Context]", sid: int, token: object) -> None:
@@ -213,15 +207,37 @@ def _release_saved(ctx_ref: "weakref.ref[Context]", sid: int, token: object) -> 
             del ctx._saved[sid]
 
 
+def check_same_config(config: Config, group) -> None:
+    """Raise ConfigError on every rank when the ranks of `group` hold different Configs, naming
+    the differing fields and each rank's value (collective, host-side: at context creation)."""
+    mine = config.to_dict()
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    differ = sorted({k for d in everyone for k in mine if d.get(k) != mine.get(k)}
+                    | {k for d in everyone for k in d if k not in mine})
+    if not differ:
+        return
+    parts = []
+    for k in differ[:6]:
+        values = ", ".join(f"rank {r}: {d.get(k)!r}" for r, d in enumerate(everyone))
+        parts.append(f"{k} ({values})")
+    more = f" and {len(differ) - 6} more" if len(differ) > 6 else ""
+    raise ConfigError(differ[0], "every rank of the EP group must pass the same Config; they "
+                      f"differ in {'; '.join(parts)}{more}")
+
+
 def create_context(group=None, config: Config | None = None,
-                   device: torch.device | str | int | None = None) -> Context:
+                   device: torch.device | str | int | None = None, *,
+                   execution_overrides: dict | None = None) -> Context:
     """Create a Dist-MoE context on the EP process group `group` (collective).
 
     Args:
         group:  EP process group (None = the default group).
-        config: the layer family's Config.
+        config: the layer family's Config; every rank must pass the same one (checked).
         device: torch device for buffers and inputs (default: the current CUDA device when one is
                 present, else CPU).
+        execution_overrides: development only: select the CUDA backend's plain-torch twins
+                (execution.OVERRIDES, e.g. {"gemm_engine": "torch"}); see execution.py.
     """
     if not isinstance(config, Config):
         raise TypeError(f"create_context(config): expected a megatron_dist_moe.Config, got "
@@ -238,5 +254,8 @@ def create_context(group=None, config: Config | None = None,
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     ep = dist.get_world_size(group)
+    if ep > 1:
+        check_same_config(config, group)
     plan = plan_memory(config, ep_size=ep)
-    return Context(group, config, device, plan, resolve_backend(config, device))
+    execution = Execution.resolve(config, device, execution_overrides)
+    return Context(group, config, device, plan, execution)

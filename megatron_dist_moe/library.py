@@ -1,7 +1,8 @@
 """Registered ops (torch.library): the graph boundary of routed_experts.
 
     dist_moe::routed_experts_fwd(Tensor x, Tensor expert_ids, Tensor scores, Tensor w13,
-                                 Tensor w2, SymInt ctx_id, bool training)
+                                 Tensor w2, SymInt ctx_id, bool training,
+                                 Tensor[] wgrad_into_w13, Tensor[] wgrad_into_w2)
         -> (Tensor y, Tensor saved_id)
     dist_moe::routed_experts_bwd(Tensor grad_y, Tensor saved_id, SymInt ctx_id, SymInt top_k,
                                  SymInt[] w13_shape, SymInt[] w2_shape)
@@ -10,6 +11,9 @@
 Both have fake implementations, and register_autograd connects them, so make_fx, AOTAutograd
 and torch.utils.checkpoint see two opaque, well-described nodes instead of the collectives and
 GEMMs inside. ops.routed_experts() validates the arguments and calls routed_experts_fwd.
+`wgrad_into_w13` / `wgrad_into_w2` are routed_experts(wgrad_into=...)'s fp32 accumulators (empty
+lists without): the forward only keeps them in its saved record, and the backward of that
+record adds the weight gradients into them.
 
 State. The backends keep per-call state outside the arguments: the planner cursors and the
 activation arena of the Context (ctx_id names it, see context.context_from_id), and the
@@ -70,21 +74,22 @@ def _score_grad_dtype(dtype: torch.dtype) -> torch.dtype:
 # -- forward ----------------------------------------------------------------------------------
 @torch.library.custom_op("dist_moe::routed_experts_fwd", mutates_args=())
 def routed_experts_fwd(x: torch.Tensor, expert_ids: torch.Tensor, scores: torch.Tensor,
-                       w13: torch.Tensor, w2: torch.Tensor, ctx_id: int, training: bool
+                       w13: torch.Tensor, w2: torch.Tensor, ctx_id: int, training: bool,
+                       wgrad_into_w13: Sequence[torch.Tensor], wgrad_into_w2: Sequence[torch.Tensor]
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """y [T, D] and saved_id (0-d int64, CPU; -1 when not training). Arguments must already be
     validated (ops.routed_experts does it); w13 is [E_local, 2F, D]."""
     ctx = context_from_id(ctx_id)
-    wgrad_into, ctx._pending_wgrad_into = ctx._pending_wgrad_into, None
     y, saved = ctx.backend.forward(x, expert_ids, scores, w13, w2, training=training)
     if not training:
         return y, torch.tensor(-1, dtype=torch.int64)
-    saved.wgrad_into = wgrad_into
+    saved.wgrad_into = (list(wgrad_into_w13), list(wgrad_into_w2)) if wgrad_into_w13 else None
     return y, ctx._stash_saved(saved)
 
 
 @routed_experts_fwd.register_fake
-def _routed_experts_fwd_fake(x, expert_ids, scores, w13, w2, ctx_id, training):
+def _routed_experts_fwd_fake(x, expert_ids, scores, w13, w2, ctx_id, training,
+                             wgrad_into_w13, wgrad_into_w2):
     return x.new_empty(x.shape), torch.empty((), dtype=torch.int64, device="cpu")
 
 
@@ -125,7 +130,7 @@ def _routed_experts_bwd_fake(grad_y, saved_id, ctx_id, top_k, w13_shape, w2_shap
 
 # -- autograd ---------------------------------------------------------------------------------
 def _setup_context(ctx, inputs, output):
-    x, expert_ids, scores, w13, w2, ctx_id, training = inputs
+    x, expert_ids, scores, w13, w2, ctx_id, training = inputs[:7]
     _, saved_id = output
     ctx.mark_non_differentiable(saved_id)
     # No zero gradient for the integer saved_id output (it would be a graph node of its own).
@@ -138,6 +143,7 @@ def _setup_context(ctx, inputs, output):
     ctx.top_k = expert_ids.shape[1]
     ctx.w13_shape = tuple(w13.shape)
     ctx.w2_shape = tuple(w2.shape)
+    ctx.n_into = (len(inputs[7]), len(inputs[8]))   # wgrad_into lists: no gradient flows to them
     # The backend's saved object, for introspection (tests read grad_fn.saved.record); found
     # without reading saved_id (no dispatch, so nothing extra lands in a traced graph).
     ctx.saved = None
@@ -165,7 +171,8 @@ def _backward(ctx, grad_y, _grad_saved_id):
             "called with training=False")
     grad_x, grad_scores, grad_w13, grad_w2 = torch.ops.dist_moe.routed_experts_bwd(
         grad_y, saved_id, ctx.ctx_id, ctx.top_k, ctx.w13_shape, ctx.w2_shape)
-    return grad_x, None, grad_scores.to(ctx.score_dtype), grad_w13, grad_w2, None, None
+    return (grad_x, None, grad_scores.to(ctx.score_dtype), grad_w13, grad_w2, None, None,
+            [None] * ctx.n_into[0], [None] * ctx.n_into[1])
 
 
 routed_experts_fwd.register_autograd(_backward, setup_context=_setup_context)

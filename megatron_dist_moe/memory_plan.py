@@ -7,9 +7,14 @@ Notation (per rank): T input token rows, D width, F intermediate width, K routes
 E_local local experts, EP ranks, R routed rows received. All byte counts are align128-rounded per
 tensor. The BF16 formulas follow the design guide §03-§04:
 
-    forward scratch          x_gathered[R,D] + h1[R,2F] + h2[R,F]       = 2R(D + 3F)
-    backward recompute peak  x_g + h1 + max(h2 + g3, grad_h1) + grad_h2  = 2R(D + 5F) when D <= F
-                             (g3 = gathered grad_h3 [R,D]; when D > F it needs an extra 2R(D-F))
+    scratch                  the largest per-call layout (layout.py) over the modes a context
+                             runs, at the row bound:
+                               inference / training forward  x_g[R,D] + h1[R,2F] + h2[R,F]
+                                                             = 2R(D + 3F)
+                               backward replay               x_g + h1 + h2 + g3[R,D]
+                                                             = 2R(2D + 3F)
+                             (g3 = gathered output gradients; the SwiGLU backward writes grad_h1
+                             over h1 in place)
     full saved state         align(R·D·2) + align(R·2F·2) + align(T·K·D·2)    (x_g, h1, h3 routes)
                              (without the routes term when Config.save_route_outputs is False)
     mandatory saved input    align(T·D·2)                                      (x, for replay)
@@ -20,11 +25,21 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .config import Config, gemm_row_multiple
+from .config import Config
+from .layout import call_layout, scratch_bytes
 
-__all__ = ["MemoryPlan", "plan_memory", "align128", "LayerBytes"]
+__all__ = ["MemoryPlan", "plan_memory", "align128", "LayerBytes", "score_parts_count",
+           "SCORE_PART_COLS"]
 
 ROUTING_HEADER_BYTES = 128
+# Expert-side score gradients arrive as one fp32 part per route and per W2-DGRAD n-tile; no tile
+# is narrower than this, so score_parts_count(F) part slots per route always suffice.
+SCORE_PART_COLS = 32
+
+
+def score_parts_count(F: int) -> int:
+    """fp32 part slots per route for the expert-side score gradients (see SCORE_PART_COLS)."""
+    return -(-F // SCORE_PART_COLS)
 
 
 def align128(n):
@@ -56,43 +71,6 @@ class LayerBytes:
     training: bool
     save_routes: bool = True
 
-    # -- block-scaled bundles ---------------------------------------------------------------
-    @property
-    def row_multiple(self) -> int:
-        return gemm_row_multiple(self.precision)
-
-    def padded_rows(self, R: int) -> int:
-        """Worst-case rows after padding each expert's segment to the GEMM row multiple."""
-        m = self.row_multiple
-        if m == 1:
-            return R
-        if isinstance(R, int):
-            return R + self.num_local_experts * (m - 1) if R else 0
-        return R + (R > 0).to(R.dtype) * (self.num_local_experts * (m - 1))
-
-    def row_bundle(self, R: int, width: int) -> int:
-        """Row-quantized operand (FPROP/DGRAD: scales along the feature axis)."""
-        Rp = self.padded_rows(R)
-        if self.precision == "bf16":
-            return align128(Rp * width * 2)
-        if self.precision == "mxfp8":   # E4M3 qdata + one E8M0 byte per 32 values
-            return align128(Rp * width) + align128(Rp * (width // 32))
-        if self.precision == "fp8_block":  # E4M3 qdata + one fp32 per 1x128 block
-            return align128(Rp * width) + align128(Rp * (width // 128) * 4)
-        # nvfp4: packed E2M1 pairs + E4M3 per 16 values + fp32 row inverse global scale
-        return align128(Rp * width // 2) + align128(Rp * (width // 16)) + align128(Rp * 4)
-
-    def col_bundle(self, R: int, width: int) -> int:
-        """Column-quantized operand (WGRAD contracts over rows: scales along the row axis)."""
-        Rp = self.padded_rows(R)
-        if self.precision == "bf16":
-            return align128(Rp * width * 2)
-        if self.precision == "mxfp8":
-            return align128(Rp * width) + align128(-(-Rp // 32) * width)
-        if self.precision == "fp8_block":
-            return align128(Rp * width) + align128(-(-Rp // 128) * width * 4)
-        raise ValueError("nvfp4 has no backward (column) bundles")
-
     # -- per-layer totals -------------------------------------------------------------------
     def input_bytes(self) -> int:
         """The mandatory saved layer input x [T, D] bf16 kept for replay."""
@@ -106,44 +84,22 @@ class LayerBytes:
     def full_state(self, R: int) -> int:
         """Saved bytes when a layer keeps its full state instead of replaying."""
         D, F = self.D, self.F
-        if self.precision == "bf16":
-            return align128(R * D * 2) + align128(R * 2 * F * 2) + self.routes_bytes()
-        if self.precision == "nvfp4":
-            raise ValueError("nvfp4 is inference-only: it saves no state")
-        # block-scaled training keeps the x / h2 column bundles for WGRAD and dense h1
-        return (self.col_bundle(R, D) + align128(R * 2 * F * 2) + self.col_bundle(R, F)
-                + self.routes_bytes())
+        assert self.precision == "bf16", f"no saved-state layout for {self.precision!r}"
+        return align128(R * D * 2) + align128(R * 2 * F * 2) + self.routes_bytes()
 
     def forward_scratch(self, R: int) -> int:
-        D, F = self.D, self.F
-        base = align128(R * D * 2) + align128(R * 2 * F * 2) + align128(R * F * 2)
-        if self.precision == "bf16":
-            return base
-        if self.precision == "nvfp4":
-            # packed rows arrive quantized: x row bundle, h1 bf16, h2 bf16 + its row bundle
-            return (self.row_bundle(R, D) + align128(R * 2 * F * 2) + align128(R * F * 2)
-                    + self.row_bundle(R, F))
-        # block-scaled training: gathered bf16 rows are quantized after the peer gather
-        return base + self.row_bundle(R, D) + self.row_bundle(R, F)
+        """Scratch of one forward call (layout.py: inference / train_forward)."""
+        mode = "train_forward" if self.training else "inference"
+        return call_layout(mode, R, self.D, self.F, self.precision).total
 
     def backward_peak(self, R: int) -> int:
-        D, F = self.D, self.F
-        x_g = align128(R * D * 2)
-        h1 = align128(R * 2 * F * 2)
-        h2 = align128(R * F * 2)
-        g3 = align128(R * D * 2)
-        grad_h1 = align128(R * 2 * F * 2)
-        grad_h2 = align128(R * F * 2)
-        peak = x_g + h1 + max(h2 + g3, grad_h1) + grad_h2
-        if self.precision in ("mxfp8", "fp8_block"):
-            peak += (self.row_bundle(R, D) + self.col_bundle(R, D)          # grad_h3 (DGRAD, WGRAD)
-                     + self.row_bundle(R, 2 * F) + self.col_bundle(R, 2 * F)  # grad_h1
-                     + self.col_bundle(R, D) + self.col_bundle(R, F))      # replayed x / h2 columns
-        return peak
+        """Scratch of one backward call, the replayed forward included (layout.py)."""
+        return max(call_layout(m, R, self.D, self.F, self.precision).total
+                   for m in ("backward", "replay"))
 
     def scratch(self, R: int) -> int:
-        fwd = self.forward_scratch(R)
-        return max(fwd, self.backward_peak(R)) if self.training else fwd
+        """Scratch for R rows: the largest per-call layout over the modes this context runs."""
+        return scratch_bytes(R, self.D, self.F, self.training, self.precision)
 
 
 @dataclass(frozen=True)
@@ -152,8 +108,9 @@ class MemoryPlan:
 
     @property
     def route_scores_offset(self) -> int:
-        """Byte offset in the routing region of the owner's published scores [T, K] fp32 (the
-        score gradients [T, K] fp32 follow at + route_score_grads_delta); only with
+        """Byte offset in the routing region of the owner's published scores [T, K] fp32; the
+        experts' score-gradient parts [score_parts_count(F), T, K] fp32 follow at
+        + route_score_grads_delta, one slice every score_part_stride bytes. Only with
         Config.save_route_outputs False."""
         c = self.config
         return ROUTING_HEADER_BYTES + align128(c.num_local_input_tokens * c.top_k * 2)
@@ -162,6 +119,16 @@ class MemoryPlan:
     def route_score_grads_delta(self) -> int:
         c = self.config
         return align128(c.num_local_input_tokens * c.top_k * 4)
+
+    @property
+    def score_part_stride(self) -> int:
+        """Bytes between one route's consecutive score-gradient parts (a [T, K] fp32 slice)."""
+        c = self.config
+        return align128(c.num_local_input_tokens * c.top_k * 4)
+
+    @property
+    def score_parts(self) -> int:
+        return score_parts_count(self.config.intermediate_dim)
 
     config: Config
     ep_size: int
@@ -220,9 +187,6 @@ class MemoryPlan:
                               f"{self.device_scratch_rows:,}; total bound {self.total_scratch_rows:,}; "
                               f"topology max {self.topology_max_rows:,}"),
         ]
-        if c.precision != "bf16":
-            rows.append(("GEMM row padding", f"{self.layer.row_multiple} rows per expert "
-                         f"(worst case +{self.layer.padded_rows(self.balanced_rows) - self.balanced_rows} rows)"))
         out = ["Dist-MoE memory plan", "=" * 20]
         w = max(len(k) for k, _ in rows)
         out += [f"{k:<{w}}  {v}" for k, v in rows]
@@ -236,10 +200,13 @@ class MemoryPlan:
             out.append(f"  backward peak at device R     {self.layer.backward_peak(self.device_scratch_rows):>16,} B")
         out.append("")
         if not c.inference:
-            out.append(f"activation slot ({L} layer(s) per slot, {self.num_slots} slot(s), policy: {self.slot_policy})")
+            out.append(f"activation slot ({L} layer(s) per slot, {self.num_slots} slot(s), "
+                       f"policy: {self.slot_policy})")
             out.append(f"  minimum (inputs only)         {self.slot_min_bytes:>16,} B  ({_fmt(self.slot_min_bytes)})")
-            out.append(f"  balanced full save            {self.slot_balanced_bytes:>16,} B  ({_fmt(self.slot_balanced_bytes)})")
-            out.append(f"  maximum useful                {self.slot_max_useful_bytes:>16,} B  ({_fmt(self.slot_max_useful_bytes)})")
+            out.append(f"  balanced full save            {self.slot_balanced_bytes:>16,} B  "
+                       f"({_fmt(self.slot_balanced_bytes)})")
+            out.append(f"  maximum useful                {self.slot_max_useful_bytes:>16,} B  "
+                       f"({_fmt(self.slot_max_useful_bytes)})")
             out.append(f"  chosen                        {self.slot_bytes:>16,} B  ({_fmt(self.slot_bytes)})")
             out.append("")
         out.append("allocations (per rank)")
@@ -318,15 +285,10 @@ def plan_memory(config: Config, ep_size: int) -> MemoryPlan:
 
     routing = ROUTING_HEADER_BYTES + align128(T * K * 2)
     if training and not config.save_route_outputs:
-        # [T, K] fp32 scores published by the owner for the experts, and [T, K] fp32 score
-        # gradients that the experts accumulate into (MemoryPlan.route_scores_offset)
-        routing += 2 * align128(T * K * 4)
-    if config.precision == "nvfp4":
-        dispatch = align128(T * D // 2) + align128(T * D // 16) + align128(T * 4)
-        if training:
-            dispatch = max(dispatch, align128(T * K * D * 2))
-    else:
-        dispatch = align128((T * K if training else T) * D * 2)
+        # [T, K] fp32 scores published by the owner for the experts, and the experts' score-
+        # gradient parts [score_parts_count(F), T, K] fp32 (MemoryPlan.route_scores_offset)
+        routing += (1 + score_parts_count(F)) * align128(T * K * 4)
+    dispatch = align128((T * K if training else T) * D * 2)
     combine = align128(T * K * D * 2)
     symmetric = routing + dispatch + combine
     if dev_rows < balanced:

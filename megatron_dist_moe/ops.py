@@ -11,23 +11,12 @@ import torch
 
 from . import library
 from .context import Context
+from .errors import ARG_NAMES, RoutedExpertsInputError  # noqa: F401  (re-exported)
 
 __all__ = ["routed_experts", "RoutedExpertsInputError", "validate_inputs", "validate_wgrad_into"]
 
 
-class RoutedExpertsInputError(ValueError):
-    """An argument of routed_experts (named in the message) is invalid. Nothing was written."""
-
-    def __init__(self, arg: str, message: str):
-        self.arg = arg
-        super().__init__(f"routed_experts({arg}): {message}")
-
-
 _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
-
-# Argument order used to name a peer's rejected argument in collective checks.
-ARG_NAMES = ("x", "expert_ids", "scores", "w13", "w2", "ctx")
-
 
 def _want_value_checks(x: torch.Tensor) -> bool:
     """Host-side value checks need a device sync: skip them while capturing a CUDA graph or when
@@ -231,12 +220,8 @@ def routed_experts(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: t
         raise RoutedExpertsInputError(
             "ctx", "this context was created with Config.inference=True and keeps no state for "
             "backward; call under torch.no_grad() or create a training context")
-    # the forward op takes the accumulators from the context (library.routed_experts_fwd), so
-    # the registered op's schema stays tensors-only
-    ctx._pending_wgrad_into = wgrad_into if training and not fake else None
-    try:
-        y_TD, _ = torch.ops.dist_moe.routed_experts_fwd(x_TD, expert_ids_TK, scores_TK, w13,
-                                                        w2_EDF, ctx.id, training)
-    finally:
-        ctx._pending_wgrad_into = None
+    # the accumulators travel as the op's tensor-list arguments; its saved record keeps them
+    into = wgrad_into if training and not fake and wgrad_into is not None else ([], [])
+    y_TD, _ = torch.ops.dist_moe.routed_experts_fwd(x_TD, expert_ids_TK, scores_TK, w13, w2_EDF,
+                                                    ctx.id, training, into[0], into[1])
     return y_TD

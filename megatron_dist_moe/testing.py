@@ -52,10 +52,12 @@ def routed_experts_oracle(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor,
 
     Returns y_TD [T, D] in compute_dtype: sum over active routes of score * W2 act(W13 x).
     """
+    from .activation import Activation
+
+    act = Activation(activation, swiglu_alpha, swiglu_limit)
     E = w13.shape[0]
     D = x_TD.shape[1]
     w13 = w13.reshape(E, -1, D)
-    F = w13.shape[1] // 2
     dt = x_TD.dtype if compute_dtype is None else compute_dtype
     x_TD, scores_TK, w13, w2_EDF = x_TD.to(dt), scores_TK.to(dt), w13.to(dt), w2_EDF.to(dt)
     ids = expert_ids_TK.to(torch.int64)
@@ -65,15 +67,7 @@ def routed_experts_oracle(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor,
         if t_idx.numel() == 0:
             continue
         h1 = x_TD[t_idx] @ w13[e].T
-        g, u = h1[:, :F], h1[:, F:]
-        if activation == "swiglu":
-            h2 = torch.nn.functional.silu(g) * u
-        elif activation == "swiglu_clamped":
-            gc = g.clamp(max=swiglu_limit)
-            uc = u.clamp(-swiglu_limit, swiglu_limit)
-            h2 = gc * torch.sigmoid(swiglu_alpha * gc) * (uc + 1)
-        else:
-            raise ValueError(f"unknown activation {activation!r}")
+        h2 = act.forward(h1)
         h3 = h2 @ w2_EDF[e].T
         y = y.index_add(0, t_idx, scores_TK[t_idx, k_idx].unsqueeze(-1) * h3)
     return y

@@ -22,9 +22,11 @@ sum the K routes in fp32. grad_scores[t, k] = <grad_y[t], h3[t, k]> in fp32.
 
 Arena: one uint8 tensor holding the activation slots followed by the scratch region
 (`plan.num_slots * plan.slot_bytes + plan.total_scratch_bytes`: the device scratch plus the part
-the CUDA backend would back with pinned host pages). The plan counts bf16 bytes; for fp32 / fp64
-inputs (oracle tests) the backend keeps a second arena whose every offset is scaled by
-itemsize / 2, so the byte layout is the same in units of elements.
+the CUDA backend would back with pinned host pages). Each call's scratch tensors are views at the
+offsets of the one per-call layout (layout.py), anchored at the arena end as on the GPU. The
+plan counts bf16 bytes; for fp32 / fp64 inputs (oracle tests) the backend keeps a second arena
+whose every offset is scaled by itemsize / 2, so the byte layout is the same in units of
+elements.
 
 Weight gradients are accumulated in fp32 (fp64 for fp64 inputs), rounded to Config.wgrad_dtype
 and returned in the parameter's dtype: autograd casts a gradient to its input's dtype anyway, so
@@ -38,44 +40,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..config import ConfigError
-from ..memory_plan import align128
-from ..ops import RoutedExpertsInputError
+from ..activation import Activation
+from ..errors import ARG_NAMES, RoutedExpertsInputError
+from ..layout import call_layout
+from ..routing import expert_major_order, owner_ranks, rows_per_rank
 from ..planner import LayerRecord, plan_backward, plan_forward, saved_layout
 
-__all__ = ["ReferenceBackend", "swiglu_fwd", "swiglu_bwd"]
-
-
-# -- activations (computed in the accumulation dtype from the stored h1) ------------------------
-def swiglu_fwd(h1: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
-    """h2 [R, F] from h1 [R, 2F] = [gate | up] (same dtype as h1)."""
-    F = h1.shape[1] // 2
-    g, u = h1[:, :F], h1[:, F:]
-    if activation == "swiglu":
-        return torch.nn.functional.silu(g) * u
-    gc = g.clamp(max=limit)
-    uc = u.clamp(-limit, limit)
-    return gc * torch.sigmoid(alpha * gc) * (uc + 1)
-
-
-def swiglu_bwd(h1: torch.Tensor, grad_h2: torch.Tensor, activation: str, alpha: float,
-               limit: float) -> torch.Tensor:
-    """grad_h1 [R, 2F] from h1 [R, 2F] and grad_h2 [R, F] (all in the accumulation dtype)."""
-    F = h1.shape[1] // 2
-    g, u = h1[:, :F], h1[:, F:]
-    if activation == "swiglu":
-        s = torch.sigmoid(g)
-        grad_g = grad_h2 * u * (s * (1 + g * (1 - s)))
-        grad_u = grad_h2 * (g * s)
-    else:
-        # NOTE: clamp passes the gradient where the value lies inside the closed interval
-        # (torch.clamp's convention), so the oracle's autograd agrees at the boundary.
-        gc = g.clamp(max=limit)
-        uc = u.clamp(-limit, limit)
-        s = torch.sigmoid(alpha * gc)
-        grad_g = grad_h2 * (uc + 1) * (s + alpha * gc * s * (1 - s)) * (g <= limit)
-        grad_u = grad_h2 * (gc * s) * ((u >= -limit) & (u <= limit))
-    return torch.cat([grad_g, grad_u], dim=1)
+__all__ = ["ReferenceBackend"]
 
 
 # -- routing of one call -----------------------------------------------------------------------
@@ -118,11 +89,8 @@ class ReferenceBackend:
     supported_dtypes = (torch.bfloat16, torch.float32, torch.float64)
 
     def __init__(self, ctx):
-        if ctx.config.precision != "bf16":
-            raise ConfigError("precision", f"the reference backend computes in bf16 (or fp32/fp64 "
-                              f"for oracle tests) and does not emulate {ctx.config.precision!r}; "
-                              "use precision='bf16' with backend='reference'")
         self.ctx = ctx
+        self.act = Activation.of(ctx.config)
         self.plan = ctx.plan
         self._arena_bytes = self.plan.scratch_offset + self.plan.total_scratch_bytes
         self._arenas: dict[int, torch.Tensor] = {}
@@ -148,36 +116,23 @@ class ReferenceBackend:
         assert start + numel * dtype.itemsize <= arena.numel(), "arena view out of range"
         return arena[start:start + numel * dtype.itemsize].view(dtype).view(shape)
 
-    def _scratch(self, dtype: torch.dtype, R: int, widths: list[int]) -> list[torch.Tensor]:
-        """Consecutive align128 regions [R, w] at the scratch base (forward layout)."""
-        out, off = [], self.plan.scratch_offset
-        for w in widths:
-            out.append(self._view(dtype, off, (R, w)))
-            off += align128(R * w * 2)
-        assert off - self.plan.scratch_offset <= self.plan.total_scratch_bytes, \
-            "scratch layout exceeds the planned scratch bytes"
-        return out
-
-    def _backward_scratch(self, dtype: torch.dtype, R: int):
-        """x_g | h1 | (h2, g3 -> later grad_h1) | grad_h2: the plan's backward peak layout."""
-        D, F = self.ctx.config.hidden_dim, self.ctx.config.intermediate_dim
-        base = self.plan.scratch_offset
-        o_h1 = base + align128(R * D * 2)
-        o_shared = o_h1 + align128(R * 2 * F * 2)
-        o_g3 = o_shared + align128(R * F * 2)
-        shared = max(align128(R * F * 2) + align128(R * D * 2), align128(R * 2 * F * 2))
-        o_gh2 = o_shared + shared
-        assert o_gh2 + align128(R * F * 2) - base <= self.plan.total_scratch_bytes, \
-            "backward scratch layout exceeds the planned scratch bytes"
-        v = self._view
-        return dict(x_g=v(dtype, base, (R, D)), h1=v(dtype, o_h1, (R, 2 * F)),
-                    h2=v(dtype, o_shared, (R, F)), g3=v(dtype, o_g3, (R, D)),
-                    grad_h1=v(dtype, o_shared, (R, 2 * F)), grad_h2=v(dtype, o_gh2, (R, F)))
+    def _scratch(self, dtype: torch.dtype, mode: str, R: int) -> dict[str, torch.Tensor]:
+        """[R, width] views of every region of this call's layout (layout.call_layout), at the
+        addresses the CUDA backend uses: the layout of R rows ends at the arena end."""
+        cfg = self.ctx.config
+        lay = call_layout(mode, R, cfg.hidden_dim, cfg.intermediate_dim, cfg.precision)
+        end = self._arena_bytes
+        assert lay.total <= self.plan.total_scratch_bytes, (
+            f"the {mode} layout of {R} rows needs {lay.total:,} B, the plan holds "
+            f"{self.plan.total_scratch_bytes:,} B of scratch")
+        widths = {"x_g": cfg.hidden_dim, "h1": 2 * cfg.intermediate_dim,
+                  "h2": cfg.intermediate_dim, "g3": cfg.hidden_dim}
+        return {r.name: self._view(dtype, end - lay.total + r.offset, (R, widths[r.name]))
+                for r in lay.regions if r.name in widths}
 
     # -- collectives ----------------------------------------------------------------------------
     def check_collective(self, x_TD: torch.Tensor,
                          local_error: RoutedExpertsInputError | None = None) -> None:
-        from ..ops import ARG_NAMES
 
         ctx = self.ctx
         bad = -1 if local_error is None else (
@@ -215,8 +170,9 @@ class ReferenceBackend:
         gathered = [torch.empty_like(ids) for _ in range(EP)]
         dist.all_gather(gathered, ids, group=ctx.group)
         ids_all = torch.stack(gathered).view(EP, T * K)
-        owner_all = torch.where(ids_all >= 0, ids_all // E_local, -1)
-        rows_EP = torch.stack([(owner_all == q).sum() for q in range(EP)]).to(torch.int64)
+        ids_N = ids_all.reshape(-1)
+        owner_all = owner_ranks(ids_N, E_local, ctx.config.num_experts).view(EP, T * K)
+        rows_EP = rows_per_rank(ids_N, E_local, EP, ctx.config.num_experts)
 
         worst = int(rows_EP.max()) if EP else 0
         if worst > self.plan.total_scratch_rows:
@@ -232,14 +188,16 @@ class ReferenceBackend:
         send_flat_idx = active[by_owner]
         send_counts = torch.bincount(mine[active], minlength=EP).tolist()
 
+        # rows arrive from each source in its route order: received positions n = src*T*K + t*K
+        # + k, ascending; expert-major row i is the route at order[i] (routing.py)
         recv_mask = owner_all == r
-        src, flat = recv_mask.nonzero(as_tuple=True)       # row-major: by source, then (t, k)
-        local_e = ids_all[src, flat] - r * E_local
-        key = (local_e * EP + src) * (T * K) + flat
-        em_order = torch.sort(key).indices
+        recv_pos = recv_mask.view(-1).nonzero().view(-1)
+        order, offsets = expert_major_order(ids_N, r, E_local)
+        R = int(offsets[-1])
+        em_order = torch.searchsorted(recv_pos, order[:R])
         return _Routes(T=T, rows_EP=rows_EP, send_flat_idx=send_flat_idx, send_counts=send_counts,
                        recv_counts=recv_mask.sum(1).tolist(), em_order=em_order,
-                       expert_counts=torch.bincount(local_e, minlength=E_local).tolist())
+                       expert_counts=offsets.diff().tolist())
 
     def _dispatch(self, src_rows: torch.Tensor, routes: _Routes, out: torch.Tensor) -> None:
         """Send src_rows [S, D] (one per active route of this rank) to the experts' owners and
@@ -269,15 +227,13 @@ class ReferenceBackend:
                      with_w2: bool = True) -> torch.Tensor | None:
         """Fill h1 and h2 (arena views) from x_g; return h3 rows [R, D] (storage dtype), or None
         without the W2 GEMM (with_w2=False)."""
-        cfg = self.ctx.config
         acc = self._acc_dtype(x_g.dtype)
         h3 = torch.empty_like(x_g) if with_w2 else None
         for e, a, b in self._segments(routes):
             if a == b:
                 continue
             h1[a:b].copy_(x_g[a:b].to(acc) @ w13_END[e].to(acc).T)
-            h2[a:b].copy_(swiglu_fwd(h1[a:b].to(acc), cfg.activation, cfg.swiglu_alpha,
-                                     cfg.swiglu_limit))
+            h2[a:b].copy_(self.act.forward(h1[a:b].to(acc)))
             if with_w2:
                 h3[a:b].copy_(h2[a:b].to(acc) @ w2_EDF[e].to(acc).T)
         return h3
@@ -307,7 +263,8 @@ class ReferenceBackend:
         dtype = x_TD.dtype
         routes = self._route(expert_ids_TK)          # raises on overflow, before any write
         R = routes.rows
-        x_g, h1, h2 = self._scratch(dtype, R, [D, 2 * F, F])
+        s = self._scratch(dtype, "train_forward" if training else "inference", R)
+        x_g, h1, h2 = s["x_g"], s["h1"], s["h2"]
 
         record = None
         if training:
@@ -354,10 +311,11 @@ class ReferenceBackend:
         T, K, D, F, R = routes.T, cfg.top_k, cfg.hidden_dim, cfg.intermediate_dim, routes.rows
         acc = self._acc_dtype(dtype)
         w13, w2 = saved.w13_END, saved.w2_EDF
-        s = self._backward_scratch(dtype, R)
+        replay = bool(record.need_recompute)
+        s = self._scratch(dtype, "replay" if replay else "backward", R)
 
         keep_routes = cfg.save_route_outputs
-        if bool(record.need_recompute):
+        if replay:
             x_TD = self._view(dtype, int(record.start), (T, D))
             x_g, h1 = s["x_g"], s["h1"]
             routes_TKD = (torch.empty(T, K, D, dtype=dtype, device=grad_y_TD.device)
@@ -369,9 +327,9 @@ class ReferenceBackend:
             h1 = self._view(dtype, int(lay.h1), (R, 2 * F))
             routes_TKD = self._view(dtype, int(lay.routes), (T, K, D)) if keep_routes else None
             for e, a, b in self._segments(routes):    # h2 is never saved: rebuild it from h1
-                s["h2"][a:b].copy_(swiglu_fwd(h1[a:b].to(acc), cfg.activation, cfg.swiglu_alpha,
-                                              cfg.swiglu_limit))
-        h2, g3, grad_h2 = s["h2"], s["g3"], s["grad_h2"]
+                s["h2"][a:b].copy_(self.act.forward(h1[a:b].to(acc)))
+        h2, g3 = s["h2"], s["g3"]
+        grad_h2 = torch.empty(R, F, dtype=dtype, device=grad_y_TD.device)   # never stored
         gy = grad_y_TD.to(acc)
         E_local = w13.shape[0]
         grad_w2 = torch.zeros(E_local, D, F, dtype=acc, device=grad_y_TD.device)
@@ -406,10 +364,9 @@ class ReferenceBackend:
             grad_scores_TK = torch.zeros(T * K, dtype=acc, device=grad_y_TD.device)
             grad_scores_TK[routes.send_flat_idx] = self._return(grad_s_rows, routes).view(-1)
             grad_scores_TK = grad_scores_TK.view(T, K)
-        # SwiGLU backward; grad_h1 reuses the bytes of h2 and g3, whose readers are done
-        grad_h1_rows = swiglu_bwd(h1.to(acc), grad_h2.to(acc), cfg.activation, cfg.swiglu_alpha,
-                                  cfg.swiglu_limit)
-        grad_h1 = s["grad_h1"]
+        # SwiGLU backward, written over h1 in place (wherever h1 lives), as on the GPU
+        grad_h1_rows = self.act.backward(h1.to(acc), grad_h2.to(acc))
+        grad_h1 = h1
         grad_h1.copy_(grad_h1_rows)
         # W13 DGRAD / WGRAD; route input gradients go back to the token owners
         grad_xg = torch.empty(R, D, dtype=dtype, device=grad_y_TD.device)

@@ -17,6 +17,8 @@ from typing import Optional
 
 import torch
 
+from ..activation import Activation
+
 __all__ = [
     "expert_ranges",
     "swiglu_ref",
@@ -68,14 +70,7 @@ def grouped_mm_dgrad_ref(a_RK: torch.Tensor, w_EKN: torch.Tensor, expert_offsets
 def swiglu_ref(h1_R2F: torch.Tensor, *, activation: str = "swiglu", swiglu_alpha: float = 1.702,
                swiglu_limit: float = 7.0) -> torch.Tensor:
     """h2 [R, F] from h1 = [gate | up], computed in h1's dtype (pass an upcast h1)."""
-    f = h1_R2F.shape[1] // 2
-    g, u = h1_R2F[:, :f], h1_R2F[:, f:]
-    if activation == "swiglu":
-        return g * torch.sigmoid(g) * u
-    assert activation == "swiglu_clamped", f"unknown activation {activation!r}"
-    g = g.clamp(max=swiglu_limit)
-    u = u.clamp(min=-swiglu_limit, max=swiglu_limit)
-    return g * torch.sigmoid(swiglu_alpha * g) * (u + 1)
+    return Activation(activation, swiglu_alpha, swiglu_limit).forward(h1_R2F)
 
 
 def grouped_mm_fwd_swiglu_ref(a_RD: torch.Tensor, w13_E2FD: torch.Tensor,

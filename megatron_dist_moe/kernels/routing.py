@@ -19,7 +19,7 @@ peer addresses the expert kernels read from and write to.
            check after printing the cause and the numbers.
 
 The status word [3] int64 = (code, a, b) uses the codes, numbers and messages of
-`rows.trap_on_code` (0 = all good; a peer whose header says T = -1 rejected its own inputs:
+`checks.trap_on_code` (0 = all good; a peer whose header says T = -1 rejected its own inputs:
 CHECK_PEER_REJECTED). On a failed T or overflow check no table row is written and the published
 row counts and offsets are zero (what a context that did not trap would then read).
 """
@@ -30,19 +30,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import grid_dependency_wait, pdl_args
-
-from . import rows as _rows
-from .rows import trap_on_code
+from . import checks as _checks
+from .checks import trap_on_code
 
 __all__ = ["RouteWorkspace", "route_tables"]
 
 _NONE = tl.constexpr(2 ** 63 - 1)   # "no failure" in a per-chunk first-failure slot
-_UNEQUAL_T = tl.constexpr(_rows.CHECK_UNEQUAL_T)
-_OVERFLOW = tl.constexpr(_rows.CHECK_SCRATCH_OVERFLOW)
-_BAD_ID = tl.constexpr(_rows.CHECK_BAD_EXPERT_ID)
-_BAD_SCORE = tl.constexpr(_rows.CHECK_INACTIVE_SCORE)
-_PEER_REJECTED = tl.constexpr(_rows.CHECK_PEER_REJECTED)
+_UNEQUAL_T = tl.constexpr(_checks.CHECK_UNEQUAL_T)
+_OVERFLOW = tl.constexpr(_checks.CHECK_SCRATCH_OVERFLOW)
+_BAD_ID = tl.constexpr(_checks.CHECK_BAD_EXPERT_ID)
+_BAD_SCORE = tl.constexpr(_checks.CHECK_INACTIVE_SCORE)
+_PEER_REJECTED = tl.constexpr(_checks.CHECK_PEER_REJECTED)
 CHUNK = 4096                        # flat routes per program
 
 
@@ -58,8 +56,7 @@ def _route_count_kernel(base_ptr, scores_ptr, counts_ptr, owners_ptr, bad_ptr,
                         T, K, rank, E_local, num_experts, n_chunks,
                         HEADER_BYTES: tl.constexpr, HAS_SCORES: tl.constexpr,
                         CHUNK: tl.constexpr, BLOCK: tl.constexpr, E_PAD: tl.constexpr,
-                        EP_PAD: tl.constexpr, PDL: tl.constexpr = False):
-    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
+                        EP_PAD: tl.constexpr):
     r = tl.program_id(0)
     c = tl.program_id(1)
     n = T * K
@@ -106,9 +103,7 @@ def _route_place_kernel(base_ptr, dispatch_base_ptr, combine_base_ptr, counts_pt
                         T, K, rank, E_local, EP, max_rows, row_bytes, n_chunks,
                         HEADER_BYTES: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
                         TAIL_BLOCK: tl.constexpr, E_PAD: tl.constexpr, EP_PAD: tl.constexpr,
-                        NC_PAD: tl.constexpr, TRAP: tl.constexpr, FANOUT: tl.constexpr,
-                        PDL: tl.constexpr = False):
-    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
+                        NC_PAD: tl.constexpr, TRAP: tl.constexpr, FANOUT: tl.constexpr):
     r = tl.program_id(0)
     c = tl.program_id(1)
     n = T * K
@@ -262,13 +257,13 @@ def route_tables(ws: RouteWorkspace, base_EP: torch.Tensor, T: int, K: int, rank
     _route_count_kernel[grid](
         base_EP, scores, ws.counts, ws.owners, ws.bad, T, K, rank, E_local, num_experts,
         ws.n_chunks, HEADER_BYTES=header_bytes, HAS_SCORES=own_scores_TK is not None,
-        CHUNK=CHUNK, BLOCK=block, E_PAD=ws.E_PAD, EP_PAD=ws.EP_PAD, num_warps=4, **pdl_args(dev))
+        CHUNK=CHUNK, BLOCK=block, E_PAD=ws.E_PAD, EP_PAD=ws.EP_PAD, num_warps=4)
     _route_place_kernel[grid](
         base_EP, dispatch_base_EP, combine_base_EP, ws.counts, ws.owners, ws.bad, offsets,
         num_rows, rows_EP, fwd, comb, disp, fan, ws.status, T, K, rank, E_local, EP, max_rows,
         row_bytes, ws.n_chunks, HEADER_BYTES=header_bytes, CHUNK=CHUNK, BLOCK=block,
         TAIL_BLOCK=1024, E_PAD=ws.E_PAD, EP_PAD=ws.EP_PAD, NC_PAD=ws.NC_PAD, TRAP=trap,
-        FANOUT=fanout, num_warps=4, **pdl_args(dev))
+        FANOUT=fanout, num_warps=4)
     if fanout:
         return offsets, num_rows, rows_EP, fwd, comb, disp, ws.status, fan
     return offsets, num_rows, rows_EP, fwd, comb, disp, ws.status

@@ -14,12 +14,13 @@ Kernels:
     reduce_routes   gx[t] = sum_k [id>=0] grad_routes_in[t,k]     (fp32 sum, owner side)
   expert-side score gradients (Config.save_route_outputs=False):
     publish_grad_y    gy[t] once per token (unscaled) at the start of the owner's combine
-                      region; the owner's published scores and zeroed score-gradient sums
+                      region; the owner's published scores
     route_score_ptrs  per received row: the addresses of its route's score in the owner's
                       routing region and of its token's gy row (from the row's combine address)
     score_grad_rows   per row: grad_s = <u, h2> stored to the owner, then u *= s, h2 *= s
+    sum_score_parts   owner side: grad_s[t, k] = the ordered sum of the experts' parts
     swiglu_fwd / swiglu_bwd   elementwise activation on h1 = [g | u] rows
-    device_check    trap with a message naming the cause and the numbers
+Device checks and their trap messages live in checks.py.
 """
 
 from __future__ import annotations
@@ -28,33 +29,20 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import grid_dependency_wait, pdl_args
-
-__all__ = ["device_ptr", "gather_rows", "scatter_rows", "copy_rows", "combine_routes",
-           "publish_grad_routes", "reduce_routes", "swiglu_fwd", "swiglu_bwd", "device_check",
-           "publish_grad_y", "route_score_ptrs", "score_grad_rows",
-           "CHECK_UNEQUAL_T", "CHECK_SCRATCH_OVERFLOW", "CHECK_BAD_EXPERT_ID",
-           "CHECK_INACTIVE_SCORE", "CHECK_PEER_REJECTED"]
+from .common import TL_DTYPES as _TL_DTYPE
+from .common import device_ptr
 
 
-def device_ptr(t: torch.Tensor) -> torch.Tensor:
-    """int64 [1] tensor on t's device holding t's address (a kernel 'device pointer').
-
-    Written by a fill kernel (the address is a kernel argument), not copied from the host, so it
-    neither synchronises nor leaves a host-memory source behind inside a CUDA graph.
-    """
-    return torch.full((1,), t.data_ptr(), dtype=torch.int64, device=t.device)
-
-
-_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
-             torch.float64: tl.float64}
+__all__ = ["device_ptr", "gather_rows", "fanout_rows", "scatter_rows", "copy_rows",
+           "combine_routes", "publish_grad_routes", "reduce_routes", "swiglu_fwd", "swiglu_bwd",
+           "swiglu_grad", "publish_grad_y", "route_score_ptrs", "score_grad_rows",
+           "sum_score_parts"]
 
 
 # -- gather / scatter / copy ----------------------------------------------------------------
 @triton.jit
 def _gather_rows_kernel(row_ptrs, dst_addr, num_rows_ptr, W: tl.constexpr, DT: tl.constexpr,
-                        BLOCK_W: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False):
-    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
+                        BLOCK_W: tl.constexpr, ROWS: tl.constexpr):
     pid = tl.program_id(0)
     n = tl.load(num_rows_ptr).to(tl.int64)
     rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -78,14 +66,13 @@ def gather_rows(row_ptrs: torch.Tensor, dst_addr: torch.Tensor, num_rows: torch.
     if grid[0]:
         _gather_rows_kernel[grid](row_ptrs, dst_addr, num_rows, W=width, DT=_TL_DTYPE[dtype],
                                   BLOCK_W=min(1024, triton.next_power_of_2(width)), ROWS=ROWS,
-                                  num_warps=4, **pdl_args(row_ptrs.device))
+                                  num_warps=4)
 
 
 @triton.jit
 def _fanout_rows_kernel(src_base_ptr, dest_ptr, dst_addr, num_rows_ptr, n_tokens, T,
                         src_stride_bytes, K: tl.constexpr, K_PAD: tl.constexpr, W: tl.constexpr,
-                        DT: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr = False):
-    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
+                        DT: tl.constexpr, BLOCK_W: tl.constexpr):
     tok = tl.program_id(0)            # flat (source rank r, token t)
     if tok >= n_tokens:
         return
@@ -127,13 +114,12 @@ def fanout_rows(src_base_EP: torch.Tensor, src_stride_bytes: int, dest_rows: tor
     _fanout_rows_kernel[(EP * T,)](
         src_base_EP, dest_rows, dst_addr, num_rows, EP * T, T, src_stride_bytes, K=K,
         K_PAD=max(2, triton.next_power_of_2(K)), W=width, DT=_TL_DTYPE[dtype],
-        BLOCK_W=min(2048, triton.next_power_of_2(width)), num_warps=8, **pdl_args(dest_rows.device))
+        BLOCK_W=min(2048, triton.next_power_of_2(width)), num_warps=8)
 
 
 @triton.jit
 def _scatter_rows_kernel(src_addr, row_ptrs, num_rows_ptr, W: tl.constexpr, DT: tl.constexpr,
-                         BLOCK_W: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False):
-    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
+                         BLOCK_W: tl.constexpr, ROWS: tl.constexpr):
     pid = tl.program_id(0)
     n = tl.load(num_rows_ptr).to(tl.int64)
     rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -158,13 +144,11 @@ def scatter_rows(src_addr: torch.Tensor, row_ptrs: torch.Tensor, num_rows: torch
     if grid[0]:
         _scatter_rows_kernel[grid](src_addr, row_ptrs, num_rows, W=width, DT=_TL_DTYPE[dtype],
                                    BLOCK_W=min(1024, triton.next_power_of_2(width)), ROWS=ROWS,
-                                   num_warps=4, **pdl_args(row_ptrs.device))
+                                   num_warps=4)
 
 
 @triton.jit
-def _copy_rows_kernel(src_addr, dst_addr, num_rows_ptr, W: tl.constexpr, BLOCK: tl.constexpr,
-                      PDL: tl.constexpr = False):
-    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
+def _copy_rows_kernel(src_addr, dst_addr, num_rows_ptr, W: tl.constexpr, BLOCK: tl.constexpr):
     # Copies num_rows * W int16 words (bf16 bit patterns) as a flat range.
     pid = tl.program_id(0)
     total = tl.load(num_rows_ptr).to(tl.int64) * W
@@ -181,16 +165,14 @@ def copy_rows(src_addr: torch.Tensor, dst_addr: torch.Tensor, num_rows: torch.Te
     BLOCK = 4096
     grid = (triton.cdiv(max_rows * width, BLOCK),)
     if grid[0]:
-        _copy_rows_kernel[grid](src_addr, dst_addr, num_rows, W=width, BLOCK=BLOCK, num_warps=4,
-                                **pdl_args(num_rows.device))
+        _copy_rows_kernel[grid](src_addr, dst_addr, num_rows, W=width, BLOCK=BLOCK, num_warps=4)
 
 
 # -- owner side: combine, backward publication, reduction ------------------------------------
 @triton.jit
 def _combine_routes_kernel(routes_ptr, ids_ptr, scores_ptr, y_ptr, save_addr, save_flag_ptr, T,
                            D: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr,
-                           ODT: tl.constexpr, SAVE: tl.constexpr, PDL: tl.constexpr = False):
-    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
+                           ODT: tl.constexpr, SAVE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     dblk = tl.program_id(1)
     d = dblk * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -227,14 +209,13 @@ def combine_routes(routes_TKD: torch.Tensor, ids_TK: torch.Tensor, scores_TK: to
     _combine_routes_kernel[grid](routes_TKD, ids_TK, scores_TK, y_TD,
                                  save_addr if save else ids_TK, save_flag if save else ids_TK, T,
                                  D=D, K=K, BLOCK_D=BLOCK_D, ODT=_TL_DTYPE[y_TD.dtype], SAVE=save,
-                                 num_warps=4, **pdl_args(y_TD.device))
+                                 num_warps=4)
 
 
 @triton.jit
 def _publish_grad_routes_kernel(gy_ptr, routes_addr, ids_ptr, scores_ptr, grad_routes_ptr,
                                 grad_scores_ptr, D: tl.constexpr, K: tl.constexpr,
-                                BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
-    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
+                                BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     d0 = tl.arange(0, BLOCK_D)
     routes_ptr = tl.load(routes_addr).to(tl.pointer_type(tl.bfloat16))
@@ -264,21 +245,18 @@ def publish_grad_routes(gy_TD: torch.Tensor, routes_addr: torch.Tensor, ids_TK: 
     if T == 0:
         return
     _publish_grad_routes_kernel[(T,)](gy_TD, routes_addr, ids_TK, scores_TK, grad_routes_TKD,
-                                      grad_scores_TK, D=D, K=K, BLOCK_D=1024, num_warps=4,
-                                      **pdl_args(gy_TD.device))
+                                      grad_scores_TK, D=D, K=K, BLOCK_D=1024, num_warps=4)
 
 
 @triton.jit
-def _publish_grad_y_kernel(gy_ptr, scores_ptr, out_ptr, own_scores_ptr, own_score_grads_ptr,
+def _publish_grad_y_kernel(gy_ptr, scores_ptr, out_ptr, own_scores_ptr,
                            D: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr,
-                           K_PAD: tl.constexpr, PDL: tl.constexpr = False):
-    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
+                           K_PAD: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, K_PAD)
     km = k < K
     tl.store(own_scores_ptr + t * K + k, tl.load(scores_ptr + t * K + k, mask=km).to(tl.float32),
              mask=km)
-    tl.store(own_score_grads_ptr + t * K + k, tl.zeros([K_PAD], dtype=tl.float32), mask=km)
     for c0 in range(0, D, BLOCK_D):
         d = c0 + tl.arange(0, BLOCK_D)
         dm = d < D
@@ -287,26 +265,25 @@ def _publish_grad_y_kernel(gy_ptr, scores_ptr, out_ptr, own_scores_ptr, own_scor
 
 
 def publish_grad_y(gy_TD: torch.Tensor, scores_TK: torch.Tensor, out_TD: torch.Tensor,
-                   own_scores_TK: torch.Tensor, own_score_grads_TK: torch.Tensor) -> None:
+                   own_scores_TK: torch.Tensor) -> None:
     """Owner side of the expert-side score gradients: out[t] = bf16(gy[t]) once per token (the
     experts read it for each of the token's routes; not scaled); own_scores[t,k] = scores[t,k]
-    (fp32, for the experts to read); own_score_grads[t,k] = 0 (the experts accumulate into
-    it)."""
+    (fp32, for the experts to read); the experts write the score-gradient parts of every
+    active route, and `sum_score_parts` skips the inactive ones."""
     T, D = gy_TD.shape
     K = scores_TK.shape[1]
     if T == 0:
         return
-    _publish_grad_y_kernel[(T,)](gy_TD, scores_TK, out_TD, own_scores_TK, own_score_grads_TK,
+    _publish_grad_y_kernel[(T,)](gy_TD, scores_TK, out_TD, own_scores_TK,
                                  D=D, K=K, BLOCK_D=1024, K_PAD=max(2, triton.next_power_of_2(K)),
-                                 num_warps=4, **pdl_args(gy_TD.device))
+                                 num_warps=4)
 
 
 @triton.jit
 def _route_score_ptrs_kernel(combine_ptrs, num_rows_ptr, combine_base_ptr, routing_base_ptr,
                              score_out_ptr, gy_out_ptr, n, region_bytes, scores_offset,
                              EP: tl.constexpr, K: tl.constexpr, ROW_BYTES: tl.constexpr,
-                             BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
+                             BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = i < tl.load(num_rows_ptr)
     c = tl.load(combine_ptrs + i, mask=live, other=0)
@@ -338,13 +315,12 @@ def route_score_ptrs(combine_ptrs: torch.Tensor, num_rows: torch.Tensor,
     _route_score_ptrs_kernel[(triton.cdiv(n, BLOCK),)](
         combine_ptrs, num_rows, combine_base_EP, routing_base_EP, score_out, gy_out, n,
         combine_region_bytes, scores_offset, EP=combine_base_EP.numel(), K=K,
-        ROW_BYTES=row_bytes, BLOCK=BLOCK, num_warps=4, **pdl_args(combine_ptrs.device))
+        ROW_BYTES=row_bytes, BLOCK=BLOCK, num_warps=4)
 
 
 @triton.jit
 def _score_grad_rows_kernel(u_addr, h2_addr, score_ptrs, num_rows_ptr, grad_delta,
-                            F: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
+                            F: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if row >= tl.load(num_rows_ptr):
         return
@@ -375,14 +351,43 @@ def score_grad_rows(u_addr: torch.Tensor, h2_addr: torch.Tensor, score_ptrs: tor
     if max_rows == 0:
         return
     _score_grad_rows_kernel[(max_rows,)](u_addr, h2_addr, score_ptrs, num_rows, grad_delta, F=F,
-                                         BLOCK=min(1024, triton.next_power_of_2(F)), num_warps=4,
-                                         **pdl_args(score_ptrs.device))
+                                         BLOCK=min(1024, triton.next_power_of_2(F)), num_warps=4)
+
+
+@triton.jit
+def _sum_score_parts_kernel(parts_ptr, ids_ptr, out_ptr, n, n_parts, part_stride,
+                            BLOCK: tl.constexpr, P_PAD: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n
+    active = live & (tl.load(ids_ptr + i, mask=live, other=-1).to(tl.int32) >= 0)
+    p = tl.arange(0, P_PAD).to(tl.int64)
+    v = tl.load(parts_ptr + p[None, :] * part_stride + i[:, None],
+                mask=active[:, None] & (p < n_parts)[None, :], other=0.0)
+    # a fixed-shape tree over the parts: the same order on every run
+    tl.store(out_ptr + i, tl.sum(v, axis=1), mask=live)
+
+
+def sum_score_parts(parts: torch.Tensor, n_parts: int, ids_TK: torch.Tensor,
+                    out_TK: torch.Tensor) -> None:
+    """Owner side: out[t, k] = sum_j parts[j][t, k] (fp32) over the n_parts parts the experts
+    wrote for route (t, k) (their W2 DGRAD n-tiles, or one from the torch engine); 0 for an
+    inactive route (expert id -1: no expert wrote it). parts: the fp32 [P, T_max*K]-strided
+    view of the routing region (first slice at its start), only slices < n_parts are read. A
+    fixed summation order, so the score gradients are the same bits on every run."""
+    T, K = out_TK.shape
+    n = T * K
+    if n == 0:
+        return
+    assert parts.dim() == 2 and parts.stride(1) == 1 and parts.shape[0] >= n_parts
+    BLOCK = 128
+    _sum_score_parts_kernel[(triton.cdiv(n, BLOCK),)](
+        parts, ids_TK, out_TK, n, n_parts, parts.stride(0), BLOCK=BLOCK,
+        P_PAD=max(2, triton.next_power_of_2(n_parts)), num_warps=4)
 
 
 @triton.jit
 def _reduce_routes_kernel(routes_ptr, ids_ptr, out_ptr, D: tl.constexpr, K: tl.constexpr,
-                          BLOCK_D: tl.constexpr, ODT: tl.constexpr, PDL: tl.constexpr = False):
-    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
+                          BLOCK_D: tl.constexpr, ODT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dm = d < D
@@ -403,8 +408,7 @@ def reduce_routes(routes_TKD: torch.Tensor, ids_TK: torch.Tensor, out_TD: torch.
     BLOCK_D = 1024
     _reduce_routes_kernel[(T, triton.cdiv(D, BLOCK_D))](routes_TKD, ids_TK, out_TD, D=D, K=K,
                                                         BLOCK_D=BLOCK_D,
-                                                        ODT=_TL_DTYPE[out_TD.dtype], num_warps=4,
-                                                        **pdl_args(out_TD.device))
+                                                        ODT=_TL_DTYPE[out_TD.dtype], num_warps=4)
 
 
 # -- activation ------------------------------------------------------------------------------
@@ -420,8 +424,7 @@ def _act_fwd(g, u, CLAMPED: tl.constexpr, alpha, limit):
 
 @triton.jit
 def _swiglu_fwd_kernel(h1_addr, h2_addr, num_rows_ptr, F: tl.constexpr, CLAMPED: tl.constexpr,
-                       alpha, limit, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
+                       alpha, limit, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if row >= tl.load(num_rows_ptr):
         return
@@ -441,8 +444,7 @@ def swiglu_fwd(h1_addr: torch.Tensor, h2_addr: torch.Tensor, num_rows: torch.Ten
     if max_rows:
         _swiglu_fwd_kernel[(max_rows,)](h1_addr, h2_addr, num_rows, F=F, CLAMPED=clamped,
                                         alpha=alpha, limit=limit,
-                                        BLOCK=min(2048, triton.next_power_of_2(F)), num_warps=4,
-                                        **pdl_args(num_rows.device))
+                                        BLOCK=min(2048, triton.next_power_of_2(F)), num_warps=4)
 
 
 @triton.jit
@@ -471,8 +473,7 @@ def swiglu_grad(g, u, dh, CLAMPED: tl.constexpr, alpha, limit):
 @triton.jit
 def _swiglu_bwd_kernel(h1_addr, gh2_addr, gh1_addr, h2_addr, num_rows_ptr, F: tl.constexpr,
                        CLAMPED: tl.constexpr, alpha, limit, STORE_H2: tl.constexpr,
-                       BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
+                       BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if row >= tl.load(num_rows_ptr):
         return
@@ -502,55 +503,4 @@ def swiglu_bwd(h1_addr: torch.Tensor, grad_h2_addr: torch.Tensor, grad_h1_addr: 
                                         h2_addr if h2_addr is not None else h1_addr, num_rows,
                                         F=F, CLAMPED=clamped, alpha=alpha, limit=limit,
                                         STORE_H2=h2_addr is not None,
-                                        BLOCK=min(1024, triton.next_power_of_2(F)), num_warps=4,
-                                        **pdl_args(num_rows.device))
-
-
-# -- device-side checks ----------------------------------------------------------------------
-CHECK_UNEQUAL_T = 1
-CHECK_SCRATCH_OVERFLOW = 2
-CHECK_BAD_EXPERT_ID = 3
-CHECK_INACTIVE_SCORE = 4
-CHECK_PEER_REJECTED = 5      # a peer's header says T = -1: its own input validation failed
-
-
-@triton.jit
-def _trap():
-    tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def trap_on_code(code, a, b):
-    """code != 0: print the failed check's cause and its two numbers, then trap. Shared by every
-    device check (this module's and the routing kernels'), so the messages are written once."""
-    if code != 0:
-        if code == 1:
-            tl.device_print("dist_moe TRAP: unequal token counts across EP ranks: peer rank, T:",
-                            a, b)
-        elif code == 2:
-            tl.device_print("dist_moe TRAP: scratch overflow: rows required, rows available:",
-                            a, b)
-        elif code == 3:
-            tl.device_print("dist_moe TRAP: expert id out of range: flat route index, id:", a, b)
-        elif code == 5:
-            tl.device_print("dist_moe TRAP: a peer rank rejected its inputs (its own error "
-                            "names the argument): peer rank, its T marker:", a, b)
-        else:
-            tl.device_print("dist_moe TRAP: nonzero score on inactive route: "
-                            "flat route index, score bits:", a, b)
-        _trap()
-
-
-@triton.jit
-def _device_check_kernel(codes_ptr, a_ptr, b_ptr, n, PDL: tl.constexpr = False):
-    grid_dependency_wait(PDL)   # first: no memory access before it (launch.py)
-    # codes[i] != 0 names a failed condition; a[i], b[i] are the numbers it reports.
-    for i in range(n):
-        code = tl.load(codes_ptr + i)
-        if code != 0:
-            trap_on_code(code, tl.load(a_ptr + i), tl.load(b_ptr + i))
-
-
-def device_check(codes: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """Trap (after printing the cause and the two numbers) if any codes[i] != 0. No host sync."""
-    _device_check_kernel[(1,)](codes, a, b, codes.numel(), num_warps=1, **pdl_args(codes.device))
+                                        BLOCK=min(1024, triton.next_power_of_2(F)), num_warps=4)

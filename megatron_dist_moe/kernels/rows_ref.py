@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as Fn
+
+from ..activation import Activation
 
 __all__ = ["act_ref", "act_bwd_ref", "combine_routes_ref", "fanout_rows_ref",
            "publish_grad_routes_ref", "reduce_routes_ref", "score_grad_rows_ref"]
@@ -11,12 +12,8 @@ __all__ = ["act_ref", "act_bwd_ref", "combine_routes_ref", "fanout_rows_ref",
 
 def act_ref(h1_R2F: torch.Tensor, F: int, clamped: bool, alpha: float, limit: float) -> torch.Tensor:
     """SwiGLU (or the clamped GPT-OSS form) on [g | u] rows, computed in h1's dtype."""
-    g, u = h1_R2F[..., :F], h1_R2F[..., F:]
-    if clamped:
-        g = g.clamp(max=limit)
-        u = u.clamp(-limit, limit)
-        return g * torch.sigmoid(alpha * g) * (u + 1)
-    return Fn.silu(g) * u
+    assert h1_R2F.shape[-1] == 2 * F, f"h1 is {h1_R2F.shape[-1]} wide, expected 2F = {2 * F}"
+    return Activation("swiglu_clamped" if clamped else "swiglu", alpha, limit).forward(h1_R2F)
 
 
 def act_bwd_ref(h1_R2F, grad_h2_RF, F, clamped, alpha, limit):

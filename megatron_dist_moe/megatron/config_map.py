@@ -32,7 +32,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ..config import BACKENDS, WGRAD_DTYPES, Config, ConfigError
+from .. import BACKENDS, RUNS, WGRAD_DTYPES, Config, ConfigError
+from ..execution import what_runs
 
 __all__ = [
     "UnsupportedMegatronConfig",
@@ -129,23 +130,38 @@ def _is_silu(fn: Any) -> bool:
     return fn is F.silu or getattr(fn, "__name__", "") == "silu"
 
 
+# Megatron's --fp8-recipe -> dm.Config.precision (the block-scaled recipes the design names)
+FP8_RECIPES = {"mxfp8": "mxfp8", "blockwise": "fp8_block"}
+
+
+def _runnable_fp8_recipes() -> list[str]:
+    return [r for r, p in FP8_RECIPES.items() if any(p in b["precisions"] for b in RUNS.values())]
+
+
 def precision_from_transformer_config(tc: Any) -> str:
-    """dm.Config.precision for tc's fp8/fp4 settings; raises UnsupportedMegatronConfig."""
+    """dm.Config.precision for tc's fp8/fp4 settings; raises UnsupportedMegatronConfig, naming
+    the flag, for a recipe dist_moe does not map or whose precision does not run yet."""
     fp8 = getattr(tc, "fp8", None)
+    runnable = _runnable_fp8_recipes()
+    alternatives = (" or ".join(f"--fp8-format e4m3 --fp8-recipe {r}" for r in runnable)
+                    or "bf16 (drop --fp8-format)")
     if getattr(tc, "fp4", None):
         raise UnsupportedMegatronConfig([
-            "fp4 training (NVFP4 is inference-only in dist_moe): drop --fp4-format, or use "
-            "--fp8-format e4m3 --fp8-recipe mxfp8 / blockwise"])
+            f"fp4 training (NVFP4 is inference-only in dist_moe): drop --fp4-format; use "
+            f"{alternatives}"])
     if not fp8:
         return "bf16"
     recipe = getattr(getattr(tc, "fp8_recipe", None), "value", getattr(tc, "fp8_recipe", None))
-    if recipe == "mxfp8":
-        return "mxfp8"
-    if recipe == "blockwise":
-        return "fp8_block"
-    raise UnsupportedMegatronConfig([
-        f"--fp8-recipe {recipe}: dist_moe quantizes with block scales only; use "
-        "--fp8-recipe mxfp8 or --fp8-recipe blockwise (or drop --fp8-format for bf16)"])
+    if recipe not in FP8_RECIPES:
+        raise UnsupportedMegatronConfig([
+            f"--fp8-recipe {recipe}: dist_moe quantizes with block scales only; use "
+            f"{alternatives}"])
+    precision = FP8_RECIPES[recipe]
+    if recipe not in runnable:
+        raise UnsupportedMegatronConfig([
+            f"--fp8-recipe {recipe} maps to dist_moe precision {precision!r}, which does not "
+            f"run yet (what runs: {what_runs()}); use {alternatives}"])
+    return precision
 
 
 def check_supported(tc: Any, options: DistMoEOptions | None = None) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..config import Config
+from .. import Config
 
 __all__ = ["DistMoERuntime", "get_runtime"]
 

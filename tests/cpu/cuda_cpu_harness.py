@@ -11,10 +11,8 @@ Import only in a process started with TRITON_INTERPRET=1 (see testing.run_child_
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-import os
 import threading
 import types
 
@@ -24,6 +22,7 @@ import torch.distributed as dist
 import megatron_dist_moe as dm
 import megatron_dist_moe.backends.cuda as cb
 from megatron_dist_moe.backends.cuda import symmetric as sy
+from megatron_dist_moe.execution import Execution, check_overrides
 from megatron_dist_moe.planner import PlannerState
 
 
@@ -54,7 +53,7 @@ class Handle:
         n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         return self.bufs[rank][offset:offset + n].view(dtype).view(shape)
 
-    def barrier(self, channel=0):
+    def barrier(self, channel=0, timeout_ms=0):
         self.group.wait()
 
 
@@ -82,29 +81,20 @@ def install() -> None:
     cb.SymmetricBuffers = functools.partial(sy.SymmetricBuffers, rendezvous=rendezvous)
 
 
-@contextlib.contextmanager
-def variant_env(env: dict):
-    """The backend's environment switches for one variant (the claim slice width is read at
-    import, so it is set on the module too)."""
-    from megatron_dist_moe.kernels import grouped_gemm as G
-
-    os.environ.update(env)
-    G.CLAIM_SLICE_K = int(env.get("DIST_MOE_CLAIM_SLICE_K", G.CLAIM_SLICE_K_DEFAULT))
-    try:
-        yield
-    finally:
-        for k in env:
-            os.environ.pop(k, None)
-        G.CLAIM_SLICE_K = G.CLAIM_SLICE_K_DEFAULT
-
-
-def make_backend(cfg: dm.Config, group: ThreadGroup) -> cb.CudaBackend:
+def make_backend(cfg: dm.Config, group: ThreadGroup, overrides: dict | None = None
+                 ) -> cb.CudaBackend:
+    """A CudaBackend on CPU for `cfg` (whose backend field says "reference": CPU tensors), with
+    execution overrides selecting the torch twins (execution.OVERRIDES)."""
     plan = dm.plan_memory(cfg, ep_size=group.size)
     ctx = types.SimpleNamespace(config=cfg, plan=plan, device=torch.device("cpu"), group=group,
-                                rank=group.rank,
+                                rank=group.rank, ep_size=group.size,
                                 num_local_experts=cfg.num_local_experts(group.size),
                                 planner=PlannerState.create(plan, "cpu"))
-    return cb.CudaBackend(ctx)
+    execution = Execution(backend="cuda", precision=cfg.precision, pipeline=cfg.pipeline,
+                          inference=cfg.inference, save_route_outputs=cfg.save_route_outputs,
+                          wait_timeout_s=cfg.wait_timeout_s,
+                          **check_overrides(overrides or {}, "variant"))
+    return cb.CudaBackend(ctx, execution)
 
 
 def rank_inputs(p, rank: int, offset_views: bool = False):

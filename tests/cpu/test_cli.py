@@ -99,3 +99,30 @@ def test_demo_end_to_end():
     assert "Dist-MoE memory plan" in out and "reference" in out and "PASS" in out
     worst = float(out.split("max relative error")[1].split()[0])
     assert 1e-4 < worst < 2e-2
+
+
+BAD_ARGS = [
+    # (argv, words of the one-line error)
+    (["plan", "--config", "configs/tiny.yaml", "--ep", "0"], "--ep: expected a positive integer"),
+    (["plan", "--config", "configs/tiny.yaml", "--ep", "2", "--layers", "0"],
+     "--layers: expected a positive integer"),
+    (["plan", "--config", "configs/tiny.yaml", "--ep", "2", "--tracked-rank", "99"],
+     "--tracked-rank 99 is not a rank of --ep 2"),
+    (["plan", "--config", "configs/tiny.yaml", "--ep", "2", "--set", "inference=true",
+      "--imbalance", "2"], "an inference plan (--set inference=true) keeps no saved state"),
+    (["plan", "--config", "configs/tiny.yaml", "--ep", "2", "--set", "pipeline=mega"],
+     "Config.pipeline: no backend runs"),
+    (["demo", "--routing", "one_rank", "--topk", "5"], "--topk <= 4"),
+    (["demo", "--ranks", "0"], "--ranks: expected a positive integer"),
+    (["demo", "--config", "configs/guide_bench.yaml"], "GiB are available"),
+]
+
+
+@pytest.mark.parametrize("argv,words", BAD_ARGS, ids=[" ".join(a[:1] + a[-2:]) for a, _ in BAD_ARGS])
+def test_bad_arguments_get_one_line_errors(argv, words):
+    """A bad flag ends with exit status 2 and one 'error:' line naming it, no traceback."""
+    r = subprocess.run([sys.executable, "-m", "megatron_dist_moe", *argv], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert words in r.stderr, r.stderr[-2000:]

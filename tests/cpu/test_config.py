@@ -51,6 +51,14 @@ BAD = [
     ("device_scratch_capacity_factor", dict(device_scratch_capacity_factor=0.0)),
     ("host_scratch_capacity_factor", dict(host_scratch_capacity_factor=1.0)),  # below device 2.0
     ("swiglu_limit", dict(activation="swiglu_clamped", swiglu_limit=0.0)),
+    ("wait_timeout_s", dict(wait_timeout_s=0)),
+    ("wait_timeout_s", dict(wait_timeout_s="10")),
+    # what no backend runs is refused when the Config is built, naming the field
+    ("precision", dict(precision="mxfp8")),
+    ("precision", dict(precision="nvfp4", inference=True, num_activation_slots=0)),
+    ("precision", dict(precision="fp8_block", backend="reference")),
+    ("pipeline", dict(pipeline="mega")),
+    ("pipeline", dict(pipeline="mega", backend="reference")),
 ]
 
 
@@ -63,10 +71,17 @@ def test_invalid_config_names_the_field(field, kw):
     assert f"Config.{field}" in str(info.value)
 
 
+def test_what_does_not_run_says_what_runs():
+    with pytest.raises(ConfigError) as info:
+        make(pipeline="mega")
+    msg = str(info.value)
+    assert "does not run" in msg or "no backend runs" in msg
+    assert "what runs:" in msg and "'standard'" in msg and "'staged'" in msg
+
+
 def test_valid_combinations():
     make()
-    make(precision="nvfp4", inference=True, num_activation_slots=0)
-    make(precision="fp8_block", hidden_dim=256, intermediate_dim=128)
+    make(pipeline="staged", backend="reference")
     make(activation="swiglu_clamped", swiglu_alpha=1.702, swiglu_limit=7.0)
     make(host_scratch_capacity_factor=8.0, device_scratch_capacity_factor=2.0)
     make(activation_slot_bytes=0)
@@ -131,14 +146,24 @@ def test_load_config_overrides_and_nested_key(tmp_path):
         dm.load_config(typo)
 
 
-def test_env_switches_are_strict(monkeypatch):
-    from megatron_dist_moe.config import env_switch
-    monkeypatch.delenv("DIST_MOE_TEST_SWITCH", raising=False)
-    assert env_switch("DIST_MOE_TEST_SWITCH", True) is True
-    monkeypatch.setenv("DIST_MOE_TEST_SWITCH", "0")
-    assert env_switch("DIST_MOE_TEST_SWITCH", True) is False
-    monkeypatch.setenv("DIST_MOE_TEST_SWITCH", "1")
-    assert env_switch("DIST_MOE_TEST_SWITCH", False) is True
-    monkeypatch.setenv("DIST_MOE_TEST_SWITCH", "true")
-    with pytest.raises(ValueError, match="DIST_MOE_TEST_SWITCH='true': expected 0 or 1"):
-        env_switch("DIST_MOE_TEST_SWITCH", False)
+def test_execution_overrides_are_strict(monkeypatch):
+    """The one development override layer: an unknown name or value is an error."""
+    from megatron_dist_moe.execution import ENV_OVERRIDES, Execution, parse_overrides
+
+    assert parse_overrides("gemm_engine=torch, routing=torch") == dict(gemm_engine="torch",
+                                                                       routing="torch")
+    with pytest.raises(ValueError, match="unknown execution override 'gemm'"):
+        parse_overrides("gemm=torch")
+    with pytest.raises(ValueError, match="routing='cuda'"):
+        parse_overrides("routing=cuda")
+    with pytest.raises(ValueError, match="not name=value"):
+        parse_overrides("torch")
+    monkeypatch.setenv(ENV_OVERRIDES, "bookkeeping=fast")
+    import torch
+    with pytest.raises(ValueError, match="DIST_MOE_EXECUTION: bookkeeping='fast'"):
+        Execution.resolve(make(), torch.device("cpu"))
+    monkeypatch.delenv(ENV_OVERRIDES)
+    ex = Execution.resolve(make(), torch.device("cpu"))
+    assert ex.backend == "reference" and "reference" in ex.explain()
+    with pytest.raises(ValueError, match="reference backend"):
+        Execution.resolve(make(), torch.device("cpu"), {"gemm_engine": "torch"})

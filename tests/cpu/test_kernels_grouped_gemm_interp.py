@@ -84,7 +84,7 @@ def check_fwd_store_dense():
 
 def _check_swiglu(dt, activation, gather, tma):
     import torch
-    from megatron_dist_moe.kernels.grouped_gemm import grouped_mm_fwd, device_ptr
+    from megatron_dist_moe.kernels.grouped_gemm import ClaimFlags, grouped_mm_fwd, device_ptr
     from megatron_dist_moe.kernels.grouped_gemm_ref import grouped_mm_fwd_swiglu_ref, gather_rows_ref
     lens, d, f = [0, 5, 37], 64, 64
     e, offs, r, max_rows = len(lens), _offsets(lens), sum(lens), sum(lens) + 4
@@ -94,9 +94,9 @@ def _check_swiglu(dt, activation, gather, tma):
         idx = torch.randint(0, 50, (max_rows,))
         idx[[0, 7, 30]] = -1
         x = gather_rows_ref(src, idx[:r])
-        a_kw = dict(a_row_ptrs=_row_ptrs(src, idx, d))
         copy = torch.full((max_rows, d), NAN).to(dt)
-        a_kw["a_copy_out"] = device_ptr(copy)
+        a_kw = dict(a_row_ptrs=_row_ptrs(src, idx, d), a_copy_out=device_ptr(copy),
+                    claim_flags=ClaimFlags(max_rows, None, e, "cpu"))
     else:
         x = torch.randn(r, d).to(dt)
         a_kw = dict(a=x)
@@ -121,7 +121,7 @@ def check_fwd_swiglu_dense_fp32():
     _check_swiglu(torch.float32, "swiglu", gather=False, tma=False)
 
 
-def check_fwd_swiglu_clamped_gather_copy_fp16():
+def check_fwd_swiglu_clamped_claimed_fp16():
     import torch
     _check_swiglu(torch.float16, "swiglu_clamped", gather=True, tma=False)
 
@@ -155,16 +155,15 @@ def _check_scatter(dgrad, tma):
     a_idx[[2, 25]] = -1
     w = torch.randn(e, d, f) / 4  # fprop: W2 [E, D, F] as [E, N, Kd]; dgrad: as [E, Kd, N]
     a_in = src if not dgrad else torch.randn(60, d)
-    kd = a_in.shape[1]
     n = d if not dgrad else f
     t_rows = 70  # the token owner's buffer
     dst = torch.full((t_rows, n), NAN)
     dst_idx = torch.randperm(t_rows)[:max_rows]
     dst_idx[[0, 10, r - 1]] = -1  # skipped rows
-    kw = dict(w=w, expert_offsets=offs, max_rows=max_rows, a_row_ptrs=_row_ptrs(a_in, a_idx, kd),
+    x = gather_rows_ref(a_in, a_idx[:r])
+    kw = dict(w=w, expert_offsets=offs, max_rows=max_rows, a=x.contiguous(),
               epilogue="scatter", out_row_ptrs=_row_ptrs(dst, dst_idx, n), config=_cfg(tma=tma))
     (grouped_mm_dgrad if dgrad else grouped_mm_fwd)(**kw)
-    x = gather_rows_ref(a_in, a_idx[:r])
     ref_fn = grouped_mm_dgrad_ref if dgrad else grouped_mm_fwd_ref
     ref = ref_fn(x, w, offs, compute_dtype=torch.float64)
     written = dst_idx[:r][dst_idx[:r] >= 0]
@@ -174,11 +173,11 @@ def _check_scatter(dgrad, tma):
     _untouched("rows not scattered to (skipped or absent)", dst[untouched])
 
 
-def check_fwd_scatter_gather():
+def check_fwd_scatter():
     _check_scatter(dgrad=False, tma=False)
 
 
-def check_dgrad_scatter_gather_tma():
+def check_dgrad_scatter_tma():
     _check_scatter(dgrad=True, tma=True)
 
 
@@ -208,27 +207,27 @@ def check_dgrad_store():
     _close("ragged N dgrad", out, grouped_mm_dgrad_ref(a, w, offs, compute_dtype=torch.float64), torch.float32)
 
 
-def check_wgrad_persistent():
-    """Persistent WGRAD (one TMA descriptor over all rows, ragged tails by masked loads): every
-    expert's tiles whatever the grid, empty experts zero (or untouched when accumulating)."""
+def check_wgrad_persistent_grids():
+    """The persistent WGRAD (TMA descriptors or pointer loads over all rows, ragged tails by
+    masked loads): every expert's tiles whatever the grid, empty experts zero (or untouched when
+    accumulating)."""
     import torch
     from megatron_dist_moe.kernels.grouped_gemm import grouped_mm_wgrad
     from megatron_dist_moe.kernels.grouped_gemm_ref import grouped_mm_wgrad_ref
-    for lens, m, n, progs in (([0, 5, 37], 128, 64, 1), ([40, 0, 3, 0, 16], 64, 80, 3),
-                              ([33, 64, 1], 64, 64, 7)):
+    for lens, m, n, progs, tma in (([0, 5, 37], 128, 64, 1, True), ([40, 0, 3, 0, 16], 64, 80, 3, True),
+                                   ([33, 64, 1], 64, 64, 7, False)):
         e, offs, r = len(lens), _offsets(lens), sum(lens)
         a, b = torch.randn(r, m), torch.randn(r, n)
         out = torch.full((e, m, n), NAN)
-        grouped_mm_wgrad(a, b, offs, out, config=_cfg(tma=True), persistent=True,
-                         num_programs=progs)
+        grouped_mm_wgrad(a, b, offs, out, config=_cfg(tma=tma), num_programs=progs)
         ref = grouped_mm_wgrad_ref(a, b, offs, compute_dtype=torch.float64)
         _close(f"persistent wgrad lens={lens} progs={progs}", out, ref, torch.float32)
         prev = torch.randn(e, m, n)
         full = torch.tensor([ln > 0 for ln in lens])
         prev[~full] = NAN
         acc = prev.clone()
-        grouped_mm_wgrad(a, b, offs, acc, accumulate=True, config=_cfg(tma=True),
-                         persistent=True, num_programs=progs)
+        grouped_mm_wgrad(a, b, offs, acc, accumulate=True, config=_cfg(tma=tma),
+                         num_programs=progs)
         ref = grouped_mm_wgrad_ref(a, b, offs, out=prev, accumulate=True,
                                    compute_dtype=torch.float64)
         _close("persistent wgrad accumulate", acc[full], ref[full], torch.float32)
@@ -237,15 +236,15 @@ def check_wgrad_persistent():
 
 def check_wgrad_into_expert_table():
     """WGRAD accumulating into E separate fp32 matrices (ExpertOutTable: Megatron's per-expert
-    main_grad), persistent and per-tile, TMA or not: out[e] += a_e^T b_e; empty experts and the
-    memory between the matrices stay untouched."""
+    main_grad), TMA or not: out[e] += a_e^T b_e; empty experts and the memory between the
+    matrices stay untouched."""
     import torch
     from megatron_dist_moe.kernels.grouped_gemm import ExpertOutTable, grouped_mm_wgrad
     from megatron_dist_moe.kernels.grouped_gemm_ref import grouped_mm_wgrad_ref
     lens, m, n = [9, 0, 37, 4], 64, 80
     e, offs, r = len(lens), _offsets(lens), sum(lens)
     a, b = torch.randn(r, m), torch.randn(r, n)
-    for tma, persistent, progs in ((False, False, None), (True, False, None), (True, True, 3)):
+    for tma, progs in ((False, None), (True, None), (True, 3)):
         # one buffer, the experts' matrices in reverse order with gaps (as in a grad buffer)
         buf = torch.full((e * (m * n + 8),), NAN)
         mats = [buf[(e - 1 - i) * (m * n + 8):(e - 1 - i) * (m * n + 8) + m * n].view(m, n)
@@ -255,10 +254,10 @@ def check_wgrad_into_expert_table():
             if ln:
                 mats[i].copy_(prev[i])
         grouped_mm_wgrad(a, b, offs, ExpertOutTable.of(mats), accumulate=True,
-                         config=_cfg(tma=tma), persistent=persistent, num_programs=progs)
+                         config=_cfg(tma=tma), num_programs=progs)
         ref = grouped_mm_wgrad_ref(a, b, offs, out=prev, accumulate=True,
                                    compute_dtype=torch.float64)
-        tag = f"wgrad into table tma={tma} persistent={persistent}"
+        tag = f"wgrad into table tma={tma} progs={progs}"
         for i, ln in enumerate(lens):
             if ln:
                 _close(f"{tag} expert {i}", mats[i], ref[i], torch.float32)
@@ -326,12 +325,12 @@ def check_empty_and_persistent():
 
 # ----------------------------------------------------------------------------- claim mode
 def _claim_case(flags, *, lens, d, f, dt, progs, tma, ahead, seed_rows, n_src=50, x_poison=None,
-                slice_k=0, ahead_slices=2):
-    """One claim-mode W13+SwiGLU call; checks h1, h2, a_copy_out and the flags afterwards.
+                slice_k=None, ahead_slices=2):
+    """One claim-mode W13+SwiGLU call; checks h1, h2, a_copy_out and the counters afterwards.
 
-    x_poison: rows of a_copy_out to pre-fill with these values (a dict row -> tensor) and whose
-    m-tiles are pre-published as ready for this launch (tests the no-copy fast path).
-    slice_k > 0: sliced claims (d / slice_k slices per m-tile; counters instead of flags)."""
+    x_poison: rows of a_copy_out to pre-fill with these values (a dict m-tile -> (row0, rows))
+    and whose m-tiles are pre-published as fully copied in this launch's epoch (the no-copy
+    path). slice_k: the slice width (None: the config's default), lowered to a divisor of d."""
     import torch
     from megatron_dist_moe.kernels.grouped_gemm import grouped_mm_fwd, device_ptr
     from megatron_dist_moe.kernels.grouped_gemm_ref import grouped_mm_fwd_swiglu_ref, gather_rows_ref
@@ -345,33 +344,29 @@ def _claim_case(flags, *, lens, d, f, dt, progs, tma, ahead, seed_rows, n_src=50
     x = gather_rows_ref(src, idx[:r])
     copy = torch.full((max_rows, d), NAN).to(dt)
     h1, h2 = torch.full((max_rows, 2 * f), NAN).to(dt), torch.full((max_rows, f), NAN).to(dt)
-    before = [t.clone() for t in (flags.ready, flags.claimed, flags.copied)]
+    cfg = _cfg(tma=tma, claim_ahead=ahead, claim_ahead_slices=ahead_slices,
+               **({} if slice_k is None else dict(claim_slice_k=slice_k)))
     ep = int(flags.epoch) + 1  # the epoch this launch will run in
-    eff_k = min(slice_k, d)  # the launcher's slice width: lowered to a divisor of d
-    while slice_k and d % eff_k:
+    eff_k = min(cfg.slice_k, d)  # the launcher's slice width: lowered to a divisor of d
+    while d % eff_k:
         eff_k //= 2
-    base, n_slices = ep << flags.SLICE_SHIFT, (d // eff_k if slice_k else 0)
+    base, n_slices = ep << flags.SLICE_SHIFT, d // eff_k
     if x_poison is not None:
         for flag_idx, (row0, rows) in x_poison.items():
             copy[row0:row0 + rows.shape[0]] = rows
-            if slice_k:
-                flags.claimed[flag_idx] = base + n_slices
-                flags.copied[flag_idx] = base + n_slices
-            else:
-                flags.ready[flag_idx] = 2 * ep + 2
-        before = [t.clone() for t in (flags.ready, flags.claimed, flags.copied)]
+            flags.claimed[flag_idx] = base + n_slices
+            flags.copied[flag_idx] = base + n_slices
         x = x.clone()
         for flag_idx, (row0, rows) in x_poison.items():
             x[row0:row0 + rows.shape[0]] = rows[: max(0, min(rows.shape[0], r - row0))]
+    before = [t.clone() for t in (flags.claimed, flags.copied)]
     grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=max_rows, a_row_ptrs=_row_ptrs(src, idx, d),
                    a_copy_out=device_ptr(copy), claim_flags=flags, epilogue="swiglu",
                    h1=device_ptr(h1), h2=device_ptr(h2), activation="swiglu_clamped",
-                   swiglu_alpha=1.702, swiglu_limit=1.5,
-                   config=_cfg(tma=tma, claim_ahead=ahead, claim_slice_k=slice_k,
-                               claim_ahead_slices=ahead_slices),
-                   num_programs=progs)
-    tag = f"lens={lens} progs={progs} tma={tma} ahead={ahead} slice_k={slice_k} {dt}"
+                   swiglu_alpha=1.702, swiglu_limit=1.5, config=cfg, num_programs=progs)
+    tag = f"lens={lens} progs={progs} tma={tma} ahead={ahead} slice_k={eff_k} {dt}"
     assert int(flags.epoch) == ep, f"{tag}: the launcher must advance the epoch once"
+    assert flags.status.tolist() == [0, 0, 0], f"{tag}: a wait timed out: {flags.status}"
     assert torch.equal(copy[:r], x), f"{tag}: a_copy_out must hold the gathered rows"
     _untouched(f"{tag}: a_copy_out rows past R", copy[r:])
     r1, r2 = grouped_mm_fwd_swiglu_ref(x, w13, offs, activation="swiglu_clamped", swiglu_alpha=1.702,
@@ -380,56 +375,37 @@ def _claim_case(flags, *, lens, d, f, dt, progs, tma, ahead, seed_rows, n_src=50
     _close(f"{tag}: h2", h2[:r], r2, dt)
     _untouched(f"{tag}: h1 rows past R", h1[r:])
     _untouched(f"{tag}: h2 rows past R", h2[r:])
-    # every m-tile of the launch ends "ready" (none left claimed), no other flag is touched
-    bm = _cfg().block_m
+    # every slice of every m-tile of the launch handed out and counted copied exactly once; no
+    # other counter is touched
+    bm = cfg.block_m
     n_mt = sum((ln + bm - 1) // bm for ln in lens)
-    if slice_k:
-        # every slice of every m-tile handed out and counted copied exactly once
-        assert (flags.copied[:n_mt] == base + n_slices).all(), (
-            f"{tag}: copied counters {(flags.copied[:n_mt] - base).tolist()} != {n_slices}")
-        assert (flags.claimed[:n_mt] >= base + n_slices).all(), f"{tag}: claimed counters short"
-        changed = (flags.ready, before[0]), (flags.claimed[n_mt:], before[1][n_mt:]), (
-            flags.copied[n_mt:], before[2][n_mt:])
-    else:
-        assert (flags.ready[:n_mt] == 2 * ep + 2).all(), f"{tag}: flags {flags.ready[:n_mt].tolist()} != ready"
-        changed = (flags.ready[n_mt:], before[0][n_mt:]), (flags.claimed, before[1]), (
-            flags.copied, before[2])
-    for now, then in changed:
-        assert torch.equal(now, then), f"{tag}: flags outside the launch's m-tiles (or mode) changed"
+    assert (flags.copied[:n_mt] == base + n_slices).all(), (
+        f"{tag}: copied counters {(flags.copied[:n_mt] - base).tolist()} != {n_slices}")
+    assert (flags.claimed[:n_mt] >= base + n_slices).all(), f"{tag}: claimed counters short"
+    for now, then in ((flags.claimed[n_mt:], before[0][n_mt:]), (flags.copied[n_mt:], before[1][n_mt:])):
+        assert torch.equal(now, then), f"{tag}: counters outside the launch's m-tiles changed"
 
 
 def check_claim_fwd_swiglu_grids():
-    """Grids 1, 2, 3, 7 and look-ahead 0/1/2, consecutive calls on the same flags (the epoch
-    advances, flags are never reset), and segment lengths that change between calls."""
-    import torch
-    from megatron_dist_moe.kernels.grouped_gemm import ClaimFlags
-    flags = ClaimFlags(64, None, 3, "cpu")
-    seed = 0
-    for progs, ahead in ((1, 1), (2, 0), (3, 1), (7, 2), (1, 0), (7, 1)):
-        for lens in ([0, 5, 37], [16, 0, 17]):  # the second call remaps every m-tile's flag
-            seed += 1
-            _claim_case(flags, lens=lens, d=64, f=64, dt=torch.float32, progs=progs, tma=False,
-                        ahead=ahead, seed_rows=seed)
-
-
-def check_claim_slices_fwd_swiglu_grids():
-    """Sliced claims: slice widths 16 and 32 of d=64 (4 and 2 slices per m-tile, copy_k lowered
-    to the slice), grids 1/2/3/7, look-ahead 0/1/2, consecutive calls on the same counters, a
-    slice width above d (one slice), and TMA loads of the copy."""
+    """Slice widths 16 and 32 of d=64 (4 and 2 slices per m-tile, copy_k lowered to the slice),
+    a slice width above d (one slice), grids 1/2/3/7, look-ahead 0/1/2, consecutive calls on the
+    same counters (the epoch advances, counters are never reset), segment lengths that change
+    between calls, TMA loads of the copy."""
     import torch
     from megatron_dist_moe.kernels.grouped_gemm import ClaimFlags
     flags = ClaimFlags(64, None, 3, "cpu")
     seed = 200
     for progs, ahead, sk, tma, n_ahead in ((1, 1, 16, False, 2), (2, 0, 32, False, 2),
                                            (3, 1, 16, True, 1), (7, 2, 16, False, 3),
-                                           (7, 1, 128, False, 2), (3, 2, 32, True, 1)):
-        for lens in ([0, 5, 37], [16, 0, 17]):
+                                           (7, 1, 128, False, 2), (3, 2, 32, True, 1),
+                                           (1, 0, None, False, 2)):
+        for lens in ([0, 5, 37], [16, 0, 17]):  # the second call remaps every m-tile's counter
             seed += 1
             _claim_case(flags, lens=lens, d=64, f=64, dt=torch.float32, progs=progs, tma=tma,
                         ahead=ahead, seed_rows=seed, slice_k=sk, ahead_slices=n_ahead)
 
 
-def check_claim_slices_stale_and_prepublished():
+def check_claim_stale_and_prepublished():
     """Counters of an old epoch (any count, garbage) are stale; an m-tile already fully copied
     in this epoch is trusted (its rows are not copied again)."""
     import torch
@@ -457,21 +433,30 @@ def check_claim_fwd_swiglu_tma_fp16():
                     seed_rows=100 + i)
 
 
-def check_claim_stale_and_prepublished_flags():
-    """Flags left by an interrupted earlier launch (claimed or ready of an old epoch, garbage)
-    count as stale; a flag already ready for this launch is trusted (its rows not re-copied)."""
+def check_claim_wait_gives_up():
+    """A slice that is never counted as copied (its counter pre-set to "all claimed" in this
+    launch's epoch, as if the copier died): the programs that wait for it give up after the
+    timeout and, where they cannot trap (the interpreter), record (CHECK_WAIT_TIMEOUT, what,
+    rank) in the flags' status word instead of spinning for ever."""
     import torch
-    from megatron_dist_moe.kernels.grouped_gemm import ClaimFlags
-    flags = ClaimFlags(64, None, 3, "cpu")
-    flags.epoch.fill_(41)
-    flags.ready.copy_(torch.tensor([2 * 41 + 1, 2 * 41 + 2, 2 * 40 + 1, -7, 2 * 45 + 2, 0, 5, 1,
-                                    3])[: flags.capacity])
-    _claim_case(flags, lens=[0, 5, 37], d=64, f=64, dt=torch.float32, progs=3, tma=False, ahead=1,
-                seed_rows=7)
-    # m-tile 2 (expert 2's rows 16..31, global rows 21..36) pre-published with other rows
-    pre = torch.randn(16, 64)
-    _claim_case(flags, lens=[0, 5, 37], d=64, f=64, dt=torch.float32, progs=2, tma=False, ahead=1,
-                seed_rows=8, x_poison={2: (21, pre)})
+    from megatron_dist_moe.kernels.checks import CHECK_WAIT_TIMEOUT, WAIT_CLAIM_SLICES
+    from megatron_dist_moe.kernels.grouped_gemm import ClaimFlags, device_ptr, grouped_mm_fwd
+    lens, d, f = [20, 12], 64, 32
+    offs, r = _offsets(lens), sum(lens)
+    flags = ClaimFlags(r, None, 2, "cpu")
+    ep = int(flags.epoch) + 1
+    flags.claimed[1] = (ep << flags.SLICE_SHIFT) + 100    # m-tile 1: every slice "claimed"
+    src = torch.randn(r, d)
+    copy, h2 = torch.zeros(r, d), torch.zeros(r, f)
+    t0 = time.time()
+    grouped_mm_fwd(w=torch.randn(2, 2 * f, d), expert_offsets=offs, max_rows=r,
+                   a_row_ptrs=_row_ptrs(src, torch.arange(r), d), a_copy_out=device_ptr(copy),
+                   claim_flags=flags, epilogue="swiglu", h2=h2, num_programs=2, timeout_s=0.002,
+                   rank=5)
+    code, what, rank = flags.status.tolist()
+    assert code == CHECK_WAIT_TIMEOUT, f"status {flags.status.tolist()}: the wait did not give up"
+    assert what == (WAIT_CLAIM_SLICES << 32) + 1 and rank == 5, flags.status.tolist()
+    assert time.time() - t0 < 120, "the wait took far longer than its timeout"
 
 
 def check_claim_dgrad_and_scatter():
@@ -488,14 +473,15 @@ def check_claim_dgrad_and_scatter():
     idx = torch.randperm(60)[:max_rows]
     idx[[2, 25]] = -1
     w2 = torch.randn(e, d, f) / 4
-    for progs, tma, ahead, sk in ((1, False, 1, 0), (3, True, 0, 0), (7, False, 2, 0),
+    for progs, tma, ahead, sk in ((1, False, 1, None), (3, True, 0, None), (7, False, 2, 64),
                                   (3, False, 1, 16), (7, True, 2, 32)):
         g3 = torch.full((max_rows, d), NAN)
         g2 = torch.full((max_rows, f), NAN)
         grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=max_rows,
                          a_row_ptrs=_row_ptrs(g3_src, idx, d), a_copy_out=device_ptr(g3),
                          claim_flags=flags, out=device_ptr(g2), num_programs=progs,
-                         config=_cfg(tma=tma, claim_ahead=ahead, claim_slice_k=sk))
+                         config=_cfg(tma=tma, claim_ahead=ahead,
+                                     **({} if sk is None else dict(claim_slice_k=sk))))
         x = gather_rows_ref(g3_src, idx[:r])
         tag = f"dgrad progs={progs} tma={tma} ahead={ahead} slice_k={sk}"
         assert torch.equal(g3[:r], x), f"{tag}: saved grad_h3 rows"
@@ -561,11 +547,14 @@ def check_dgrad_swiglu_bwd_epilogue():
 
 def check_dgrad_swiglu_bwd_score_grads():
     """The same epilogue with expert-side score gradients (save_route_outputs=False): A rows are
-    unscaled grad_y; per row with score s (read through score_ptrs) the kernel accumulates
-    <u, h2> (u = grad_y @ W2, over every N tile) 4*M bytes after the score, runs the SwiGLU
-    backward on s*u and stores s*h2. A row whose score address is 0 gets no score gradient."""
+    unscaled grad_y; per row with score s (read through score_ptrs) N tile j stores its part of
+    <u, h2> (u = grad_y @ W2) at score + 4*M + j*4*M bytes (the owner's part slots), which
+    `rows.sum_score_parts` sums in a fixed order; the kernel runs the SwiGLU backward on s*u and
+    stores s*h2. A row whose score address is 0 gets no score gradient (its slots stay)."""
     import torch
-    from megatron_dist_moe.kernels.grouped_gemm import ClaimFlags, device_ptr, grouped_mm_dgrad
+    from megatron_dist_moe.kernels.grouped_gemm import (
+        ClaimFlags, device_ptr, grouped_mm_dgrad, score_parts_count)
+    from megatron_dist_moe.kernels.rows import sum_score_parts
     from megatron_dist_moe.kernels.grouped_gemm_ref import gather_rows_ref, grouped_mm_dgrad_ref
     from megatron_dist_moe.kernels.rows_ref import act_bwd_ref, act_ref
     lens, d, f = [6, 0, 21, 13], 64, 48
@@ -582,17 +571,25 @@ def check_dgrad_swiglu_bwd_score_grads():
         h1_in = h1.clone()
         x = gather_rows_ref(src, idx[:r])
         scores = torch.rand(max_rows) + 0.25
-        both = torch.cat([scores, torch.zeros(max_rows)])     # scores | score gradients
+        n_parts = score_parts_count(f, _cfg())                  # 48 / 32 -> 2
+        both = torch.cat([scores, torch.full((3 * max_rows,), NAN)])   # scores | 3 part slices
         sptr = both.data_ptr() + torch.arange(max_rows, dtype=torch.int64) * 4
         sptr[9] = 0                                            # a row with no score address
-        both[max_rows + 9] = 123.0
         kw = dict(a_row_ptrs=_row_ptrs(src, idx, d), a_copy_out=torch.full((max_rows, d), NAN),
                   claim_flags=flags) if claim else dict(a=x)
         h2 = torch.full((max_rows, f), NAN)
         grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=max_rows, epilogue="swiglu_bwd",
                          h1=device_ptr(h1), h2=h2, activation=act, swiglu_alpha=1.702,
                          swiglu_limit=1.5, num_programs=progs, config=_cfg(tma=tma),
-                         score_ptrs=sptr, score_grad_delta=4 * max_rows, **kw)
+                         score_ptrs=sptr, score_grad_delta=4 * max_rows,
+                         part_stride=4 * max_rows, **kw)
+        parts = both[max_rows:].view(3, max_rows)
+        assert torch.isnan(parts[n_parts:]).all(), "parts past the n-tiles written"
+        assert torch.isnan(parts[:, 9]).all(), "a row without score address was written"
+        ids = torch.zeros(max_rows, 1, dtype=torch.int32)
+        ids[9] = -1                                             # the owner skips that route
+        gs = torch.full((max_rows, 1), NAN)
+        sum_score_parts(parts, n_parts, ids, gs)
         u = grouped_mm_dgrad_ref(x, w2, offs, compute_dtype=torch.float64)
         s = scores[:r].double().clone()
         s[9] = 0.0
@@ -600,9 +597,9 @@ def check_dgrad_swiglu_bwd_score_grads():
         tag = f"score_grads progs={progs} tma={tma} {act} claim={claim}"
         g_ref = (u * h2_ref).sum(-1)
         keep = torch.arange(r) != 9
-        _close(f"{tag}: grad_s", both[max_rows:max_rows + r][keep], g_ref[keep], torch.float32)
-        assert both[max_rows + 9] == 123.0, f"{tag}: a row without score address was written"
-        assert (both[max_rows + r:] == 0).all(), f"{tag}: score gradients past R written"
+        _close(f"{tag}: grad_s", gs[:r, 0][keep], g_ref[keep], torch.float32)
+        assert gs[9, 0] == 0, f"{tag}: an inactive route must get a zero score gradient"
+        assert torch.isnan(parts[:n_parts, r:]).all(), f"{tag}: score gradients past R written"
         _close(tag, h1[:r], act_bwd_ref(h1_in[:r].double(), s[:, None] * u, f, clamped, 1.702,
                                         1.5), torch.float32)
         _close(f"{tag}: s h2", h2[:r], s[:, None] * h2_ref, torch.float32)

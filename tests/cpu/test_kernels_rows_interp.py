@@ -95,10 +95,17 @@ BODY = textwrap.dedent(r'''
     # expert-side score gradients (save_route_outputs=False): owner publish, row score
     # addresses, per-row score gradient
     gr2 = torch.full((T + 2, D), 3.0).to(bf)
-    own_s = torch.full((T, Kk), 9.0); own_g = torch.full((T, Kk), 9.0)
-    K.publish_grad_y(gy, s, gr2, own_s, own_g)
+    own_s = torch.full((T, Kk), 9.0)
+    K.publish_grad_y(gy, s, gr2, own_s)
     assert torch.equal(gr2[:T], gy) and (gr2[T:] == 3).all(), "publish_grad_y rows"
-    assert torch.equal(own_s, s) and (own_g == 0).all(), "publish_grad_y scores / zeroed sums"
+    assert torch.equal(own_s, s), "publish_grad_y scores"
+    # the owner's sum of the experts' score-gradient parts: a fixed order, inactive routes 0
+    parts = torch.randn(5, T * Kk + 7)
+    gsum = torch.full((T, Kk), 9.0)
+    K.sum_score_parts(parts, 3, ids, gsum)
+    ref = parts[:3, :T * Kk].sum(0).view(T, Kk)
+    assert torch.allclose(gsum[live], ref[live], rtol=1e-6, atol=1e-6), "sum_score_parts"
+    assert (gsum[~live] == 0).all(), "sum_score_parts: inactive routes must be 0"
     # two "owners": combine regions of 4 routes of D bf16 each, routing regions with scores at 64
     comb = [torch.zeros(4, D, dtype=bf) for _ in range(2)]
     rout = [torch.zeros(64 + 4 * 4, dtype=torch.uint8) for _ in range(2)]

@@ -54,10 +54,18 @@ def test_shape_and_policy_mapping():
 
 
 @pytest.mark.parametrize("recipe, precision", [("mxfp8", "mxfp8"), ("blockwise", "fp8_block")])
-def test_fp8_recipe_maps_to_precision(recipe, precision):
-    cfg = dist_moe_config(like(fp8="e4m3", fp8_recipe=recipe, moe_ffn_hidden_size=128),
-                          num_local_input_tokens=128)
-    assert cfg.precision == precision
+def test_fp8_recipe_that_does_not_run_yet_is_refused_by_name(recipe, precision):
+    """A recipe whose precision no backend runs is refused at model construction, naming the
+    flag and what runs (not accepted and failed later)."""
+    from megatron_dist_moe.execution import RUNS
+    if any(precision in b["precisions"] for b in RUNS.values()):
+        cfg = dist_moe_config(like(fp8="e4m3", fp8_recipe=recipe, moe_ffn_hidden_size=128),
+                              num_local_input_tokens=128)
+        assert cfg.precision == precision
+        return
+    with pytest.raises(UnsupportedMegatronConfig, match=f"--fp8-recipe {recipe}.*does not run yet"):
+        dist_moe_config(like(fp8="e4m3", fp8_recipe=recipe, moe_ffn_hidden_size=128),
+                        num_local_input_tokens=128)
 
 
 def test_recompute_moe_makes_every_layer_replay():
@@ -114,8 +122,8 @@ UNSUPPORTED = [
     (dict(add_bias_linear=True), "--disable-bias-linear"),
     (dict(moe_shared_expert_intermediate_size=64, moe_shared_expert_overlap=True,
           moe_token_dispatcher_type="alltoall"), "--moe-shared-expert-overlap"),
-    (dict(fp8="e4m3", fp8_recipe="tensorwise"), "--fp8-recipe mxfp8"),
-    (dict(fp8="e4m3", fp8_recipe="delayed"), "--fp8-recipe mxfp8"),
+    (dict(fp8="e4m3", fp8_recipe="tensorwise"), "--fp8-recipe tensorwise: dist_moe quantizes"),
+    (dict(fp8="e4m3", fp8_recipe="delayed"), "--fp8-recipe delayed: dist_moe quantizes"),
     (dict(bf16=False, fp16=True), "--bf16"),
     (dict(moe_router_topk=1, moe_apply_probs_on_input=True, moe_router_pre_softmax=True),
      "--moe-apply-probs-on-input"),
@@ -150,9 +158,6 @@ def test_reference_backend_with_cuda_graphs_is_rejected():
 def test_shape_errors_name_the_megatron_flag():
     with pytest.raises(UnsupportedMegatronConfig, match="--moe-ffn-hidden-size"):
         dist_moe_config(tc(moe_ffn_hidden_size=100), num_local_input_tokens=128)
-    with pytest.raises(UnsupportedMegatronConfig, match="--moe-ffn-hidden-size"):
-        # block-scaled fp8 needs multiples of 128
-        dist_moe_config(like(fp8="e4m3", fp8_recipe="mxfp8"), num_local_input_tokens=128)
 
 
 def test_save_route_outputs_option_reaches_config_and_plan():
@@ -165,10 +170,11 @@ def test_save_route_outputs_option_reaches_config_and_plan():
     lean = dist_moe_config(tc(), num_local_input_tokens=256)   # the default
     assert keep.save_route_outputs is True and lean.save_route_outputs is False
     pk, pl = dm.plan_memory(keep, ep_size=2), dm.plan_memory(lean, ep_size=2)
-    # the route outputs (T*K*D*2 bytes) leave the full state; two [T, K] fp32 tables join the
+    # the route outputs (T*K*D*2 bytes) leave the full state; the [T, K] fp32 scores and the
+    # experts' score-gradient parts (one [T, K] fp32 slice per 32 columns of F) join the
     # symmetric routing region
-    T, K, D = 256, keep.top_k, keep.hidden_dim
+    T, K, D, F = 256, keep.top_k, keep.hidden_dim, keep.intermediate_dim
     assert pk.layer.full_state(T * K) - pl.layer.full_state(T * K) == T * K * D * 2
-    assert pl.routing_bytes - pk.routing_bytes == 2 * T * K * 4
+    assert pl.routing_bytes - pk.routing_bytes == (1 + F // 32) * T * K * 4
     with pytest.raises(ValueError, match="--dist-moe-save-route-outputs"):
         DistMoEOptions(save_route_outputs="no")

@@ -4,9 +4,9 @@
 weights) on the same batches (on CPU with torch AdamW and a plain gradient all-reduce that honours
 Megatron's `allreduce` attribute; Megatron's DDP and distributed optimizer need CUDA and run in
 the GPU example, where `--fp32 --dist-moe-backend reference` checks them without bf16 rounding).
-Over 30 optimizer steps the fp32 losses agree to ~1e-7 (100 steps: max difference 4.8e-7), inside the 1e-5 relative bound checked
-here, while a wrong expert mapping, or expert gradients averaged across EP ranks by DDP, would
-drift apart by orders of magnitude more.
+Over 30 optimizer steps the fp32 losses agree to ~1e-7 (100 steps: max difference 4.8e-7),
+inside the 1e-5 relative bound checked here, while a wrong expert mapping, or expert gradients
+averaged across EP ranks by DDP, would drift apart by orders of magnitude more.
 """
 
 from __future__ import annotations

@@ -70,10 +70,12 @@ def test_every_triton_kernel_in_the_package_has_a_part():
 
     kdir = os.path.join(REPO, "megatron_dist_moe", "kernels")
     names = []
-    for fn in sorted(os.listdir(kdir)):
-        if fn.endswith(".py"):
-            with open(os.path.join(kdir, fn)) as f:
-                names += re.findall(r"@triton\.jit[^\n]*\n(?:@[^\n]*\n)*def (\w+)\(", f.read())
+    for root, _dirs, files in os.walk(kdir):
+        for fn in sorted(files):
+            if fn.endswith(".py"):
+                with open(os.path.join(root, fn)) as f:
+                    names += re.findall(r"@triton\.jit[^\n]*\n(?:@[^\n]*\n)*def (\w+)\(",
+                                        f.read())
     names = [n for n in names if n.endswith("_kernel")]   # launched kernels, not helpers
     assert len(names) >= 14, names
     assert [n for n in names if pb.part_of(n) == pb.OTHER] == []

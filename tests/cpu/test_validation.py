@@ -204,3 +204,37 @@ def test_closed_context(results):
         r = res["closed"]
         assert r["is_value_error"] and r["arg"] == "ctx", r
         assert r["next_err"] < 1e-10 and r["next_at_start"]
+
+
+def _differing_config_worker(rank: int, world_size: int):
+    """Rank 1 asks for hidden_dim 256 and top_k 3 where rank 0 asks for 128 and 2."""
+    import megatron_dist_moe as dm
+    shape = dict(num_local_input_tokens=8, hidden_dim=128, intermediate_dim=128, top_k=2,
+                 num_experts=4, backend="reference")
+    if rank == 1:
+        shape.update(hidden_dim=256, top_k=3)
+    try:
+        dm.create_context(config=dm.Config(**shape))
+    except dm.ConfigError as e:
+        out = dict(field=e.field, msg=str(e))
+    else:
+        out = dict(field=None, msg="no error")
+    # the process group still works after the refusal (no rank was left waiting)
+    import torch
+    import torch.distributed as dist
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    out["after"] = float(t)
+    return out
+
+
+def test_config_that_differs_across_ranks_is_refused_on_every_rank():
+    """Instead of a gloo abort at the first call: every rank raises ConfigError naming the
+    differing fields and each rank's value, and the group stays usable."""
+    from megatron_dist_moe.testing import spawn
+    out = spawn(_differing_config_worker, 2)
+    for r, o in enumerate(out):
+        assert o["field"] == "hidden_dim", o
+        assert "hidden_dim (rank 0: 128, rank 1: 256)" in o["msg"], o["msg"]
+        assert "top_k (rank 0: 2, rank 1: 3)" in o["msg"], o["msg"]
+        assert o["after"] == 2.0

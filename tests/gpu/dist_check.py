@@ -19,9 +19,9 @@ import traceback
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as Fn
 
 import megatron_dist_moe as dm
+from megatron_dist_moe.activation import Activation
 
 TOL_FLOOR = 6e-3
 
@@ -39,20 +39,11 @@ class _RoundBF16(torch.autograd.Function):
         return g.to(torch.bfloat16).to(g.dtype)
 
 
-def act_ref(h1, F, cfg):
-    g, u = h1[..., :F], h1[..., F:]
-    if cfg.activation == "swiglu_clamped":
-        g = g.clamp(max=cfg.swiglu_limit)
-        u = u.clamp(-cfg.swiglu_limit, cfg.swiglu_limit)
-        return g * torch.sigmoid(cfg.swiglu_alpha * g) * (u + 1)
-    return Fn.silu(g) * u
-
-
 def oracle(x_all, ids_all, s_all, w13_all, w2_all, gy_all, cfg, bf16_points=False):
     """fp64 forward and gradients of the whole EP problem (bf16_points: round h1, h2, h3 to bf16
-    where the kernels store them — its error vs the exact oracle sets the tolerance). Shapes: x_all [EP,T,D], ids/s [EP,T,K],
+    where the kernels store them — its error vs the exact oracle sets the tolerance).
+    Shapes: x_all [EP,T,D], ids/s [EP,T,K],
     w13_all [E,2F,D], w2_all [E,D,F], gy_all [EP,T,D]."""
-    F = cfg.intermediate_dim
     x = x_all.double().requires_grad_()
     s = s_all.double().requires_grad_()
     w13 = w13_all.double().requires_grad_()
@@ -71,7 +62,7 @@ def oracle(x_all, ids_all, s_all, w13_all, w2_all, gy_all, cfg, bf16_points=Fals
             continue
         rnd = _RoundBF16.apply if bf16_points else (lambda t: t)
         h1 = rnd(xf[tok] @ w13[e].t())
-        h3 = rnd(rnd(act_ref(h1, F, cfg)) @ w2[e].t())
+        h3 = rnd(rnd(Activation.of(cfg).forward(h1)) @ w2[e].t())
         outs.append((tok, h3 * sf[tok, kk][:, None]))
     y = torch.zeros_like(yf)
     for tok, v in outs:
@@ -266,6 +257,70 @@ def run_sync_free_case(cfg, ctx, EP, rank, results, T):
     return ok
 
 
+def run_deterministic_case(name, cfg, ctx, EP, rank, results, T):
+    """Three identical training calls (forward + backward): every output bit-equal across the
+    runs, the score gradients included (their parts are summed in a fixed order)."""
+    E_loc = cfg.num_experts // EP
+    sl = slice(rank * E_loc, (rank + 1) * E_loc)
+    p = make_problem(cfg, EP, T, seed=41, routing="hot_expert")
+    outs = []
+    for _ in range(3):
+        x = p["x"][rank].clone().requires_grad_()
+        s = p["s"][rank].clone().requires_grad_()
+        w13 = p["w13"][sl].clone().requires_grad_()
+        w2 = p["w2"][sl].clone().requires_grad_()
+        y = dm.routed_experts(x, p["ids"][rank], s, w13, w2, ctx)
+        y.backward(p["gy"][rank])
+        outs.append([t.detach().clone() for t in (y, x.grad, s.grad, w13.grad, w2.grad)])
+    differ = [n for i, n in enumerate(NAMES) if not all(torch.equal(outs[0][i], o[i])
+                                                           for o in outs[1:])]
+    results.append(dict(case=name, rank=rank, ok=not differ,
+                        **({"msg": f"not bitwise reproducible: {differ}"} if differ else {})))
+
+
+def run_inference_case(name, cfg, ctx, EP, rank, results, T, graph=False):
+    """Forward under no_grad against the fp64 oracle (eager; with graph, also captured once and
+    replayed with new routing and inputs at the same addresses)."""
+    E_loc = cfg.num_experts // EP
+    sl = slice(rank * E_loc, (rank + 1) * E_loc)
+    ok_all = True
+    p0 = make_problem(cfg, EP, T, seed=51, routing="inactive")
+    x, s, ids = (p0[k][rank].clone() for k in ("x", "s", "ids"))
+    w13, w2 = p0["w13"][sl].clone(), p0["w2"][sl].clone()
+    with torch.no_grad():
+        y = dm.routed_experts(x, ids, s, w13, w2, ctx)
+    runs = [("eager", p0, y)]
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.no_grad():
+            dm.routed_experts(x, ids, s, w13, w2, ctx)
+        torch.cuda.current_stream().wait_stream(side)
+        dist.barrier()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g), torch.no_grad():
+            yg = dm.routed_experts(x, ids, s, w13, w2, ctx)
+        for seed, routing in ((52, "hot_expert"), (53, "random")):
+            p = make_problem(cfg, EP, T, seed=seed, routing=routing)
+            x.copy_(p["x"][rank]); s.copy_(p["s"][rank]); ids.copy_(p["ids"][rank])
+            w13.copy_(p["w13"][sl]); w2.copy_(p["w2"][sl])
+            yg.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            runs.append((f"graph_{routing}", p, yg.clone()))
+        del g
+    for tag, p, y in runs:
+        args = (p["x"], p["ids"], p["s"], p["w13"], p["w2"], p["gy"], cfg)
+        exact, emul = oracle(*args)[0][rank], oracle(*args, bf16_points=True)[0][rank]
+        err = relerr(y, exact)
+        tol = max(TOL_FLOOR, 2 * relerr(emul, exact))
+        zero_rows = (p["ids"][rank] < 0).all(1)
+        ok = err <= tol and bool(torch.isfinite(y).all()) and bool((y[zero_rows] == 0).all())
+        ok_all &= ok
+        results.append(dict(case=f"{name}_{tag}", rank=rank, ok=ok, y=err, tol_max=tol))
+    return ok_all
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -286,7 +341,7 @@ def main():
     combos = [(e, p) for e in args.engines.split(",") for p in args.pipelines.split(",")
               if not (e == "torch" and p == "staged")]
     for (engine, pipeline), sh in ((c, sh) for c in combos for sh in shapes):
-        os.environ["DIST_MOE_GEMM"] = engine
+        exe = {"gemm_engine": engine}
         T = sh["T"]
         for activation in ("swiglu", "swiglu_clamped"):
             cfg = dm.Config(num_local_input_tokens=T, hidden_dim=sh["D"], intermediate_dim=sh["F"],
@@ -299,7 +354,7 @@ def main():
             if args.save_route_outputs == "0":
                 tag += "_expert_score_grads"
             try:
-                with dm.create_context(config=cfg) as ctx:
+                with dm.create_context(config=cfg, execution_overrides=exe) as ctx:
                     for routing in ("random", "inactive", "hot_rank", "hot_expert"):
                         prob = make_problem(cfg, EP, T, seed=sum(map(ord, routing)) + T, routing=routing)
                         run_case(f"{tag}_{routing}", cfg, ctx, prob, rank, EP, results)
@@ -315,17 +370,27 @@ def main():
                     if activation == "swiglu":
                         run_graph_case(cfg, ctx, EP, rank, results, T)
                         run_sync_free_case(cfg, ctx, EP, rank, results, T)
+                        run_deterministic_case(f"{tag}_bitwise_3x", cfg, ctx, EP, rank, results,
+                                               T)
+                        run_inference_case(f"{tag}_inference_after_training", cfg, ctx, EP,
+                                           rank, results, T)
+                # an inference context of the same shape: eager and graph-replayed forwards
+                icfg = cfg.replace(inference=True, num_activation_slots=0,
+                                   activation_slot_capacity_factor=None)
+                with dm.create_context(config=icfg, execution_overrides=exe) as ictx:
+                    run_inference_case(f"{tag}_inference", icfg, ictx, EP, rank, results, T,
+                                       graph=True)
             except Exception as e:  # keep going: report every case
                 results.append(dict(case=tag, rank=rank, ok=False, error=repr(e),
                                     tb=traceback.format_exc()[-2000:]))
     # replay: a minimum slot forces recompute
-    os.environ["DIST_MOE_GEMM"] = args.engines.split(",")[0]
+    exe = {"gemm_engine": args.engines.split(",")[0]}
     cfg = dm.Config(num_local_input_tokens=64, hidden_dim=128, intermediate_dim=128, top_k=2,
                     num_experts=4 * EP, backend="cuda", device_scratch_capacity_factor=float(EP),
                     max_moe_layers_per_activation_slot=1,
                     save_route_outputs=args.save_route_outputs == "1")
     try:
-        with dm.create_context(config=cfg) as ctx:
+        with dm.create_context(config=cfg, execution_overrides=exe) as ctx:
             prob = make_problem(cfg, EP, 64, seed=11)
             run_case("replay_min_slot", cfg, ctx, prob, rank, EP, results)
     except Exception as e:
@@ -351,7 +416,8 @@ def main():
         for r in flat:
             errs = " ".join(f"{k}={r[k]:.2e}" for k in ("y", "grad_x", "grad_scores", "grad_w13", "grad_w2") if k in r)
             tol = f"tol<={r['tol_max']:.1e} " if "tol_max" in r else ""
-            print(f"{'PASS' if r['ok'] else 'FAIL'} rank{r['rank']} {r['case']:<40} {errs} {tol}{r.get('msg', '')}{r.get('error', '')}")
+            print(f"{'PASS' if r['ok'] else 'FAIL'} rank{r['rank']} {r['case']:<40} {errs} {tol}"
+                  f"{r.get('msg', '')}{r.get('error', '')}")
             if "tb" in r:
                 print(r["tb"])
         if args.json:

@@ -15,8 +15,9 @@ and rows that must not be written (past R, skipped scatter rows) must still be N
     pytest -m gpu tests/gpu/test_grouped_gemm_gpu.py -v
     pytest -m gpu tests/gpu/test_grouped_gemm_gpu.py -v -k claim     # claim mode only
 
-Claim mode (rows copied once per m-tile by the first program to reach it, under atomic flags)
-is checked exactly (a_copy_out bit-equal to the gathered rows), over many consecutive launches
+Claim mode (each m-tile's rows copied once, in column slices, by the programs that reach it,
+under atomic counters) is checked exactly (a_copy_out bit-equal to the gathered rows), over
+many consecutive launches
 with changing segments and grid sizes (races show up as wrong or NaN rows), inside a CUDA graph,
 and, with two GPUs, reading the rows from the peer GPU (a subprocess, so that a peer-access
 failure cannot poison this process's CUDA context).
@@ -121,8 +122,9 @@ def test_fwd_swiglu_dense(lens, d, f, activation, tma):
 
 @pytest.mark.parametrize("tma", TMA)
 @pytest.mark.parametrize("lens,d,f", SHAPES)
-def test_fwd_gather_copy_and_scatter(lens, d, f, tma):
-    """Forward as the layer runs it: gather rows by address (+ save them), SwiGLU, W2 scatter."""
+def test_fwd_claimed_rows_and_scatter(lens, d, f, tma):
+    """Forward as the staged pipeline runs it: rows claimed by address into x_g, SwiGLU, W2
+    scatter to the owners' rows."""
     torch.manual_seed(2)
     e, r, max_rows, offs = len(lens), sum(lens), sum(lens) + 64, _offsets(lens)
     tokens = max_rows + 37
@@ -134,8 +136,8 @@ def test_fwd_gather_copy_and_scatter(lens, d, f, tma):
     x_saved = _poisoned(max_rows, d)
     h1, h2 = _poisoned(max_rows, 2 * f), _poisoned(max_rows, f)
     grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=max_rows, a_row_ptrs=_row_ptrs(src, src_idx),
-                   a_copy_out=device_ptr(x_saved), epilogue="swiglu", h1=h1, h2=h2,
-                   config=_cfg("fwd", tma))
+                   a_copy_out=device_ptr(x_saved), claim_flags=ClaimFlags(max_rows, None, e, DEV),
+                   epilogue="swiglu", h1=h1, h2=h2, config=_cfg("fwd", tma))
     x = gather_rows_ref(src, src_idx[:r])
     assert torch.equal(x_saved[:r], x), "a_copy_out must hold exactly the gathered rows"
     assert torch.isnan(x_saved[r:]).all(), "a_copy_out rows past R were written"
@@ -177,7 +179,7 @@ def test_dgrad(lens, d, f, tma):
            grouped_mm_dgrad_ref(g1, w13, offs, compute_dtype=F32, out_dtype=BF16))
 
 
-@pytest.mark.parametrize("claim_slice_k", [None, 0, 512])
+@pytest.mark.parametrize("claim_slice_k", [None, 128, 512])
 @pytest.mark.parametrize("clamped", [False, True])
 @pytest.mark.parametrize("tma", TMA)
 @pytest.mark.parametrize("lens,d,f", SHAPES)
@@ -207,7 +209,7 @@ def test_dgrad_swiglu_bwd_epilogue_matches_unfused(lens, d, f, tma, clamped, cla
     h2 = _poisoned(max_rows, f)
     if claim_slice_k is None:   # dense A
         a_kw = dict(a=g3)
-    else:                       # A rows gathered by claims (whole m-tiles or slices)
+    else:                       # A rows gathered by claims (column slices of this width)
         cfg = replace(cfg, claim_slice_k=claim_slice_k)
         idx = torch.arange(max_rows, device=DEV)
         a_kw = dict(a_row_ptrs=_row_ptrs(g3, idx), a_copy_out=_poisoned(max_rows, d),
@@ -229,8 +231,9 @@ def test_dgrad_score_grads_epilogue_matches_row_kernel(lens, d, f, tma):
     """Expert-side score gradients (save_route_outputs=False): the fused W2 DGRAD epilogue
     against DGRAD -> rows.swiglu_fwd -> rows.score_grad_rows -> rows.swiglu_bwd. grad_h1 and
     s*h2 must match to one bf16 rounding of s*u (the fused path rounds s*u once, the unfused
-    path rounds u first); the score gradients (fp32 atomics over N tiles vs one row sum) to fp32
-    summation order."""
+    path rounds u first); the score gradients (per-tile parts summed by rows.sum_score_parts vs
+    one row sum) to fp32 summation order. Twice on the same inputs: the same bits (the parts
+    are written once each and summed in a fixed order)."""
     from megatron_dist_moe.kernels import rows as K_rows
     torch.manual_seed(13)
     e, r = len(lens), sum(lens)
@@ -241,7 +244,9 @@ def test_dgrad_score_grads_epilogue_matches_row_kernel(lens, d, f, tma):
     h1 = (torch.randn(max_rows, 2 * f, device=DEV) * 2).to(BF16)
     cfg = replace(CONFIG_TABLE[("dgrad", "large")], tma=tma)
     nrows = offs[-1:].clone()
-    buf = torch.zeros(2 * max_rows, dtype=F32, device=DEV)           # scores | score grads
+    from megatron_dist_moe.kernels.grouped_gemm import score_parts_count
+    n_parts = score_parts_count(f, cfg)
+    buf = torch.zeros((1 + n_parts) * max_rows, dtype=F32, device=DEV)   # scores | parts
     buf[:max_rows] = torch.rand(max_rows, device=DEV) + 0.25
     sptr = buf.data_ptr() + torch.arange(max_rows, device=DEV, dtype=torch.int64) * 4
     # unfused reference path
@@ -255,72 +260,34 @@ def test_dgrad_score_grads_epilogue_matches_row_kernel(lens, d, f, tma):
     gh1_ref = _poisoned(max_rows, 2 * f)
     K_rows.swiglu_bwd(device_ptr(h1), device_ptr(u), device_ptr(gh1_ref), nrows, f, max_rows,
                       False, 1.702, 7.0)
-    # fused
-    buf[max_rows:] = 0
-    h1_fused, h2 = h1.clone(), _poisoned(max_rows, f)
-    grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=max_rows, a=gy, epilogue="swiglu_bwd",
-                     h1=device_ptr(h1_fused), h2=device_ptr(h2), config=cfg, score_ptrs=sptr,
-                     score_grad_delta=4 * max_rows)
-    torch.cuda.synchronize()
-    gs = buf[max_rows:max_rows + r]
+    # fused, twice
+    ids = torch.zeros(max_rows, 1, dtype=torch.int32, device=DEV)
+    runs = []
+    for _ in range(2):
+        buf[max_rows:] = NAN
+        h1_fused, h2 = h1.clone(), _poisoned(max_rows, f)
+        grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=max_rows, a=gy, epilogue="swiglu_bwd",
+                         h1=device_ptr(h1_fused), h2=device_ptr(h2), config=cfg, score_ptrs=sptr,
+                         score_grad_delta=4 * max_rows, part_stride=4 * max_rows)
+        parts = buf[max_rows:].view(n_parts, max_rows)
+        gs_all = torch.empty(max_rows, 1, dtype=F32, device=DEV)
+        K_rows.sum_score_parts(parts, n_parts, ids, gs_all)
+        torch.cuda.synchronize()
+        assert not torch.isnan(parts[:, :r]).any(), "a score-gradient part was not written"
+        assert torch.isnan(parts[:, r:]).all(), "score-gradient parts past R written"
+        runs.append(gs_all[:r, 0].clone())
+    gs = runs[0]
+    assert torch.equal(runs[0], runs[1]), "score gradients differ between two identical runs"
     # u enters the unfused sum rounded to bf16 (relative 2^-9 per element): ~2e-3 norm-wise
     assert _rel(gs, gs_ref) < 1e-2, f"score gradients differ: {_rel(gs, gs_ref):.2e}"
-    assert (buf[max_rows + r:] == 0).all(), "score gradients past R written"
     assert _rel(h2[:r], h2_ref[:r]) < 1e-2, f"s*h2 differs: {_rel(h2[:r], h2_ref[:r]):.2e}"
     assert _rel(h1_fused[:r], gh1_ref[:r]) < 1e-2, (
         f"grad_h1 differs: {_rel(h1_fused[:r], gh1_ref[:r]):.2e}")
 
 
+@pytest.mark.parametrize("tma", TMA)
 @pytest.mark.parametrize("lens,d,f", SHAPES)
-def test_flattened_loops_give_the_same_bits(lens, d, f):
-    """DIST_MOE_GEMM_FLATTEN (tile loop fused with the K loop) changes scheduling only: every
-    epilogue gives the same bits as the plain persistent loop."""
-    torch.manual_seed(14)
-    e, r = len(lens), sum(lens)
-    max_rows, offs = r + 16, _offsets(lens)
-    x = torch.randn(max_rows, d, device=DEV).to(BF16)
-    w13, w2 = _weights(e, 2 * f, d, d ** -0.5 * 2), _weights(e, d, f, f ** -0.5)
-    h1_in = (torch.randn(max_rows, 2 * f, device=DEV) * 2).to(BF16)
-    out = {}
-    for flat in (False, True):
-        fwd = replace(CONFIG_TABLE[("fwd", "large")], flatten=flat)
-        dgr = replace(CONFIG_TABLE[("dgrad", "large")], flatten=flat)
-        h1, h2 = _poisoned(max_rows, 2 * f), _poisoned(max_rows, f)
-        grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=max_rows, a=x, epilogue="swiglu",
-                       h1=h1, h2=h2, config=fwd)
-        g = _poisoned(max_rows, f)
-        grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=max_rows, a=x, out=g, config=dgr)
-        hb, h2b = h1_in.clone(), _poisoned(max_rows, f)
-        grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=max_rows, a=x,
-                         epilogue="swiglu_bwd", h1=hb, h2=h2b, config=dgr)
-        out[flat] = [t[:r] for t in (h1, h2, g, hb, h2b)]
-    for name, a, b in zip(("h1", "h2", "dgrad", "grad_h1", "h2 rebuilt"), out[False], out[True]):
-        assert torch.equal(a, b), f"{name}: flattened loop differs in {int((a != b).sum())} values"
-
-
-@pytest.mark.parametrize("flatten", [False, True])
-@pytest.mark.parametrize("lens,d,f", SHAPES)
-def test_wgrad_persistent_gives_the_same_bits(lens, d, f, flatten):
-    """DIST_MOE_WGRAD_PERSISTENT: one launch over every expert's tiles (TMA over all rows, ragged
-    tails by masked loads) sums the same products in the same order as the per-tile kernel."""
-    torch.manual_seed(15)
-    e, offs, r = len(lens), _offsets(lens), sum(lens)
-    a = torch.randn(r, 2 * f, device=DEV).to(BF16)
-    b = torch.randn(r, d, device=DEV).to(BF16)
-    cfg = replace(CONFIG_TABLE[("wgrad", "large")], tma=True)
-    for out_dtype in (BF16, F32):
-        ref = torch.full((e, 2 * f, d), NAN, dtype=out_dtype, device=DEV)
-        grouped_mm_wgrad(a, b, offs, ref, config=cfg, persistent=False)
-        got = torch.full((e, 2 * f, d), NAN, dtype=out_dtype, device=DEV)
-        grouped_mm_wgrad(a, b, offs, got, config=replace(cfg, flatten=flatten), persistent=True)
-        assert torch.equal(got, ref), (
-            f"persistent WGRAD ({out_dtype}, flatten={flatten}) differs in "
-            f"{int((got != ref).sum())} values")
-
-
-@pytest.mark.parametrize("persistent", [False, True], ids=["per-tile", "persistent"])
-@pytest.mark.parametrize("lens,d,f", SHAPES)
-def test_wgrad_into_expert_table_equals_stacked_accumulate(lens, d, f, persistent):
+def test_wgrad_into_expert_table_equals_stacked_accumulate(lens, d, f, tma):
     """routed_experts(wgrad_into=...): accumulating into E separate fp32 matrices (reverse order,
     gaps between them, as in Megatron's grad buffer) gives the bits of accumulating into one
     stacked fp32 tensor; empty experts and the gaps stay untouched."""
@@ -329,17 +296,16 @@ def test_wgrad_into_expert_table_equals_stacked_accumulate(lens, d, f, persisten
     e, offs, r = len(lens), _offsets(lens), sum(lens)
     a = torch.randn(r, 2 * f, device=DEV).to(BF16)
     b = torch.randn(r, d, device=DEV).to(BF16)
-    cfg = replace(CONFIG_TABLE[("wgrad", "large")], tma=True)
+    cfg = replace(CONFIG_TABLE[("wgrad", "large")], tma=tma)
     prev = torch.randn(e, 2 * f, d, device=DEV)
     stacked = prev.clone()
-    grouped_mm_wgrad(a, b, offs, stacked, accumulate=True, config=cfg, persistent=persistent)
+    grouped_mm_wgrad(a, b, offs, stacked, accumulate=True, config=cfg)
     size = 2 * f * d + 64
     buf = torch.full((e * size,), NAN, device=DEV)
     mats = [buf[(e - 1 - i) * size:(e - 1 - i) * size + 2 * f * d].view(2 * f, d) for i in range(e)]
     for i in range(e):
         mats[i].copy_(prev[i])
-    grouped_mm_wgrad(a, b, offs, ExpertOutTable.of(mats), accumulate=True, config=cfg,
-                     persistent=persistent)
+    grouped_mm_wgrad(a, b, offs, ExpertOutTable.of(mats), accumulate=True, config=cfg)
     for i in range(e):
         assert torch.equal(mats[i], stacked[i]), f"expert {i} (rows {lens[i]}) differs"
     gaps = torch.ones(e * size, dtype=torch.bool, device=DEV)
@@ -348,9 +314,9 @@ def test_wgrad_into_expert_table_equals_stacked_accumulate(lens, d, f, persisten
     assert torch.isnan(buf[gaps]).all(), "memory between the matrices was written"
 
 
-@pytest.mark.parametrize("persistent", [False, True], ids=["per-tile", "persistent"])
+@pytest.mark.parametrize("tma", TMA)
 @pytest.mark.parametrize("lens,d,f", SHAPES)
-def test_wgrad_bf16_store_equals_rounded_fp32_store(lens, d, f, persistent):
+def test_wgrad_bf16_store_equals_rounded_fp32_store(lens, d, f, tma):
     """The layer stores bf16 weight gradients even for Config.wgrad_dtype="fp32"
     (experts.wgrad_store_dtype): the epilogue rounds the fp32 sums once, exactly as rounding an
     fp32 store afterwards would, so the two give the same bits."""
@@ -358,11 +324,11 @@ def test_wgrad_bf16_store_equals_rounded_fp32_store(lens, d, f, persistent):
     e, offs, r = len(lens), _offsets(lens), sum(lens)
     a = torch.randn(r, 2 * f, device=DEV).to(BF16)
     b = torch.randn(r, d, device=DEV).to(BF16)
-    cfg = replace(CONFIG_TABLE[("wgrad", "large")], tma=True)
+    cfg = replace(CONFIG_TABLE[("wgrad", "large")], tma=tma)
     outs = {}
     for out_dtype in (BF16, F32):
         outs[out_dtype] = torch.full((e, 2 * f, d), NAN, dtype=out_dtype, device=DEV)
-        grouped_mm_wgrad(a, b, offs, outs[out_dtype], config=cfg, persistent=persistent)
+        grouped_mm_wgrad(a, b, offs, outs[out_dtype], config=cfg)
     rounded = outs[F32].to(BF16)
     assert torch.equal(outs[BF16], rounded), (
         f"bf16 store differs from the rounded fp32 store in {int((outs[BF16] != rounded).sum())} "
@@ -412,11 +378,12 @@ def test_cuda_graph_capture_and_replay(tma):
     g2 = _poisoned(max_rows, f)
     wg = _poisoned(e, d, f)
     ptr = {name: device_ptr(t) for name, t in dict(x_saved=x_saved, h1=h1, h2=h2, g3=g3, g2=g2).items()}
+    flags = ClaimFlags(max_rows, None, e, DEV)
 
     def step():
         grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=max_rows, a_row_ptrs=a_ptrs,
-                       a_copy_out=ptr["x_saved"], epilogue="swiglu", h1=ptr["h1"], h2=ptr["h2"],
-                       config=_cfg("fwd", tma))
+                       a_copy_out=ptr["x_saved"], claim_flags=flags, epilogue="swiglu",
+                       h1=ptr["h1"], h2=ptr["h2"], config=_cfg("fwd", tma))
         grouped_mm_fwd(w=w2, expert_offsets=offs, max_rows=max_rows, a=ptr["h2"], epilogue="scatter",
                        out_row_ptrs=o_ptrs, config=_cfg("fwd", tma))
         grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=max_rows, a=ptr["g3"], out=ptr["g2"],
@@ -462,7 +429,7 @@ def test_cuda_graph_capture_and_replay(tma):
 
 
 # ----------------------------------------------------------------------------- claim mode
-def _claim_cfg(kind, tma, ahead=1, slice_k=0):
+def _claim_cfg(kind, tma, ahead=1, slice_k=None):
     return replace(CONFIG_TABLE[(kind, "large")], tma=tma, claim_ahead=ahead, claim_slice_k=slice_k)
 
 
@@ -476,7 +443,7 @@ def _claim_fwd_once(flags, src, src_idx, w13, lens, max_rows, cfg, num_programs=
                    h2=h2, config=cfg, num_programs=num_programs)
     x = gather_rows_ref(src, src_idx[:r].to(src.device)).to(DEV)  # src may live on a peer GPU
     tag = (f"lens={lens} progs={num_programs} ahead={cfg.claim_ahead} tma={cfg.tma} "
-           f"slice_k={cfg.claim_slice_k}")
+           f"slice_k={cfg.slice_k}")
     assert torch.equal(x_saved[:r], x), f"{tag}: a_copy_out must hold exactly the gathered rows"
     assert torch.isnan(x_saved[r:]).all(), f"{tag}: a_copy_out rows past R were written"
     assert torch.isnan(h1[r:]).all() and torch.isnan(h2[r:]).all(), f"{tag}: rows past R written"
@@ -490,7 +457,7 @@ def _claim_fwd_once(flags, src, src_idx, w13, lens, max_rows, cfg, num_programs=
         assert _rel(h1[:r], r1_32) <= 1e-2, f"{tag}: h1 relative difference {_rel(h1[:r], r1_32):.2e}"
 
 
-@pytest.mark.parametrize("slice_k", [0, 128])
+@pytest.mark.parametrize("slice_k", [None, 128])
 @pytest.mark.parametrize("ahead", [0, 1, 2])
 @pytest.mark.parametrize("tma", TMA)
 @pytest.mark.parametrize("lens,d,f", SHAPES)
@@ -501,7 +468,7 @@ def test_fwd_swiglu_claim(lens, d, f, tma, ahead, slice_k):
     tokens = max_rows + 37
     w13 = _weights(e, 2 * f, d, d ** -0.5 * 2)
     flags = ClaimFlags(max_rows, None, e, DEV)
-    for call in range(2):  # the second call runs on flags left "ready" by the first
+    for call in range(2):  # the second call runs on counters left by the first
         src = torch.randn(tokens, d, device=DEV).to(BF16)
         src_idx = torch.randperm(tokens, device=DEV)[:max_rows]
         src_idx[torch.randperm(r, device=DEV)[:5]] = -1
@@ -510,7 +477,7 @@ def test_fwd_swiglu_claim(lens, d, f, tma, ahead, slice_k):
     assert int(flags.epoch) == 2
 
 
-@pytest.mark.parametrize("slice_k", [0, 256])
+@pytest.mark.parametrize("slice_k", [None, 256])
 @pytest.mark.parametrize("tma", TMA)
 @pytest.mark.parametrize("lens,d,f", SHAPES)
 def test_dgrad_w2_claim(lens, d, f, tma, slice_k):
@@ -561,7 +528,7 @@ def test_claim_many_launches(tma):
         src_idx = torch.randperm(tokens, device=DEV)[:max_rows]
         src_idx[torch.randperm(max_rows, device=DEV)[:9]] = -1
         progs, ahead = grids[it % len(grids)], it % 3
-        sk = (0, 64, 128, 512)[it % 4]  # whole m-tiles and slices mixed on the same flags
+        sk = (64, 128, 512, 1024)[it % 4]  # slice widths mixed on the same counters
         if it % 2 == 0:
             _claim_fwd_once(flags, src, src_idx, w13, lens, max_rows,
                             _claim_cfg("fwd", tma, ahead, sk), num_programs=progs,
@@ -580,6 +547,38 @@ def test_claim_many_launches(tma):
             assert not torch.isnan(g2[:r]).any(), f"launch {it}: dgrad rows not written"
             assert _rel(g2[:r], ref) <= 1e-2, f"launch {it}: dgrad output wrong"
     assert int(flags.epoch) == 40
+    assert flags.status.tolist() == [0, 0, 0]
+
+
+def test_claim_wait_traps_naming_the_tile():
+    """A slice counter that never completes (pre-set to "all claimed" for this launch, as if
+    its copier had died): the waiting programs give up after the timeout and trap with
+    CHECK_WAIT_TIMEOUT's message naming the m-tile and the rank (in a subprocess: a trap ends
+    the CUDA context)."""
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH", "")) if p))
+    proc = subprocess.run([sys.executable, __file__, "stuck_claim"], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=repo)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, f"the stuck wait did not end the process:\n{text[-3000:]}"
+    assert "dist_moe TRAP: a device wait timed out" in text, text[-4000:]
+    assert "NO TRAP" not in text, text[-3000:]
+
+
+def _stuck_claim() -> None:
+    lens, d, f = [300, 0, 257], 512, 256
+    e, r = len(lens), sum(lens)
+    w13 = _weights(e, 2 * f, d, d ** -0.5)
+    src = torch.randn(r, d, device=DEV).to(BF16)
+    flags = ClaimFlags(r, None, e, DEV)
+    flags.claimed[1] = (1 << flags.SLICE_SHIFT) + 1000     # epoch 1, m-tile 1: all "claimed"
+    x_saved, h2 = _poisoned(r, d), _poisoned(r, f)
+    grouped_mm_fwd(w=w13, expert_offsets=_offsets(lens), max_rows=r,
+                   a_row_ptrs=_row_ptrs(src, torch.arange(r, device=DEV)),
+                   a_copy_out=device_ptr(x_saved), claim_flags=flags, epilogue="swiglu", h2=h2,
+                   timeout_s=0.5, rank=3)
+    torch.cuda.synchronize()
+    print("NO TRAP", flags.status.tolist())
 
 
 @pytest.mark.parametrize("tma", TMA)
@@ -690,3 +689,5 @@ def test_claim_peer_source():
 
 if __name__ == "__main__" and sys.argv[1:] == ["peer"]:
     _peer_claim_check()
+if __name__ == "__main__" and sys.argv[1:] == ["stuck_claim"]:
+    _stuck_claim()

@@ -3,7 +3,7 @@
 "Peers" are routing regions in this GPU's memory (int32 T at byte 0, int16 IDs at byte 128);
 dispatch/combine bases are arbitrary numbers (only addresses are computed). The failing-check
 paths run with trap=False and report through the status word; the trap itself is exercised
-end to end by tests/gpu/dist_check.py with DIST_MOE_ROUTING=triton.
+end to end by tests/gpu/dist_check.py (the default routing).
 
     pytest -m gpu tests/gpu/test_routing_gpu.py -v
 """
@@ -91,7 +91,7 @@ def test_route_tables_in_cuda_graph():
 @pytest.mark.parametrize("EP,T,K,E_local,rank", [(2, 2048, 6, 6, 0), (2, 2048, 8, 8, 1),
                                                  (4, 333, 3, 2, 2)])
 def test_fanout_gather_equals_the_row_gather(EP, T, K, E_local, rank):
-    """DIST_MOE_GATHER_FANOUT: the fan-out table equals the torch one, and rows.fanout_rows
+    """Fan-out gathers: the fan-out table equals the torch one, and rows.fanout_rows
     (each token read once) writes exactly what gather_rows (one read per route) writes."""
     from megatron_dist_moe.kernels import rows as K_rows
 

@@ -11,23 +11,24 @@ Forward, per call (one CUDA stream, no host synchronisation):
     6. training: keep x (replay) or the route outputs (full save) in the slot; device-predicated
        row counts (0 for what is not kept)
 Backward mirrors it (guide §05), replaying the forward under a device predicate when the planner
-chose recompute. The expert-MLP step is delegated to `experts.ExpertPipeline`.
+chose recompute. The expert-MLP step is delegated to the context's expert pipeline
+(experts.py), chosen by its Execution.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 
 import torch
 
+from ...execution import Execution
 from ...kernels import rows as K_rows
 from ...memory_plan import ROUTING_HEADER_BYTES
 from ...planner import LayerRecord
 from .arena import make_arena
 from .bookkeeping import make_bookkeeping
-from .experts import ExpertPipeline
+from .experts import make_expert_pipeline
 from .routing import FanoutTable, RoutingTables, build_routing_tables
 from .symmetric import SymmetricBuffers
 
@@ -51,38 +52,33 @@ class CudaBackend:
     name = "cuda"
     supported_dtypes = (torch.bfloat16,)
 
-    def __init__(self, ctx):
+    def __init__(self, ctx, execution: Execution):
         cfg = ctx.config
-        if cfg.precision != "bf16":
-            raise NotImplementedError(
-                f"Config.precision={cfg.precision!r}: the CUDA backend runs bf16 so far; "
-                "use precision='bf16' (or backend='reference' to check numerics)")
-        if cfg.pipeline == "mega":
-            raise NotImplementedError(
-                "Config.pipeline='mega' (one persistent kernel for W13+W2) is not implemented "
-                "yet; use pipeline='standard' or 'staged'")
         self.ctx = ctx
         self.cfg = cfg
+        self.execution = execution
         dev = ctx.device
         # (a CPU device only in the CPU tests of this orchestration: Triton interpreter, torch
         # GEMM engine, a single-rank stand-in for symmetric memory)
         with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-            self.sym = SymmetricBuffers(ctx.plan, ctx.group, dev)
+            if dev.type == "cuda" and ctx.ep_size > 1:
+                from .peers import check_peer_access
+                check_peer_access(ctx.group, dev)
+            self.sym = SymmetricBuffers(ctx.plan, ctx.group, dev,
+                                        barrier_timeout_s=execution.wait_timeout_s)
             self.arena = make_arena(ctx.plan, dev)
             self.act_base = torch.tensor([self.arena.base], dtype=torch.int64, device=dev)
+            self.arena_end = torch.tensor([self.arena.base + self.arena.nbytes],
+                                          dtype=torch.int64, device=dev)
             self.max_rows = ctx.plan.total_scratch_rows
             self._wgrad_table_cache: dict[tuple, tuple] = {}
-            self.experts = ExpertPipeline(cfg, ctx.num_local_experts, self.max_rows,
-                                          self.arena.base + self.arena.nbytes, dev,
-                                          pipeline=cfg.pipeline)
-            # Routing tables: "triton" (two launches, kernels/routing.py; the default since it
-            # ran on 2xH200) or "torch" (sort/scatter ops, ~40 launches: the readable twin).
-            self.routing_impl = os.environ.get("DIST_MOE_ROUTING", "") or "triton"
-            if self.routing_impl not in ("torch", "triton"):
-                raise ValueError(f"DIST_MOE_ROUTING={self.routing_impl!r}: expected 'torch' or "
-                                 "'triton'")
+            self.experts = make_expert_pipeline(cfg, execution, ctx.num_local_experts,
+                                                self.max_rows, dev, ctx.rank)
+            assert self.experts.score_parts <= ctx.plan.score_parts, (
+                f"the W2 DGRAD writes {self.experts.score_parts} score-gradient parts per route, "
+                f"the plan has {ctx.plan.score_parts} slots")
             self.route_ws = None
-            if self.routing_impl == "triton":
+            if execution.routing == "triton":
                 from ...kernels.routing import RouteWorkspace
                 self.route_ws = RouteWorkspace(self.sym.ep_size, cfg.num_local_input_tokens,
                                                cfg.top_k, ctx.num_local_experts, dev)
@@ -95,8 +91,8 @@ class CudaBackend:
                 self.gy_ptrs = torch.zeros_like(self.score_ptrs)
             self.p_dispatch = K_rows.device_ptr(self.sym.dispatch)
             self.p_combine = K_rows.device_ptr(self.sym.combine)
-            self.bk = make_bookkeeping(ctx.plan, ctx.planner, ctx.rank, self.act_base,
-                                       self.experts.arena_end, self.p_combine,
+            self.bk = make_bookkeeping(execution.bookkeeping, ctx.plan, ctx.planner, ctx.rank,
+                                       self.act_base, self.arena_end, self.p_combine,
                                        ctx.num_local_experts)
             # Tests and benchmarks may set a list here: each training forward appends its 0-d
             # need_recompute tensor (graph outputs stay live, so replays update them).
@@ -124,7 +120,7 @@ class CudaBackend:
         self.sym.dispatch[: T * D].view(T, D).copy_(x_TD)
 
     def _routing(self, T: int, scores_TK: torch.Tensor | None) -> RoutingTables:
-        fanout = self.experts.fanout   # the fan-out table only where the gathers use it
+        fanout = self.experts.uses_fanout   # the fan-out table only where the gathers use it
         if self.route_ws is not None:
             from ...kernels.routing import route_tables
             offs, nrows, rows_EP, fwd, comb, disp, _status, *fan = route_tables(
@@ -159,7 +155,7 @@ class CudaBackend:
         fa = self.bk.forward(tabs, T, training)
         if training and self.decision_trace is not None:
             self.decision_trace.append(fa.record.need_recompute)
-        self.experts.forward(tabs, w13_E2FD, w2_EDF, tabs.combine_ptrs, fa.xg, fa.h1, fa.sp)
+        self.experts.forward(tabs, w13_E2FD, w2_EDF, tabs.combine_ptrs, fa.xg, fa.h1, fa.h2)
         self.sym.barrier(1)
         y_TD = torch.empty_like(x_TD)
         routes = self._routes_view(self.sym.combine, T)
@@ -208,7 +204,7 @@ class CudaBackend:
         K_rows.copy_rows(ba.x_slot, self.p_dispatch, ba.x_rows, D, T)
         self.sym.barrier(0)
         self.experts.forward(tabs, saved.w13, saved.w2,
-                             tabs.combine_ptrs if keep_routes else None, ba.xg, ba.h1, ba.sp,
+                             tabs.combine_ptrs if keep_routes else None, ba.xg, ba.h1, ba.h2,
                              rows=(ba.replay_offsets, ba.replay_rows))
         grad_scores = torch.empty(T, K, dtype=torch.float32, device=grad_y_TD.device)
         if keep_routes:
@@ -223,8 +219,7 @@ class CudaBackend:
             # gradients. (No barrier after the replay: it wrote no peer memory, and barrier 2
             # orders the rest.)
             K_rows.publish_grad_y(grad_y_TD, saved.scores_TK,
-                                  self.sym.combine[: T * D].view(T, D), self.sym.scores_TK[:T],
-                                  self.sym.score_grads_TK[:T])
+                                  self.sym.combine[: T * D].view(T, D), self.sym.scores_TK[:T])
             plan = self.ctx.plan
             K_rows.route_score_ptrs(tabs.combine_ptrs, tabs.num_rows, self.sym.combine_base_EP,
                                     plan.combine_bytes, self.sym.routing_base_EP,
@@ -234,16 +229,17 @@ class CudaBackend:
         grad_w13, grad_w2 = self.experts.backward(
             tabs, saved.w13, saved.w2,
             gather_ptrs=tabs.combine_ptrs if keep_routes else self.gy_ptrs,
-            scatter_ptrs=tabs.dispatch_route_ptrs, xg_addr=ba.xg, h1_addr=ba.h1, sp=ba.sp,
+            scatter_ptrs=tabs.dispatch_route_ptrs, ba=ba,
             wgrad_dtype=cfg.wgrad_dtype, wgrad_into=self._wgrad_tables(saved.wgrad_into),
             score_ptrs=None if keep_routes else self.score_ptrs,
-            score_grad_delta=self.ctx.plan.route_score_grads_delta)
+            score_grad_delta=self.ctx.plan.route_score_grads_delta,
+            part_stride=self.ctx.plan.score_part_stride)
         self.sym.barrier(3)
         if not keep_routes:
-            grad_scores.copy_(self.sym.score_grads_TK[:T])
+            K_rows.sum_score_parts(self.sym.score_parts, self.experts.score_parts, saved.ids_TK,
+                                   grad_scores)
         grad_x = torch.empty(T, D, dtype=grad_y_TD.dtype, device=grad_y_TD.device)
         K_rows.reduce_routes(self._routes_view(self.sym.dispatch, T), saved.ids_TK, grad_x)
-        self.experts.join_side_work()
         return grad_x, grad_scores, grad_w13, grad_w2
 
     def reset(self) -> None:

@@ -1,4 +1,4 @@
-"""Routing metadata on the device: expert-major row order and peer row addresses.
+"""Peer row-address tables of a call (the routing math itself: megatron_dist_moe/routing.py).
 
 Input: every rank's published expert IDs (read from the peers' routing headers) as
 ids_all [EP, T, K]. Output (`RoutingTables`): for the R rows this rank's experts receive, in
@@ -12,7 +12,7 @@ R stays on the device. No host synchronisation: only sort / scatter / gather / w
     dispatch_route_ptrs[i] = dispatch_base[r] + (t*K + k) * D * 2 where W13 DGRAD returns the
                                                                   route input gradient
 Rows i >= R hold address 0 (gathers read zeros, scatters skip). With fan-out gathers
-(DIST_MOE_GATHER_FANOUT) the tables also carry, for every route (r, t, k) of every rank, the row
+the tables also carry, for every route (r, t, k) of every rank, the row
 it lands in here or -1 (`FanoutTable`): `rows.fanout_rows` then reads each token row once over
 NVLink and writes it into all of its rows, where `gather_rows` reads it once per route.
 """
@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ...kernels import rows as K_rows
+from ...kernels import checks as K_checks
+from ...routing import expert_major_order, rows_per_rank
 
 __all__ = ["FanoutTable", "RoutingTables", "build_routing_tables", "routing_tables_ref_order"]
 
@@ -65,22 +66,9 @@ def build_routing_tables(ids_all_EPTK: torch.Tensor, T_all_EP: torch.Tensor, T: 
     E_local = num_local_experts
     N = EP * T * K
     flat = ids_all_EPTK[:, :T].reshape(-1).to(torch.int64)
-    lo = rank * E_local
-    local = flat - lo
-    valid = (local >= 0) & (local < E_local)
-    pos = torch.arange(N, device=dev, dtype=torch.int64)
-    key = torch.where(valid, local * N + pos, E_local * N + pos)
-    order = torch.sort(key).indices
-    counts = torch.zeros(E_local + 1, dtype=torch.int64, device=dev)
-    counts.scatter_add_(0, torch.where(valid, local, E_local), torch.ones_like(local))
-    offsets = torch.zeros(E_local + 1, dtype=torch.int32, device=dev)
-    offsets[1:] = torch.cumsum(counts[:E_local], 0).to(torch.int32)
+    order, offsets = expert_major_order(flat, rank, E_local)
     num_rows = offsets[E_local:].clone()
-    active = (flat >= 0) & (flat < num_experts)
-    owner = torch.where(active, flat // E_local, EP)
-    rows_EP = torch.zeros(EP + 1, dtype=torch.int64, device=dev)
-    rows_EP.scatter_add_(0, owner, torch.ones_like(owner))
-    rows_EP = rows_EP[:EP]
+    rows_EP = rows_per_rank(flat, E_local, EP, num_experts)
 
     if max_rows <= N:
         sel = order[:max_rows]
@@ -108,26 +96,26 @@ def build_routing_tables(ids_all_EPTK: torch.Tensor, T_all_EP: torch.Tensor, T: 
         first_bad = torch.argmax(bad_T.to(torch.int32))
         T_bad = pick(T_all, first_bad)
         # T = -1: that peer's own validation failed (CudaBackend.check_collective)
-        code_T = torch.where(T_bad == -1, K_rows.CHECK_PEER_REJECTED, K_rows.CHECK_UNEQUAL_T)
+        code_T = torch.where(T_bad == -1, K_checks.CHECK_PEER_REJECTED, K_checks.CHECK_UNEQUAL_T)
         checks.append((bad_T.any(), code_T, first_bad, T_bad))
         R = num_rows.to(torch.int64).view(())
-        checks.append((R > max_rows, K_rows.CHECK_SCRATCH_OVERFLOW, R,
+        checks.append((R > max_rows, K_checks.CHECK_SCRATCH_OVERFLOW, R,
                        torch.full_like(R, max_rows)))
         own = ids_all_EPTK[rank, :T].reshape(-1).to(torch.int64)
         if own.numel():
             bad_id = (own < -1) | (own >= num_experts)
             j = torch.argmax(bad_id.to(torch.int32))
-            checks.append((bad_id.any(), K_rows.CHECK_BAD_EXPERT_ID, j, pick(own, j)))
+            checks.append((bad_id.any(), K_checks.CHECK_BAD_EXPERT_ID, j, pick(own, j)))
             if own_scores_TK is not None:
                 sc = own_scores_TK.reshape(-1).to(torch.float32)
                 bad_s = (own == -1) & (sc != 0)
                 j2 = torch.argmax(bad_s.to(torch.int32))
-                checks.append((bad_s.any(), K_rows.CHECK_INACTIVE_SCORE, j2,
+                checks.append((bad_s.any(), K_checks.CHECK_INACTIVE_SCORE, j2,
                                pick(sc.view(torch.int32), j2)))
         codes = torch.stack([torch.where(c, code, 0) for c, code, _, _ in checks])
         a = torch.stack([x for _, _, x, _ in checks])
         b = torch.stack([y for _, _, _, y in checks])
-        K_rows.device_check(codes, a, b)
+        K_checks.device_check(codes, a, b)
 
     fan = None
     if fanout:

@@ -3,7 +3,8 @@
 One torch symmetric-memory allocation per context holds three regions at fixed byte offsets:
 
     routing   [128-byte header: int32 T] [int16 expert ids [T_max, K]]
-              (save_route_outputs=False: + [fp32 scores [T_max, K]] [fp32 score grads [T_max, K]])
+              (save_route_outputs=False: + [fp32 scores [T_max, K]]
+               [fp32 score-gradient parts [MemoryPlan.score_parts, T_max, K]])
     dispatch  [T_max * K, D] bf16   forward: x rows [T, D]; backward: route input gradients
     combine   [T_max * K, D] bf16   forward: route outputs h3; backward: route output gradients
 
@@ -36,9 +37,11 @@ def symm_mem_rendezvous(nbytes: int, group: dist.ProcessGroup, device: torch.dev
 
 class SymmetricBuffers:
     def __init__(self, plan: MemoryPlan, group: dist.ProcessGroup, device: torch.device,
-                 rendezvous=symm_mem_rendezvous):
+                 rendezvous=symm_mem_rendezvous, barrier_timeout_s: float = 600.0):
         """rendezvous(nbytes, group, device) -> (buffer, handle); see `symm_mem_rendezvous`.
-        The CPU tests pass a single-rank stand-in to run the backend's orchestration there."""
+        The CPU tests pass a single-rank stand-in to run the backend's orchestration there.
+        barrier_timeout_s: a device barrier whose peers do not all arrive within it traps
+        (torch's barrier kernel prints which wait failed) instead of waiting for ever."""
         cfg = plan.config
         T, D, K = cfg.num_local_input_tokens, cfg.hidden_dim, cfg.top_k
         self.routing_off = 0
@@ -60,12 +63,15 @@ class SymmetricBuffers:
             .view(torch.int16).view(T, K)
         self.dispatch = b[self.dispatch_off:self.dispatch_off + plan.dispatch_bytes].view(torch.bfloat16)
         self.combine = b[self.combine_off:self.combine_off + plan.combine_bytes].view(torch.bfloat16)
-        self.scores_TK = self.score_grads_TK = None
+        self.scores_TK = self.score_parts = None
         if not cfg.inference and not cfg.save_route_outputs:
-            # expert-side score gradients: the owner's scores and the experts' sums (fp32)
+            # expert-side score gradients: the owner's scores and the experts' parts (fp32), one
+            # [T_max, K] slice per part (`rows.sum_score_parts` reads the parts as [P, T_max*K])
             s0, dlt = plan.route_scores_offset, plan.route_score_grads_delta
             self.scores_TK = b[s0:s0 + T * K * 4].view(torch.float32).view(T, K)
-            self.score_grads_TK = b[s0 + dlt:s0 + dlt + T * K * 4].view(torch.float32).view(T, K)
+            stride = plan.score_part_stride // 4
+            parts = b[s0 + dlt:s0 + dlt + plan.score_parts * plan.score_part_stride]
+            self.score_parts = parts.view(torch.float32).view(plan.score_parts, stride)
         # Peer views of the routing regions (read after the publication barrier).
         self.peer_header = []
         self.peer_ids = []
@@ -75,10 +81,12 @@ class SymmetricBuffers:
             self.peer_ids.append(whole[ROUTING_HEADER_BYTES:ROUTING_HEADER_BYTES + T * K * 2]
                                  .view(torch.int16).view(T, K))
         self.T_max, self.D, self.K = T, D, K
+        self.barrier_timeout_ms = max(1, int(barrier_timeout_s * 1000))
 
     def barrier(self, channel: int = 0) -> None:
-        """Device-side barrier over the EP group, ordered on the current stream (no host sync)."""
-        self.handle.barrier(channel=channel)
+        """Device-side barrier over the EP group, ordered on the current stream (no host sync);
+        bounded by the context's Config.wait_timeout_s."""
+        self.handle.barrier(channel=channel, timeout_ms=self.barrier_timeout_ms)
 
     def gather_routing(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids_all [EP, T, K] int16, T_all [EP] int32) read from every rank's header."""
@@ -92,6 +100,6 @@ class SymmetricBuffers:
         self.peer_header.clear()
         self.peer_ids.clear()
         self.header = self.ids_TK = self.dispatch = self.combine = None
-        self.scores_TK = self.score_grads_TK = None
+        self.scores_TK = self.score_parts = None
         self.handle = None
         self.buf = None

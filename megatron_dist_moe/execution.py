@@ -1,0 +1,178 @@
+"""Execution: how a context runs, decided once when it is created and shown by explain().
+
+`Execution.resolve(config, device, overrides)` turns a Config (what the user chose: precision,
+pipeline, inference, backend, timeouts) and the device into one frozen description that the
+backend, its routing, bookkeeping, expert pipeline and kernel launchers receive explicitly.
+Nothing below reads the environment at import or call time; this module is the only reader of
+the one development override, `DIST_MOE_EXECUTION`.
+
+What runs (`RUNS`): each backend and the precisions and pipelines it implements. Config refuses
+anything else when it is built, naming the field, so no entry point accepts a mode that no
+backend runs.
+
+Development overrides select the plain-torch twins that the tests and baselines compare against
+(they are not user choices, hence not Config fields):
+
+    gemm_engine   "triton" (our grouped GEMMs) | "torch" (torch._grouped_mm with separate
+                  gather / SwiGLU / scatter kernels: the GEMM oracle and a baseline)
+    routing       "triton" (two launches) | "torch" (sort / scatter ops: the routing oracle)
+    bookkeeping   "triton" (one launch) | "torch" (the shared planner functions: its oracle)
+
+Pass them to `create_context(..., execution_overrides={"gemm_engine": "torch"})`, or set
+`DIST_MOE_EXECUTION="gemm_engine=torch,routing=torch"`; an unknown name or value raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+__all__ = ["RUNS", "Execution", "runs", "what_runs", "parse_overrides", "OVERRIDES",
+           "ENV_OVERRIDES"]
+
+# backend -> the precisions and the pipelines it implements
+RUNS: dict[str, dict[str, tuple[str, ...]]] = {
+    "reference": dict(precisions=("bf16",), pipelines=("standard", "staged")),
+    "cuda": dict(precisions=("bf16",), pipelines=("standard", "staged")),
+}
+
+OVERRIDES: dict[str, tuple[str, ...]] = {
+    "gemm_engine": ("triton", "torch"),
+    "routing": ("triton", "torch"),
+    "bookkeeping": ("triton", "torch"),
+}
+ENV_OVERRIDES = "DIST_MOE_EXECUTION"
+
+
+def runs(backend: str, precision: str, pipeline: str) -> bool:
+    r = RUNS.get(backend)
+    return r is not None and precision in r["precisions"] and pipeline in r["pipelines"]
+
+
+def what_runs() -> str:
+    """One line per backend: the precisions and pipelines it runs (for error messages)."""
+    return "; ".join(f"{b}: precision {', '.join(map(repr, r['precisions']))} with pipeline "
+                     f"{', '.join(map(repr, r['pipelines']))}" for b, r in RUNS.items())
+
+
+def parse_overrides(text: str, source: str = ENV_OVERRIDES) -> dict[str, str]:
+    """'gemm_engine=torch,routing=torch' -> dict; an unknown name or value raises ValueError."""
+    out: dict[str, str] = {}
+    for item in text.replace(" ", ",").split(","):
+        if not item:
+            continue
+        name, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"{source}: {item!r} is not name=value")
+        out[name] = value
+    return check_overrides(out, source)
+
+
+def check_overrides(overrides: Mapping[str, Any], source: str) -> dict[str, str]:
+    out = {}
+    for name, value in overrides.items():
+        if name not in OVERRIDES:
+            raise ValueError(f"{source}: unknown execution override {name!r}; known: "
+                             f"{', '.join(sorted(OVERRIDES))}")
+        if value not in OVERRIDES[name]:
+            raise ValueError(f"{source}: {name}={value!r}; expected one of "
+                             f"{', '.join(OVERRIDES[name])}")
+        out[name] = value
+    return out
+
+
+@dataclass(frozen=True)
+class Execution:
+    """How one context runs (frozen; built by `resolve`)."""
+
+    backend: str                 # "reference" | "cuda"
+    precision: str
+    pipeline: str                # "standard" | "staged"
+    inference: bool
+    save_route_outputs: bool
+    wait_timeout_s: float
+    gemm_engine: str = "triton"  # cuda backend only; see the module docstring
+    routing: str = "triton"
+    bookkeeping: str = "triton"
+
+    @classmethod
+    def resolve(cls, config, device: torch.device,
+                overrides: Mapping[str, str] | None = None) -> "Execution":
+        """The execution of `config` on `device`. overrides: see the module docstring; the
+        DIST_MOE_EXECUTION variable applies first, explicit overrides on top."""
+        from .errors import ConfigError
+
+        backend = config.backend
+        if backend == "auto":
+            capable = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+            backend = "cuda" if capable else "reference"
+        elif backend == "cuda" and device.type != "cuda":
+            raise ConfigError("backend", f"backend='cuda' needs a CUDA device, got {device}")
+        if not runs(backend, config.precision, config.pipeline):
+            field = "precision" if config.precision not in RUNS[backend]["precisions"] \
+                else "pipeline"
+            raise ConfigError(field, f"the {backend} backend does not run precision="
+                              f"{config.precision!r} with pipeline={config.pipeline!r}; what "
+                              f"runs: {what_runs()}")
+        chosen = parse_overrides(os.environ.get(ENV_OVERRIDES, ""))
+        chosen.update(check_overrides(dict(overrides or {}), "execution_overrides"))
+        if backend == "reference" and chosen:
+            raise ValueError(f"execution overrides {sorted(chosen)} select CUDA-backend twins; "
+                             "this context runs the reference backend")
+        if chosen.get("gemm_engine") == "torch" and config.pipeline == "staged":
+            raise ValueError("gemm_engine='torch' runs the standard pipeline only (the staged "
+                             "pipeline's claimed gathers live inside our GEMMs)")
+        return cls(backend=backend, precision=config.precision, pipeline=config.pipeline,
+                   inference=config.inference, save_route_outputs=config.save_route_outputs,
+                   wait_timeout_s=float(config.wait_timeout_s), **chosen)
+
+    def replace(self, **changes) -> "Execution":
+        return dataclasses.replace(self, **changes)
+
+    # -- what the choices mean --------------------------------------------------------------
+    @property
+    def x_gather(self) -> str:
+        if self.backend == "reference":
+            return "all_to_all_single"
+        if self.pipeline == "staged" and self.gemm_engine == "triton":
+            return "claimed inside the W13 GEMM (each m-tile copied once, in column slices)"
+        return "fan-out: each token row read once and written to all of its rows"
+
+    @property
+    def score_gradients(self) -> str:
+        if self.inference:
+            return "none (inference)"
+        if self.save_route_outputs:
+            return "token owner, from the saved route outputs"
+        return ("expert side, <W2^T grad_y, h2> per route, summed over tiles in a fixed order"
+                if self.backend == "cuda" else "expert side, <W2^T grad_y, h2> per route")
+
+    def explain(self) -> str:
+        rows = [("backend", self.backend), ("precision", self.precision),
+                ("mode", "inference" if self.inference else "training")]
+        if self.backend == "cuda":
+            gemms = ("Triton persistent grouped GEMMs (SwiGLU in the W13 epilogue, scatter to "
+                     "the owners in the W2 epilogue)" if self.gemm_engine == "triton" else
+                     "torch._grouped_mm with separate gather / SwiGLU / scatter kernels "
+                     "(oracle)")
+            rows += [("pipeline", self.pipeline), ("GEMMs", gemms),
+                     ("x gather", self.x_gather),
+                     ("routing tables", "Triton, 2 launches" if self.routing == "triton"
+                      else "torch ops (oracle)"),
+                     ("bookkeeping", "Triton, 1 launch" if self.bookkeeping == "triton"
+                      else "torch planner functions (oracle)")]
+            if not self.inference:
+                rows += [("backward", "W2 DGRAD with the SwiGLU backward in its epilogue, "
+                          "W2 WGRAD, W13 DGRAD scattering to the owners, W13 WGRAD"
+                          if self.gemm_engine == "triton" else "torch._grouped_mm")]
+            rows += [("device waits", f"give up after {self.wait_timeout_s:g} s")]
+        else:
+            rows += [("kernels", "plain PyTorch over torch.distributed (the oracle)")]
+        if not self.inference:
+            rows += [("score gradients", self.score_gradients)]
+        w = max(len(k) for k, _ in rows)
+        return "\n".join(["Dist-MoE execution", "=" * 18] + [f"{k:<{w}}  {v}" for k, v in rows])

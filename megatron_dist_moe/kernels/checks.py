@@ -1,0 +1,142 @@
+"""Device-side checks: failure codes, the one place their messages are written, bounded waits.
+
+What the host cannot check without a synchronisation (routing values, the per-call layout, a
+peer that never arrives) is checked on the device. A failed check prints its cause and the
+numbers and then traps, which ends the CUDA context (and the job) with that message instead of
+a wrong result or a hang. In the CPU interpreter, which cannot trap, kernels leave the verdict
+in a status word `(code, a, b)` instead; the tests read it.
+
+    trap_on_code(code, a, b)      print the message of `code` with its numbers, then trap
+    device_check(codes, a, b)     one launch: trap on the first codes[i] != 0
+    wait_until_at_least(...)      spin (acquire) until a counter reaches a value, giving up
+                                  after a bounded number of ~1 us polls with CHECK_WAIT_TIMEOUT
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["CHECK_UNEQUAL_T", "CHECK_SCRATCH_OVERFLOW", "CHECK_BAD_EXPERT_ID",
+           "CHECK_INACTIVE_SCORE", "CHECK_PEER_REJECTED", "CHECK_LAYOUT_OUTSIDE_ARENA",
+           "CHECK_WAIT_TIMEOUT", "WAIT_CLAIM_SLICES", "MESSAGES", "trap_on_code",
+           "device_check", "wait_until_at_least", "max_polls", "trap"]
+
+CHECK_UNEQUAL_T = 1
+CHECK_SCRATCH_OVERFLOW = 2
+CHECK_BAD_EXPERT_ID = 3
+CHECK_INACTIVE_SCORE = 4
+CHECK_PEER_REJECTED = 5      # a peer's header says T = -1: its own input validation failed
+CHECK_LAYOUT_OUTSIDE_ARENA = 6
+CHECK_WAIT_TIMEOUT = 7
+
+# What a timed-out wait was waiting for (the `a` number of CHECK_WAIT_TIMEOUT, times 2**32,
+# plus the index of the thing waited on)
+WAIT_CLAIM_SLICES = 1
+
+# The host-side text of each code (tests and error messages); the device prints the same words.
+MESSAGES = {
+    CHECK_UNEQUAL_T: "unequal token counts across EP ranks: peer rank, T",
+    CHECK_SCRATCH_OVERFLOW: "scratch overflow: rows required, rows available",
+    CHECK_BAD_EXPERT_ID: "expert id out of range: flat route index, id",
+    CHECK_INACTIVE_SCORE: "nonzero score on inactive route: flat route index, score bits",
+    CHECK_PEER_REJECTED: ("a peer rank rejected its inputs (its own error names the argument): "
+                          "peer rank, its T marker"),
+    CHECK_LAYOUT_OUTSIDE_ARENA: ("the per-call layout does not fit the arena: bytes needed, "
+                                 "bytes available, rows"),
+    CHECK_WAIT_TIMEOUT: ("a device wait timed out: what (claim slices = 1) x 2^32 + m-tile, "
+                         "rank, polls (about one microsecond each)"),
+}
+
+
+@triton.jit
+def trap():
+    tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+BUSY_POLLS = 256   # polls before a waiting program starts to sleep ~1 us between polls
+
+
+def max_polls(timeout_s: float) -> int:
+    """Polls of `wait_until_at_least` that last at least about timeout_s."""
+    return BUSY_POLLS + max(1, int(timeout_s * 1e6))
+
+
+@triton.jit
+def _nanosleep(SLEEP: tl.constexpr):
+    """Sleep about a microsecond (GPU only: the interpreter has no inline asm)."""
+    if SLEEP:
+        tl.inline_asm_elementwise("nanosleep.u32 1000; mov.u32 $0, 0;", "=r", [],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def trap_on_code(code, a, b, c=0):
+    """code != 0: print the failed check's cause and its numbers, then trap. Shared by every
+    device check, so the messages are written once (the same words as MESSAGES)."""
+    if code != 0:
+        if code == 1:
+            tl.device_print("dist_moe TRAP: unequal token counts across EP ranks: peer rank, T:",
+                            a, b)
+        elif code == 2:
+            tl.device_print("dist_moe TRAP: scratch overflow: rows required, rows available:",
+                            a, b)
+        elif code == 3:
+            tl.device_print("dist_moe TRAP: expert id out of range: flat route index, id:", a, b)
+        elif code == 5:
+            tl.device_print("dist_moe TRAP: a peer rank rejected its inputs (its own error "
+                            "names the argument): peer rank, its T marker:", a, b)
+        elif code == 6:
+            tl.device_print("dist_moe TRAP: the per-call layout does not fit the arena: bytes "
+                            "needed, bytes available, rows:", a, b, c)
+        elif code == 7:
+            tl.device_print("dist_moe TRAP: a device wait timed out: what (claim slices = 1) "
+                            "x 2^32 + m-tile, rank, polls (about one microsecond each):", a, b, c)
+        else:
+            tl.device_print("dist_moe TRAP: nonzero score on inactive route: "
+                            "flat route index, score bits:", a, b)
+        trap()
+
+
+@triton.jit
+def _device_check_kernel(codes_ptr, a_ptr, b_ptr, n):
+    # codes[i] != 0 names a failed condition; a[i], b[i] are the numbers it reports.
+    for i in range(n):
+        code = tl.load(codes_ptr + i)
+        if code != 0:
+            trap_on_code(code, tl.load(a_ptr + i), tl.load(b_ptr + i))
+
+
+def device_check(codes: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """Trap (after printing the cause and the two numbers) if any codes[i] != 0. No host sync."""
+    _device_check_kernel[(1,)](codes, a, b, codes.numel(), num_warps=1)
+
+
+@triton.jit
+def wait_until_at_least(ptr, target, polls_max, what, rank, status_ptr,
+                        SLEEP: tl.constexpr, TRAP: tl.constexpr):
+    """Spin with acquire loads until *ptr >= target; returns the value seen.
+
+    After BUSY_POLLS polls a waiting program sleeps about a microsecond between polls (SLEEP, on
+    the GPU), and it gives up after polls_max polls (`max_polls(timeout_s)`). The decision
+    depends only on the poll count and the loaded value, the same in every thread of the
+    program (a per-thread clock read could differ between threads and split the loop). With
+    TRAP it then traps with CHECK_WAIT_TIMEOUT naming `what`, `rank` and the polls; without
+    (the interpreter) it records (code, what, rank) in status_ptr [3] int64 and returns, so the
+    caller goes on with whatever it has and the verdict is in the status word."""
+    v = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+    polls = tl.full((), 0, tl.int64)
+    while (v < target) & (polls < polls_max):
+        if polls >= 256:   # BUSY_POLLS
+            _nanosleep(SLEEP)
+        v = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+        polls += 1
+    if v < target:
+        if TRAP:
+            trap_on_code(7, what, rank, polls)
+        else:
+            tl.store(status_ptr + 0, tl.full((), 7, tl.int64))
+            tl.store(status_ptr + 1, what.to(tl.int64))
+            tl.store(status_ptr + 2, rank.to(tl.int64))
+    return v

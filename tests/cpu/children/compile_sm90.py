@@ -1,0 +1,225 @@
+"""Child of tests/cpu/test_kernels_compile_sm90.py: every kernel variant recorded from its
+launcher and compiled for sm_90 (Triton's bundled ptxas). Prints one `RESULT <json>` each."""
+import json
+import re
+import sys
+import time
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dataclasses import replace
+from megatron_dist_moe.kernels import grouped_gemm as G
+from megatron_dist_moe.kernels import checks as K_checks
+from megatron_dist_moe.kernels import rows as K_rows
+from megatron_dist_moe.kernels.grouped_gemm import mm as G_mm, wgrad as G_wgrad
+from megatron_dist_moe.kernels import routing as KR
+import megatron_dist_moe as dm
+from megatron_dist_moe.kernels import bookkeeping as KB
+from megatron_dist_moe.planner import PlannerState
+from megatron_dist_moe.backends.cuda.bookkeeping import TritonBookkeeping
+from megatron_dist_moe.backends.cuda.routing import RoutingTables
+
+_TT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
+       torch.int32: "i32", torch.int16: "i16", torch.uint8: "u8", torch.bool: "i1"}
+
+
+class Recorder:
+    def __init__(self, jit):
+        self.jit, self.calls = jit, []
+    def __getitem__(self, grid):
+        def record(*args, num_warps=4, num_stages=3, **kw):
+            names = [p.name for p in self.jit.params]
+            kw.update(dict(zip(names, args)))
+            self.calls.append((kw, num_warps, num_stages))
+        return record
+
+
+def compile_call(jit, kw, num_warps, num_stages, **options):
+    """Compile one recorded launch as Triton would on the GPU: the same constexprs, and the
+    16-divisibility hints its launcher derives (16-byte aligned tensors, ints % 16 == 0)."""
+    sig, const, attrs = {}, {}, {}
+    div16 = [["tt.divisibility", 16]]
+    for i, p in enumerate(jit.params):
+        if p.name not in kw:           # a defaulted constexpr
+            sig[p.name] = "constexpr"
+            const[(i,)] = p.default
+            continue
+        v = kw[p.name]
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+            const[(i,)] = v
+        elif isinstance(v, torch.Tensor):
+            sig[p.name] = "*" + _TT[v.dtype]
+            if v.data_ptr() % 16 == 0:
+                attrs[(i,)] = div16
+        elif isinstance(v, bool):
+            sig[p.name] = "i1"
+        elif isinstance(v, int):
+            if v == 1:               # Triton turns an int argument equal to 1 into a constexpr
+                sig[p.name] = "constexpr"
+                const[(i,)] = 1
+                continue
+            sig[p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
+            if v % 16 == 0:
+                attrs[(i,)] = div16
+        elif isinstance(v, float):
+            sig[p.name] = "fp32"
+        else:
+            raise TypeError(f"{p.name}: {type(v)}")
+    src = ASTSource(fn=jit, signature=sig, constexprs=const, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages, **options))
+
+
+def spill_bytes(ptx):
+    """Spill stores ptxas reports for the kernel (Triton's bundled ptxas, sm_90a)."""
+    import os
+    import subprocess
+    import tempfile
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        open(path, "w").write(ptx)
+        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True)
+    m = re.search(r"(\d+) bytes spill stores", out.stdout + out.stderr)
+    return int(m.group(1)) if m else -1
+
+
+def record(jit_name, module, fn):
+    """Run fn with every Triton kernel of `module` recorded instead of launched."""
+    jits = {k: v for k, v in vars(module).items() if isinstance(v, triton.runtime.JITFunction)}
+    recs = {k: Recorder(v) for k, v in jits.items()}
+    for k, rec in recs.items():
+        setattr(module, k, rec)
+    try:
+        fn()
+    finally:
+        for k, v in jits.items():
+            setattr(module, k, v)
+    assert recs[jit_name].calls, f"{jit_name}: the launcher made no kernel call"
+    return jits[jit_name], recs[jit_name].calls
+
+
+bf = torch.bfloat16
+E, R, D, F = 6, 1024, 7168, 3072
+BIG = G.CONFIG_TABLE[("fwd", "large")]
+offs = torch.zeros(E + 1, dtype=torch.int32)
+rows_tab = torch.zeros(R, dtype=torch.int64)
+p = torch.zeros(1, dtype=torch.int64)
+w13, w2 = torch.empty(E, 2 * F, D, dtype=bf), torch.empty(E, D, F, dtype=bf)
+flags = G.ClaimFlags(R, None, E, "cpu")
+SLICED = replace(BIG, claim_slice_k=512)
+
+VARIANTS = {
+    "fwd_swiglu_tma": lambda: G.grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=R, a=p,
+        epilogue="swiglu", h1=p, h2=p, config=BIG),
+    "fwd_swiglu_claim_sliced": lambda: G.grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=R,
+        a_row_ptrs=rows_tab, a_copy_out=p, claim_flags=flags, epilogue="swiglu", h1=p, h2=p,
+        config=SLICED),
+    "fwd_w2_scatter_clamped": lambda: G.grouped_mm_fwd(w=w2, expert_offsets=offs, max_rows=R,
+        a=p, epilogue="scatter", out_row_ptrs=rows_tab, config=BIG),
+    "dgrad_w2_claim_sliced": lambda: G.grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=R,
+        a_row_ptrs=rows_tab, a_copy_out=p, claim_flags=flags, out=p, config=SLICED),
+    "dgrad_w2_swiglu_bwd_tma": lambda: G.grouped_mm_dgrad(w=w2, expert_offsets=offs,
+        max_rows=R, a=p, epilogue="swiglu_bwd", h1=p, activation="swiglu_clamped", config=BIG),
+    "dgrad_w2_swiglu_bwd_claim_sliced": lambda: G.grouped_mm_dgrad(w=w2, expert_offsets=offs,
+        max_rows=R, a_row_ptrs=rows_tab, a_copy_out=p, claim_flags=flags, epilogue="swiglu_bwd",
+        h1=p, h2=p, config=SLICED),
+    "dgrad_w2_swiglu_bwd_score_grads": lambda: G.grouped_mm_dgrad(w=w2, expert_offsets=offs,
+        max_rows=R, a=p, epilogue="swiglu_bwd", h1=p, h2=p, config=BIG, score_ptrs=rows_tab,
+        score_grad_delta=49152, part_stride=49152),
+    "dgrad_w13_tma": lambda: G.grouped_mm_dgrad(w=w13, expert_offsets=offs, max_rows=R, a=p,
+        out=p, config=BIG),
+    "wgrad_tma_fp32": lambda: G.grouped_mm_wgrad(p, p, offs, torch.empty(E, 2 * F, D),
+        dtype=bf, config=G.CONFIG_TABLE[("wgrad", "large")], num_programs=132),
+    "wgrad_plain_bf16": lambda: G.grouped_mm_wgrad(p, p, offs, torch.empty(E, D, F, dtype=bf),
+        dtype=bf, config=replace(G.CONFIG_TABLE[("wgrad", "large")], tma=False),
+        num_programs=132),
+    "wgrad_tma_bf16": lambda: G.grouped_mm_wgrad(p, p, offs,
+        torch.empty(E, 2 * F, D, dtype=bf), dtype=bf, config=G.CONFIG_TABLE[("wgrad", "large")],
+        num_programs=132),
+    # routed_experts(wgrad_into=...): fp32 accumulate into per-expert matrices (main_grad)
+    "wgrad_table_fp32": lambda: G.grouped_mm_wgrad(p, p, offs,
+        G.ExpertOutTable(torch.zeros(E, dtype=torch.int64), 2 * F, D, torch.float32),
+        accumulate=True, dtype=bf, config=G.CONFIG_TABLE[("wgrad", "large")], num_programs=132),
+}
+ws = KR.RouteWorkspace(2, 2048, 6, 6, "cpu")
+route = lambda: KR.route_tables(ws, p.repeat(2), 2048, 6, 0, 12, 8192, p.repeat(2), p.repeat(2),
+                                14336, own_scores_TK=torch.empty(2048, 6), trap=True)
+VARIANTS["routing_count"] = route
+VARIANTS["routing_place"] = route
+VARIANTS["routing_place_fanout"] = lambda: KR.route_tables(
+    ws, p.repeat(2), 2048, 6, 0, 12, 8192, p.repeat(2), p.repeat(2), 14336,
+    own_scores_TK=torch.empty(2048, 6), trap=True, fanout=True)
+_i64 = torch.zeros(4, dtype=torch.int64)
+VARIANTS["rows_device_check"] = lambda: K_checks.device_check(_i64, _i64, _i64)
+VARIANTS["rows_fanout"] = lambda: K_rows.fanout_rows(
+    p.repeat(2), 14336, torch.full((2 * 2048 * 6,), -1, dtype=torch.int32), 2048, 6, p,
+    offs[-1:], 7168, bf)
+VARIANTS["rows_swiglu_bwd"] = lambda: K_rows.swiglu_bwd(p, p, p, offs[-1:], 3072, R, True,
+                                                        1.702, 7.0, h2_addr=p)
+_f32 = torch.empty(2048, 6)
+VARIANTS["rows_publish_grad_y"] = lambda: K_rows.publish_grad_y(
+    torch.empty(2048, 7168, dtype=bf), _f32, torch.empty(2048, 7168, dtype=bf), _f32)
+VARIANTS["rows_route_score_ptrs"] = lambda: K_rows.route_score_ptrs(
+    rows_tab, offs[-1:], p.repeat(2), 1 << 28, p.repeat(2), 24704, 14336, 6, rows_tab, rows_tab)
+VARIANTS["rows_score_grad_rows"] = lambda: K_rows.score_grad_rows(p, p, rows_tab, offs[-1:],
+                                                                  3072, 49152, R)
+VARIANTS["rows_sum_score_parts"] = lambda: K_rows.sum_score_parts(
+    torch.empty(96, 2048 * 6), 12, torch.empty(2048, 6, dtype=torch.int16), torch.empty(2048, 6))
+_cfg = dm.Config(num_local_input_tokens=2048, hidden_dim=7168, intermediate_dim=3072, top_k=6,
+                 num_experts=12, backend="reference")
+_plan = dm.plan_memory(_cfg, ep_size=2)
+_bk = TritonBookkeeping(_plan, PlannerState.create(_plan, "cpu"), 0, p, p, p, num_local_experts=6)
+_bk._trap = True          # as on the GPU: the layout guard traps
+_tabs = RoutingTables(expert_offsets=offs, num_rows=torch.zeros(1, dtype=torch.int32),
+                      rows_EP=torch.zeros(2, dtype=torch.int64), fwd_gather_ptrs=rows_tab,
+                      combine_ptrs=rows_tab, dispatch_route_ptrs=rows_tab, max_rows=R)
+_rec = torch.zeros(KB.REC_FIXED + 2, dtype=torch.int64)
+VARIANTS["bookkeeping_fwd"] = lambda: _bk.forward(_tabs, 2048, True)
+VARIANTS["bookkeeping_fwd_inference"] = lambda: _bk.forward(_tabs, 2048, False)
+VARIANTS["bookkeeping_bwd"] = lambda: _bk.backward(None, _rec, _tabs, 2048)
+JIT = {"rows_device_check": (K_checks, "_device_check_kernel"),
+       "rows_sum_score_parts": (K_rows, "_sum_score_parts_kernel"),
+       "rows_fanout": (K_rows, "_fanout_rows_kernel"),
+       "rows_swiglu_bwd": (K_rows, "_swiglu_bwd_kernel"),
+       "rows_publish_grad_y": (K_rows, "_publish_grad_y_kernel"),
+       "rows_route_score_ptrs": (K_rows, "_route_score_ptrs_kernel"),
+       "rows_score_grad_rows": (K_rows, "_score_grad_rows_kernel"),
+       "bookkeeping_fwd": (KB, "plan_forward_kernel"),
+       "bookkeeping_fwd_inference": (KB, "plan_forward_kernel"),
+       "bookkeeping_bwd": (KB, "plan_backward_kernel"),
+       "wgrad": (G_wgrad, "_grouped_mm_wgrad_kernel"),
+       "routing_count": (KR, "_route_count_kernel"),
+       "routing_place": (KR, "_route_place_kernel"),
+       "routing_place_fanout": (KR, "_route_place_kernel")}
+
+names = sys.argv[1:] or list(VARIANTS)
+for name in names:
+    t0 = time.time()
+    res = {"name": name}
+    try:
+        module, jit_name = JIT.get(name, JIT.get(name.split("_")[0], (G_mm, "_grouped_mm_kernel")))
+        jit, calls = record(jit_name, module, VARIANTS[name])
+        kw, nw, ns = calls[-1]
+        if jit_name == "_grouped_mm_kernel":   # as on the GPU: sleeping, trapping waits, fences
+            kw = dict(kw, ON_GPU=True,
+                      PROXY_FENCE=bool(kw.get("A_CLAIM")) and bool(kw.get("USE_TMA")))
+        kernel = compile_call(jit, kw, nw, ns)
+        ptx = kernel.asm["ptx"]
+        res["ok"] = True
+        res["spill_bytes"] = spill_bytes(ptx)
+        res["ptx"] = {k: len(re.findall(pat, ptx)) for k, pat in {
+            "wgmma": r"wgmma\.mma_async", "tma_load": r"cp\.async\.bulk\.tensor",
+            "ld_acquire": r"ld\.global[.\w]*\.acquire", "atom_release": r"atom\.global[.\w]*\.release",
+            "atom_max": r"atom\.global[.\w]*\.max\.s64", "cas": r"atom\.global[.\w]*\.acq_rel[.\w]*\.cas",
+            "proxy_fence": r"fence\.proxy\.async\.global", "trap": r"\btrap;",
+            "printf": r"vprintf", "nanosleep": r"nanosleep\.u32"}.items()}
+    except Exception as ex:
+        import traceback
+        res.update(ok=False, error=f"{type(ex).__name__}: {str(ex)[:2000]}",
+                   trace=traceback.format_exc()[-3000:])
+    res["seconds"] = round(time.time() - t0, 1)
+    print("RESULT " + json.dumps(res), flush=True)

@@ -1,0 +1,89 @@
+"""Child of tests/cpu/test_cuda_backend_cpu_interp.py: CudaBackend on one rank in the Triton
+interpreter, every variant against the fp64 oracle. Prints one `RESULT <json>` line per variant.
+
+Three layers share one slot sized so that the first keeps its state and the later ones replay;
+all run forward, then backward in reverse order, for each variant (each with its own inputs, so
+memory freed by a previous variant cannot hold the right values).
+"""
+
+import json
+import traceback
+
+import torch
+
+import cuda_cpu_harness as H
+import megatron_dist_moe as dm
+from megatron_dist_moe import testing as tt
+
+H.install()
+LAYERS = 3
+SHAPE = dict(num_local_input_tokens=24, hidden_dim=128, intermediate_dim=128, top_k=2,
+             num_experts=4, backend="reference", max_moe_layers_per_activation_slot=LAYERS)
+
+
+def run(variant, seed):
+    kw = variant.get("cfg", {})
+    p_kw = dm.plan_memory(dm.Config(**SHAPE, **kw), ep_size=1)
+    slot = 2 * p_kw.input_bytes + p_kw.layer.full_state(48)   # keep / replay / replay again
+    cfg = dm.Config(**SHAPE, **kw, activation_slot_bytes=slot, pipeline=variant["pipeline"],
+                    activation=variant.get("activation", "swiglu"))
+    # new inputs per variant: memory a previous backend freed cannot hold this one's values
+    problems = [tt.make_problem(cfg, 1, seed=seed + i, dtype=torch.bfloat16,
+                                routing="random" if i != 1 else "hot_expert")
+                for i in range(LAYERS)]
+    oracles = [tt.oracle_results(p, cfg) for p in problems]
+    be = H.make_backend(cfg, H.ThreadGroup(0, H.new_shared(1)), variant["overrides"])
+    out = H.run_layers(be, problems, 0, wgrad_into=variant.get("wgrad_into", False),
+                       offset_views=variant.get("offset_views", False))
+    y_inf, none = be.forward(*H.rank_inputs(problems[0], 0), training=False)
+    guard = be.bk.status.tolist() if hasattr(be.bk, "status") else [0, 0, 0]
+    be.close()
+    errs = [tt.rank_errors(o, orc, p, 0) for o, orc, p in zip(out["results"], oracles, problems)]
+    return dict(errors=errs, inference_error=tt.relative_error(y_inf, oracles[0]["y"]),
+                saved_none=none is None, needs=out["needs"], cursors_back=out["cursors_back"],
+                layout_guard=guard)
+
+
+TORCH = {"gemm_engine": "torch"}
+TRITON = {"gemm_engine": "triton"}
+# The defaults are Triton routing tables and bookkeeping; their torch twins stay covered here.
+TORCH_TABLES = {"routing": "torch", "bookkeeping": "torch"}
+VARIANTS = {
+    "torch_gemm": dict(overrides=dict(TORCH), pipeline="standard"),
+    "torch_gemm,torch_routing,torch_bookkeeping,saved_routes": dict(
+        overrides={**TORCH, **TORCH_TABLES}, pipeline="standard",
+        cfg=dict(save_route_outputs=True)),
+    "triton_gemm,standard": dict(overrides=dict(TRITON), pipeline="standard"),
+    "triton_gemm,standard,clamped,saved_routes": dict(
+        overrides=dict(TRITON), pipeline="standard", activation="swiglu_clamped",
+        cfg=dict(save_route_outputs=True)),
+    "triton_gemm,staged,torch_tables,saved_routes": dict(
+        overrides={**TRITON, **TORCH_TABLES}, pipeline="staged",
+        cfg=dict(save_route_outputs=True)),
+    # Config.save_route_outputs=False (the default; "saved_routes" above is True): score
+    # gradients on the expert side (the fused epilogue's parts, and the torch GEMM engine's row
+    # kernel)
+    "expert_score_grads,triton_gemm,staged": dict(
+        overrides=dict(TRITON), pipeline="staged", cfg=dict(save_route_outputs=False)),
+    "expert_score_grads,triton_gemm,standard,clamped": dict(
+        overrides=dict(TRITON), pipeline="standard", activation="swiglu_clamped",
+        cfg=dict(save_route_outputs=False)),
+    "expert_score_grads,torch_gemm": dict(overrides=dict(TORCH), pipeline="standard",
+                                          cfg=dict(save_route_outputs=False)),
+    # weight gradients added into fp32 per-expert accumulators (routed_experts(wgrad_into=...))
+    "wgrad_into,triton_gemm,standard": dict(overrides=dict(TRITON), pipeline="standard",
+                                            wgrad_into=True),
+    "wgrad_into,torch_gemm": dict(overrides=dict(TORCH), pipeline="standard", wgrad_into=True),
+    # weights as views at a storage offset (the Megatron plugin's packed weights)
+    "offset_weight_views,triton_gemm,staged": dict(overrides=dict(TRITON), pipeline="staged",
+                                                   offset_views=True),
+}
+
+if __name__ == "__main__":
+    for v, (name, variant) in enumerate(VARIANTS.items()):
+        try:
+            out = dict(name=name, ok=True, **run(variant, 50 + 10 * v))
+        except Exception as ex:
+            out = dict(name=name, ok=False, error=f"{type(ex).__name__}: {ex}",
+                       trace=traceback.format_exc()[-3000:])
+        print("RESULT " + json.dumps(out), flush=True)
