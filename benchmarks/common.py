@@ -216,14 +216,20 @@ def parse_config_overrides(text: str) -> dict:
     return out
 
 
-CSV_FIELDS = ["commit", "gpu", "ep", "case", "T", "D", "F", "K", "E_local", "imbalance", "path",
-              "mode", "ms", "ms_min", "ms_max", "useful_tflops", "ratio_to_baseline", "note"]
+CSV_FIELDS = ["commit", "gpu", "ep", "case", "T", "D", "F", "K", "E_local", "imbalance",
+              "precision", "path", "mode", "ms", "ms_min", "ms_max", "useful_tflops",
+              "ratio_to_baseline", "note"]
 
 
 def append_csv(path: str, rows: list[dict]) -> None:
+    append_csv_fields(path, rows, CSV_FIELDS)
+
+
+def append_csv_fields(path: str, rows: list[dict], fields: list[str]) -> None:
+    """Append rows to a CSV file with these columns (header when the file is new)."""
     new = not os.path.exists(path)
     with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         if new:
             w.writeheader()
         for r in rows:

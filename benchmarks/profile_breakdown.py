@@ -30,15 +30,16 @@ from plotting import pyplot
 # (part, pattern on the kernel name), first match wins
 PARTS = [
     ("grouped GEMMs (FPROP, DGRAD)",
-     r"^_grouped_mm_kernel|^(void\s+)?cutlass::device_kernel|fill_group_args"),
-    ("grouped WGRAD", r"^_grouped_mm_wgrad_(persistent_)?kernel"),
+     r"^_grouped_mm_kernel|^_fp8_mm_kernel|^(void\s+)?cutlass::device_kernel|fill_group_args"),
+    ("grouped WGRAD", r"^_grouped_mm_wgrad_(persistent_)?kernel|^_fp8_wgrad_kernel"),
+    ("fp8 quantization", r"^_(quant_rows_cols|swiglu_quant|quant_weight)_kernel"),
     ("row gathers and scatters", r"^_(gather|scatter|fanout)_rows_kernel"),
     ("owner kernels (combine, grad routes, route reduction)",
      r"^_(combine_routes|publish_grad_routes|publish_grad_y|reduce_routes|sum_score_parts)_kernel"),
     ("SwiGLU row kernels", r"^_(swiglu_(fwd|bwd)|score_grad_rows)_kernel"),
     ("device barriers", r"barrier"),
     ("routing tables and bookkeeping (ours)",
-     r"^_?(route_|plan_forward|plan_backward|bf16_layout)"),
+     r"^_?(route_|plan_forward|plan_backward|layout_kernel)"),
     ("row copies and checks (ours)", r"^_(copy_rows|device_check|check)"),
     ("torch ops, copies, memsets", r"at::|at_cuda_detail|Memcpy|Memset|elementwise|reduce_kernel"),
 ]

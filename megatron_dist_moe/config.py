@@ -67,9 +67,14 @@ class Config:
         num_experts             E, global experts; E = E_local x EP must hold at context creation.
 
     Policy:
-        precision     "bf16". (The formats of the design, "fp8_block", "mxfp8" and "nvfp4",
-                      are named here so that asking for one gets a clear error while no
-                      backend runs it: execution.RUNS lists what runs.)
+        precision     "bf16" | "fp8_block" (E4M3 operands with fp32 scales per 1 x 128
+                      activation / gradient block and per 128 x 128 weight tile: DeepSeek-V3's
+                      recipe, TransformerEngine's Float8BlockScaling; quant/fp8_block.py; bf16
+                      inputs and weights, D and F multiples of 128). The design's other formats,
+                      "mxfp8" and "nvfp4", are named here so that asking for one gets a clear
+                      error while no backend runs it: execution.RUNS lists what runs.
+        fp8_power_2_scales  fp8_block: scales rounded down to powers of two (TE's default).
+        fp8_amax_epsilon    fp8_block: floor of a block's amax before its scale (TE's default 0).
         pipeline      "standard" | "staged" (CUDA kernel sequence; the reference backend runs
                       one algorithm for both). "mega" is refused until a backend runs it.
         inference     True: no backward state is kept; no activation slots are needed.
@@ -121,6 +126,8 @@ class Config:
     swiglu_limit: float = 7.0
     backend: str = "auto"
     wait_timeout_s: float = 600.0
+    fp8_power_2_scales: bool = True
+    fp8_amax_epsilon: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("num_local_input_tokens", "hidden_dim", "intermediate_dim", "top_k",
@@ -178,20 +185,27 @@ class Config:
         if isinstance(self.wait_timeout_s, bool) or not isinstance(self.wait_timeout_s, (int, float)) \
                 or not self.wait_timeout_s > 0:
             raise ConfigError("wait_timeout_s", f"must be a number > 0, got {self.wait_timeout_s!r}")
+        if not isinstance(self.fp8_power_2_scales, bool):
+            raise ConfigError("fp8_power_2_scales",
+                              f"must be a bool, got {self.fp8_power_2_scales!r}")
+        if isinstance(self.fp8_amax_epsilon, bool) or not isinstance(
+                self.fp8_amax_epsilon, (int, float)) or not self.fp8_amax_epsilon >= 0:
+            raise ConfigError("fp8_amax_epsilon",
+                              f"must be a number >= 0, got {self.fp8_amax_epsilon!r}")
         self._check_runs()
         if self.num_local_input_tokens * self.top_k >= 2**31:
             raise ConfigError("num_local_input_tokens", "T x K must stay below 2**31 route slots")
 
     def _check_runs(self) -> None:
         """Refuse a precision / pipeline that no backend (or not the chosen one) runs."""
-        from .execution import RUNS, runs, what_runs
+        from .execution import RUNS, runs, runs_precision, what_runs
 
         backends = list(RUNS) if self.backend == "auto" else [self.backend]
         if any(runs(b, self.precision, self.pipeline) for b in backends):
             return
         where = "no backend runs" if self.backend == "auto" else f"the {self.backend} backend " \
             "does not run"
-        field = "precision" if not any(self.precision in RUNS[b]["precisions"]
+        field = "precision" if not any(runs_precision(self.precision, b)
                                        for b in backends) else "pipeline"
         raise ConfigError(field, f"{where} precision={self.precision!r} with pipeline="
                           f"{self.pipeline!r} yet; what runs: {what_runs()}")

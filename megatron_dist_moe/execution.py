@@ -6,9 +6,9 @@ backend, its routing, bookkeeping, expert pipeline and kernel launchers receive 
 Nothing below reads the environment at import or call time; this module is the only reader of
 the one development override, `DIST_MOE_EXECUTION`.
 
-What runs (`RUNS`): each backend and the precisions and pipelines it implements. Config refuses
-anything else when it is built, naming the field, so no entry point accepts a mode that no
-backend runs.
+What runs (`RUNS`): each backend, the precisions it implements and the pipelines of each.
+Config refuses anything else when it is built, naming the field, so no entry point accepts a
+mode that no backend runs.
 
 Development overrides select the plain-torch twins that the tests and baselines compare against
 (they are not user choices, hence not Config fields):
@@ -31,13 +31,14 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["RUNS", "Execution", "runs", "what_runs", "parse_overrides", "OVERRIDES",
-           "ENV_OVERRIDES"]
+__all__ = ["RUNS", "Execution", "runs", "runs_precision", "what_runs", "parse_overrides",
+           "OVERRIDES", "ENV_OVERRIDES"]
 
-# backend -> the precisions and the pipelines it implements
+# backend -> precision -> the pipelines it runs that precision with (the reference backend runs
+# one algorithm for every pipeline)
 RUNS: dict[str, dict[str, tuple[str, ...]]] = {
-    "reference": dict(precisions=("bf16",), pipelines=("standard", "staged")),
-    "cuda": dict(precisions=("bf16",), pipelines=("standard", "staged")),
+    "reference": {"bf16": ("standard", "staged"), "fp8_block": ("standard", "staged")},
+    "cuda": {"bf16": ("standard", "staged"), "fp8_block": ("standard",)},
 }
 
 OVERRIDES: dict[str, tuple[str, ...]] = {
@@ -49,14 +50,18 @@ ENV_OVERRIDES = "DIST_MOE_EXECUTION"
 
 
 def runs(backend: str, precision: str, pipeline: str) -> bool:
-    r = RUNS.get(backend)
-    return r is not None and precision in r["precisions"] and pipeline in r["pipelines"]
+    return pipeline in RUNS.get(backend, {}).get(precision, ())
+
+
+def runs_precision(precision: str, backend: str | None = None) -> bool:
+    """Whether `backend` (any backend when None) runs `precision` with some pipeline."""
+    return any(precision in RUNS[b] for b in ([backend] if backend else RUNS))
 
 
 def what_runs() -> str:
-    """One line per backend: the precisions and pipelines it runs (for error messages)."""
-    return "; ".join(f"{b}: precision {', '.join(map(repr, r['precisions']))} with pipeline "
-                     f"{', '.join(map(repr, r['pipelines']))}" for b, r in RUNS.items())
+    """What each backend runs, precision by precision (for error messages)."""
+    return "; ".join(f"{b}: " + ", ".join(f"{p!r} ({'/'.join(pipes)})" for p, pipes in r.items())
+                     for b, r in RUNS.items())
 
 
 def parse_overrides(text: str, source: str = ENV_OVERRIDES) -> dict[str, str]:
@@ -113,8 +118,7 @@ class Execution:
         elif backend == "cuda" and device.type != "cuda":
             raise ConfigError("backend", f"backend='cuda' needs a CUDA device, got {device}")
         if not runs(backend, config.precision, config.pipeline):
-            field = "precision" if config.precision not in RUNS[backend]["precisions"] \
-                else "pipeline"
+            field = "precision" if not runs_precision(config.precision, backend) else "pipeline"
             raise ConfigError(field, f"the {backend} backend does not run precision="
                               f"{config.precision!r} with pipeline={config.pipeline!r}; what "
                               f"runs: {what_runs()}")
@@ -123,6 +127,9 @@ class Execution:
         if backend == "reference" and chosen:
             raise ValueError(f"execution overrides {sorted(chosen)} select CUDA-backend twins; "
                              "this context runs the reference backend")
+        if chosen.get("gemm_engine") == "torch" and config.precision != "bf16":
+            raise ValueError(f"gemm_engine='torch' is the bf16 GEMM oracle; precision="
+                             f"{config.precision!r} runs our kernels only")
         if chosen.get("gemm_engine") == "torch" and config.pipeline == "staged":
             raise ValueError("gemm_engine='torch' runs the standard pipeline only (the staged "
                              "pipeline's claimed gathers live inside our GEMMs)")
@@ -154,7 +161,11 @@ class Execution:
     def explain(self) -> str:
         rows = [("backend", self.backend), ("precision", self.precision),
                 ("mode", "inference" if self.inference else "training")]
-        if self.backend == "cuda":
+        if self.backend == "cuda" and self.precision == "fp8_block":
+            gemms = ("Triton FP8 block-scaled persistent grouped GEMMs (E4M3, 1x128 activation / "
+                     "128x128 weight scales, fp32 promotion every 128 of K); scatter to the "
+                     "owners in the W2 epilogue")
+        elif self.backend == "cuda":
             gemms = ("Triton persistent grouped GEMMs (SwiGLU in the W13 epilogue, scatter to "
                      "the owners in the W2 epilogue)" if self.gemm_engine == "triton" else
                      "torch._grouped_mm with separate gather / SwiGLU / scatter kernels "
@@ -165,6 +176,10 @@ class Execution:
                       else "torch ops (oracle)"),
                      ("bookkeeping", "Triton, 1 launch" if self.bookkeeping == "triton"
                       else "torch planner functions (oracle)")]
+            if self.precision == "fp8_block":
+                rows += [("quantization", "x_g rows (and columns, saved) after the gather; "
+                          "SwiGLU writes the h2 row bundle (and the saved h1 row bundle); "
+                          "weights once per version, both orientations")]
             if not self.inference:
                 rows += [("backward", "W2 DGRAD with the SwiGLU backward in its epilogue, "
                           "W2 WGRAD, W13 DGRAD scattering to the owners, W13 WGRAD"

@@ -1,35 +1,50 @@
-"""The per-call scratch layout: where one call's temporaries live, written once for every backend.
+"""The per-call scratch layout and the saved-state layout, written once for every backend.
 
 A routed-experts call needs temporaries for the R rows its experts receive (gathered rows,
-intermediates, gradients). They live in the context's scratch region, laid out per call for
-the actual R and anchored at the arena END: the layout of R rows occupies
+intermediates, gradients, their quantized bundles). They live in the context's scratch region,
+laid out per call for the actual R and anchored at the arena END: the layout of R rows occupies
 [end - total(R), end), so a call whose rows fit the device tier touches device pages only even
 when a VMM arena backs lower addresses with host memory (guide §03).
 
-    call_layout(mode, R, D, F, precision) -> CallLayout: every region's offset (bytes from the
-    layout's base, end - total) and size, each align128-rounded.
+Every region is a table row (`RegionSpec`): bytes = align128(per_row * R + per_padded_row * Rp),
+Rp = `padded_rows(R, E_local)` (column bundles pad each expert's rows to a multiple of 128).
 
-Modes (what one call of that kind keeps in scratch; bf16):
+    call_layout(mode, R, D, F, precision, E_local) -> CallLayout: every region's offset (bytes
+        from the layout's base, end - total) and size
+    saved_regions(...) -> the full state a training forward keeps in its activation slot, in
+        slot order (the route outputs follow when Config.save_route_outputs)
 
-    inference       x_g [R, D] | h1 [R, 2F] | h2 [R, F]
-    train_forward   x_g | h1 | h2      x_g and h1 go to the activation slot instead when the
-                                       planner keeps the full state (the scratch copies are
-                                       then unused)
-    backward        h2 [R, F] | g3 [R, D]      a layer whose full state is in its slot: h2 is
-                                       rebuilt from h1 (and scaled by the route's score), g3
-                                       holds the gathered output gradients
-    replay          x_g | h1 | h2 | g3         a layer that kept only its input: the forward is
-                                       replayed into scratch first
-    (The SwiGLU backward writes grad_h1 over h1 in place, wherever h1 lives.)
+bf16 (2 bytes per element):
+
+    saved           x_g [R, D] | h1 [R, 2F]
+    inference       x_g | h1 | h2 [R, F]
+    train_forward   x_g | h1 | h2          x_g and h1 go to the activation slot instead when the
+                                           planner keeps the full state (the scratch copies are
+                                           then unused)
+    backward        h2 | g3 [R, D]         h2 is rebuilt from h1 (and scaled by the route's
+                                           score), g3 holds the gathered output gradients; the
+                                           SwiGLU backward writes grad_h1 over h1 in place
+    replay          x_g | h1 | h2 | g3     a layer that kept only its input replays its forward
+                                           into scratch first
+
+fp8_block (quant/fp8_block.py; a bundle `b` is its E4M3 data `b` then its fp32 scales `b_s`):
+
+    saved           x_c (x_g column bundle, for the W13 WGRAD) | h1q (h1 row bundle: the SwiGLU
+                    input, DeepSeek-V3's choice; h2 is rebuilt from it)
+    inference       x_g | xq (x_g row bundle) | h1 (bf16) | h2q (h2 row bundle)
+    train_forward   x_g | xq | x_c | h1 | h1q | h2q        (x_c and h1q: slot or scratch)
+    backward        g3 | g3q | g3c | gh1 (grad_h1, bf16) | gh1q | gh1c | h2 (bf16) | h2c
+    replay          the train_forward regions, then the backward ones
 
 Within one mode every region is live at the same time, so regions never overlap. Who uses it:
 `memory_plan.plan_memory` sizes the scratch as the largest layout over the modes a context
-runs at its row bound (`scratch_bytes`), the reference backend takes its scratch views from it,
-and the CUDA backend's bookkeeping kernel (`kernels/bookkeeping.py`, `_call_layout`) is its
-twin on the device; tests/cpu/test_layout.py holds the three equal.
+runs at its row bound (`scratch_bytes`) and the full state from `saved_regions`; the reference
+backend takes its views from it; the CUDA backend's bookkeeping kernel (kernels/bookkeeping.py)
+receives these tables (`region_table`) and computes the same addresses on the device.
+tests/cpu/test_layout.py holds them equal.
 
-Every function here takes host ints or int64 tensors for R (elementwise), so the same code runs
-on the host, on CPU tensors and on device tensors.
+Every function takes host ints or int64 tensors for R (elementwise), so the same code runs on
+the host, on CPU tensors and on device tensors.
 """
 
 from __future__ import annotations
@@ -37,28 +52,71 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MODES", "TRAINING_MODES", "INFERENCE_MODES", "Region", "CallLayout", "call_layout",
-           "scratch_bytes", "modes_of", "region_widths"]
+__all__ = ["MODES", "TRAINING_MODES", "INFERENCE_MODES", "RegionSpec", "Region", "CallLayout",
+           "call_layout", "scratch_bytes", "modes_of", "region_specs", "saved_regions",
+           "saved_offsets", "saved_bytes", "padded_rows", "PRECISIONS_WITH_LAYOUT"]
 
 MODES = ("inference", "train_forward", "backward", "replay")
 TRAINING_MODES = ("train_forward", "backward", "replay")
 INFERENCE_MODES = ("inference",)
+BLOCK = 128   # rows per column-bundle block (quant/fp8_block.py)
 
-# (region name, width as a function of (D, F), bytes per element), in address order
-_BF16_REGIONS: dict[str, tuple[tuple[str, Any, int], ...]] = {
-    "inference": (("x_g", lambda D, F: D, 2), ("h1", lambda D, F: 2 * F, 2),
-                  ("h2", lambda D, F: F, 2)),
-    "train_forward": (("x_g", lambda D, F: D, 2), ("h1", lambda D, F: 2 * F, 2),
-                      ("h2", lambda D, F: F, 2)),
-    "backward": (("h2", lambda D, F: F, 2), ("g3", lambda D, F: D, 2)),
-    "replay": (("x_g", lambda D, F: D, 2), ("h1", lambda D, F: 2 * F, 2),
-               ("h2", lambda D, F: F, 2), ("g3", lambda D, F: D, 2)),
-}
-_REGIONS = {"bf16": _BF16_REGIONS}
+
+@dataclass(frozen=True)
+class RegionSpec:
+    """One region: align128(per_row * R + per_padded_row * Rp) bytes."""
+
+    name: str
+    per_row: int
+    per_padded_row: int = 0
+
+    def nbytes(self, R, Rp):
+        return _align128(self.per_row * R + self.per_padded_row * Rp)
+
+
+def _bf16(name: str, width: int) -> tuple[RegionSpec, ...]:
+    return (RegionSpec(name, 2 * width),)
+
+
+def _rows(name: str, width: int) -> tuple[RegionSpec, ...]:
+    """An fp8 row bundle: E4M3 [R, width] and fp32 [R, width / 128]."""
+    return (RegionSpec(name, width), RegionSpec(name + "_s", width // BLOCK * 4))
+
+
+def _cols(name: str, width: int) -> tuple[RegionSpec, ...]:
+    """An fp8 column bundle: E4M3 [width, Rp] and fp32 [Rp / 128, width]."""
+    return (RegionSpec(name, 0, width), RegionSpec(name + "_s", 0, width * 4 // BLOCK))
+
+
+def _bf16_specs(D: int, F: int) -> dict:
+    x_g, h1, h2, g3 = _bf16("x_g", D), _bf16("h1", 2 * F), _bf16("h2", F), _bf16("g3", D)
+    return dict(saved=x_g + h1, modes=dict(
+        inference=x_g + h1 + h2, train_forward=x_g + h1 + h2, backward=h2 + g3,
+        replay=x_g + h1 + h2 + g3))
+
+
+def _fp8_block_specs(D: int, F: int) -> dict:
+    fwd_common = _bf16("x_g", D) + _rows("xq", D)
+    fwd = fwd_common + _cols("x_c", D) + _bf16("h1", 2 * F) + _rows("h1q", 2 * F) + _rows("h2q", F)
+    bwd = (_bf16("g3", D) + _rows("g3q", D) + _cols("g3c", D) + _bf16("gh1", 2 * F)
+           + _rows("gh1q", 2 * F) + _cols("gh1c", 2 * F) + _bf16("h2", F) + _cols("h2c", F))
+    return dict(saved=_cols("x_c", D) + _rows("h1q", 2 * F), modes=dict(
+        inference=fwd_common + _bf16("h1", 2 * F) + _rows("h2q", F), train_forward=fwd,
+        backward=bwd, replay=fwd + bwd))
+
+
+_SPECS = {"bf16": _bf16_specs, "fp8_block": _fp8_block_specs}
+PRECISIONS_WITH_LAYOUT = tuple(_SPECS)
 
 
 def _align128(n):
     return -(-n // 128) * 128
+
+
+def padded_rows(R, num_experts: int):
+    """Rows of a column bundle: each expert's rows padded to a multiple of 128, bounded by
+    R + 127 E and rounded up to 128 (quant/fp8_block.padded_rows)."""
+    return (R + (BLOCK - 1) * num_experts + BLOCK - 1) // BLOCK * BLOCK
 
 
 def modes_of(training: bool) -> tuple[str, ...]:
@@ -66,16 +124,41 @@ def modes_of(training: bool) -> tuple[str, ...]:
     return TRAINING_MODES if training else INFERENCE_MODES
 
 
-def region_widths(mode: str, D: int, F: int, precision: str = "bf16"
-                  ) -> tuple[tuple[str, int, int], ...]:
-    """(name, elements per row, bytes per element) of each region of `mode`, in address order."""
-    if precision not in _REGIONS:
+def _specs(precision: str, D: int, F: int) -> dict:
+    if precision not in _SPECS:
         raise ValueError(f"no per-call layout for precision {precision!r}; known: "
-                         f"{sorted(_REGIONS)}")
-    table = _REGIONS[precision]
-    if mode not in table:
+                         f"{sorted(_SPECS)}")
+    return _SPECS[precision](D, F)
+
+
+def region_specs(mode: str, D: int, F: int, precision: str = "bf16") -> tuple[RegionSpec, ...]:
+    """The regions of `mode`, in address order."""
+    modes = _specs(precision, D, F)["modes"]
+    if mode not in modes:
         raise ValueError(f"unknown layout mode {mode!r}; expected one of {MODES}")
-    return tuple((name, width(D, F), size) for name, width, size in table[mode])
+    return modes[mode]
+
+
+def saved_regions(D: int, F: int, precision: str = "bf16") -> tuple[RegionSpec, ...]:
+    """The full state a training forward keeps in its slot, in slot order (every name is also
+    a region of train_forward and replay, where a replaying layer puts it instead)."""
+    return _specs(precision, D, F)["saved"]
+
+
+def saved_offsets(R, D: int, F: int, precision: str = "bf16", num_experts: int = 1) -> dict:
+    """{name: byte offset from the layer's slot start} of the saved regions, and "end"."""
+    Rp = padded_rows(R, num_experts)
+    out, off = {}, 0
+    for spec in saved_regions(D, F, precision):
+        out[spec.name] = off
+        off = off + spec.nbytes(R, Rp)
+    out["end"] = off
+    return out
+
+
+def saved_bytes(R, D: int, F: int, precision: str = "bf16", num_experts: int = 1):
+    """Bytes of the saved regions for R rows (the full state without the route outputs)."""
+    return saved_offsets(R, D, F, precision, num_experts)["end"]
 
 
 @dataclass(frozen=True)
@@ -104,24 +187,32 @@ class CallLayout:
     def __contains__(self, name: str) -> bool:
         return any(r.name == name for r in self.regions)
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(r.name for r in self.regions)
+
     def address(self, name: str, end):
         """Absolute address (or arena offset) of region `name` for a scratch ending at `end`."""
         return end - self.total + self[name].offset
 
 
-def call_layout(mode: str, R, D: int, F: int, precision: str = "bf16") -> CallLayout:
-    """The scratch layout of one call of `mode` for R received rows (host int or int64 tensor)."""
+def call_layout(mode: str, R, D: int, F: int, precision: str = "bf16",
+                num_experts: int = 1) -> CallLayout:
+    """The scratch layout of one call of `mode` for R received rows (host int or int64 tensor)
+    over num_experts local experts (column bundles pad per expert)."""
+    Rp = padded_rows(R, num_experts)
     regions, off = [], 0
-    for name, width, size in region_widths(mode, D, F, precision):
-        nbytes = _align128(R * width * size)
-        regions.append(Region(name, off, nbytes))
+    for spec in region_specs(mode, D, F, precision):
+        nbytes = spec.nbytes(R, Rp)
+        regions.append(Region(spec.name, off, nbytes))
         off = off + nbytes
     return CallLayout(mode, precision, tuple(regions), off)
 
 
-def scratch_bytes(R, D: int, F: int, training: bool, precision: str = "bf16"):
+def scratch_bytes(R, D: int, F: int, training: bool, precision: str = "bf16",
+                  num_experts: int = 1):
     """Scratch bytes a context needs for R rows: the largest layout over the modes it runs."""
-    totals = [call_layout(m, R, D, F, precision).total for m in modes_of(training)]
+    totals = [call_layout(m, R, D, F, precision, num_experts).total for m in modes_of(training)]
     out = totals[0]
     for t in totals[1:]:
         out = _max(out, t)

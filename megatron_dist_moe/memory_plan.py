@@ -18,6 +18,11 @@ tensor. The BF16 formulas follow the design guide §03-§04:
     full saved state         align(R·D·2) + align(R·2F·2) + align(T·K·D·2)    (x_g, h1, h3 routes)
                              (without the routes term when Config.save_route_outputs is False)
     mandatory saved input    align(T·D·2)                                      (x, for replay)
+
+fp8_block (layout.py has every region): the full state is the x_g column bundle and the h1 row
+bundle, (D + 2F)(1 + 1/32) bytes per row (plus each expert's padding to 128 rows in the column
+bundle), about half of bf16's 2(D + 2F); the scratch holds the bf16 intermediates and their
+row / column bundles.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import math
 from dataclasses import dataclass, field
 
 from .config import Config
-from .layout import call_layout, scratch_bytes
+from .layout import call_layout, saved_bytes, scratch_bytes
 
 __all__ = ["MemoryPlan", "plan_memory", "align128", "LayerBytes", "score_parts_count",
            "SCORE_PART_COLS"]
@@ -82,24 +87,25 @@ class LayerBytes:
         return align128(self.T * self.K * self.D * 2) if self.save_routes else 0
 
     def full_state(self, R: int) -> int:
-        """Saved bytes when a layer keeps its full state instead of replaying."""
-        D, F = self.D, self.F
-        assert self.precision == "bf16", f"no saved-state layout for {self.precision!r}"
-        return align128(R * D * 2) + align128(R * 2 * F * 2) + self.routes_bytes()
+        """Saved bytes when a layer keeps its full state instead of replaying: the saved
+        regions of the layout (layout.saved_regions) and the route outputs."""
+        return saved_bytes(R, self.D, self.F, self.precision,
+                           self.num_local_experts) + self.routes_bytes()
 
     def forward_scratch(self, R: int) -> int:
         """Scratch of one forward call (layout.py: inference / train_forward)."""
         mode = "train_forward" if self.training else "inference"
-        return call_layout(mode, R, self.D, self.F, self.precision).total
+        return call_layout(mode, R, self.D, self.F, self.precision, self.num_local_experts).total
 
     def backward_peak(self, R: int) -> int:
         """Scratch of one backward call, the replayed forward included (layout.py)."""
-        return max(call_layout(m, R, self.D, self.F, self.precision).total
-                   for m in ("backward", "replay"))
+        return max(call_layout(m, R, self.D, self.F, self.precision,
+                               self.num_local_experts).total for m in ("backward", "replay"))
 
     def scratch(self, R: int) -> int:
         """Scratch for R rows: the largest per-call layout over the modes this context runs."""
-        return scratch_bytes(R, self.D, self.F, self.training, self.precision)
+        return scratch_bytes(R, self.D, self.F, self.training, self.precision,
+                             self.num_local_experts)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .memory_plan import MemoryPlan, align128
+from .layout import saved_offsets
+from .memory_plan import MemoryPlan
 
 __all__ = ["PlannerState", "LayerRecord", "full_state_bytes", "decide_need_recompute",
            "plan_forward", "plan_backward", "SavedLayout", "saved_layout"]
@@ -131,16 +132,28 @@ def plan_backward(state: PlannerState, record: LayerRecord) -> None:
 class SavedLayout:
     """Absolute byte offsets (0-d int64 tensors) of one layer's saved tensors in its slot."""
 
-    x: torch.Tensor      # input x [T, D] (replay) — valid when need_recompute
-    x_gathered: torch.Tensor   # x_g [R, D] — valid when not need_recompute
-    h1: torch.Tensor           # h1 [R, 2F]
-    routes: torch.Tensor       # h3 routes [T, K, D]
+    x: torch.Tensor            # input x [T, D] (replay) — valid when need_recompute
+    regions: dict              # {name: offset} of layout.saved_regions — valid otherwise
+    routes: torch.Tensor       # h3 routes [T, K, D], after the saved regions
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.regions[name]
+
+    @property
+    def x_gathered(self) -> torch.Tensor:
+        return self.regions["x_g"]
+
+    @property
+    def h1(self) -> torch.Tensor:
+        return self.regions["h1"]
 
 
 def saved_layout(record: LayerRecord, rows: torch.Tensor, plan: MemoryPlan) -> SavedLayout:
-    """Where each saved tensor of a layer lives, for `rows` received by this rank (bf16 layout)."""
-    D, F = plan.config.hidden_dim, plan.config.intermediate_dim
-    x_g = record.start
-    h1 = x_g + align128(rows.to(torch.int64) * D * 2)
-    routes = h1 + align128(rows.to(torch.int64) * 2 * F * 2)
-    return SavedLayout(x=record.start, x_gathered=x_g, h1=h1, routes=routes)
+    """Where each saved tensor of a layer lives, for `rows` received by this rank: the saved
+    regions of the layout (layout.saved_offsets) from the layer's start, then the routes."""
+    c = plan.config
+    offs = saved_offsets(rows.to(torch.int64), c.hidden_dim, c.intermediate_dim, c.precision,
+                         plan.num_local_experts)
+    end = offs.pop("end")
+    return SavedLayout(x=record.start, regions={k: record.start + v for k, v in offs.items()},
+                       routes=record.start + end)

@@ -7,6 +7,8 @@ Nothing here runs at import time; torch.distributed is only touched inside spawn
     problems    make_problem(cfg, ep_size, seed, ...) -> Problem (every rank's inputs and weights)
                 run_rank(ctx, problem, ...) -> this rank's output and gradients
                 oracle_results(problem, cfg) / rank_errors(...)
+                fp8_block_emulation(problem, cfg): the same quantization in plain torch, per
+                expert over all ranks' tokens (what a quantized run's errors are judged by)
     processes   spawn(fn, world_size, args) runs fn(rank, world_size, *args) on gloo/NCCL ranks
                 rendezvousing through a FileStore in a fresh temporary directory (no ports).
                 run_child_checks(argv) runs checks in a fresh Python (e.g. Triton's
@@ -27,6 +29,7 @@ import torch
 __all__ = [
     "routed_experts_oracle", "random_routing", "imbalanced_routing", "make_weights",
     "relative_error", "Problem", "make_problem", "run_rank", "oracle_results", "rank_errors",
+    "fp8_block_emulation",
     "spawn", "SpawnedRankDied", "run_child_checks", "RESULT_NAMES",
 ]
 
@@ -276,6 +279,74 @@ def oracle_results(problem: Problem, cfg, *, compute_dtype: torch.dtype | None =
     y.backward(problem.grad_y.to(y.dtype))
     return dict(y=y.detach(), grad_x=x.grad, grad_scores=scores.grad, grad_w13=w13.grad,
                 grad_w2=w2.grad)
+
+
+def fp8_block_emulation(problem: Problem, cfg) -> dict[str, torch.Tensor]:
+    """y and every gradient of `problem` with fp8_block quantization at the points the kernels
+    quantize (reference_math.Fp8BlockMath documents them), computed per expert over every
+    rank's tokens in plain torch: an implementation independent of the backends' row
+    movement, arenas and planner. Global tensors (fp32), shaped like `oracle_results`."""
+    from .activation import Activation
+    from .quant import fp8_block as Q
+
+    recipe = Q.BlockScaling.of(cfg)
+    act = Activation.of(cfg)
+    bf = torch.bfloat16
+    E, D, F = problem.w13.shape[0], cfg.hidden_dim, cfg.intermediate_dim
+    w13 = problem.w13.reshape(E, 2 * F, D).to(bf)
+    w2 = problem.w2.to(bf)
+    q13, s13 = Q.quantize_weight(w13, recipe)
+    q2, s2 = Q.quantize_weight(w2, recipe)
+    w13d, w2d = Q.dequantize_weight(q13, s13), Q.dequantize_weight(q2, s2)
+
+    def rows(x):
+        return Q.dequantize_rows(*Q.quantize_rows(x, recipe))
+
+    def cols(x):
+        n = x.shape[0]
+        Rp = -(-max(n, 1) // Q.BLOCK) * Q.BLOCK
+        q, s = Q.quantize_cols(x, torch.tensor([0, n]), Rp, recipe)
+        return Q.dequantize_cols(q, s)[:n]
+
+    x, gy, ids = problem.x.to(bf), problem.grad_y.to(bf), problem.ids
+    scores = problem.scores.to(torch.float32)
+    N, K = ids.shape
+    dev = dict(device=x.device)
+    routes = torch.zeros(N, K, D, **dev)
+    grad_routes = torch.zeros(N, K, D, **dev)
+    grad_s = torch.zeros(N, K, **dev)
+    grad_w13, grad_w2 = torch.zeros(E, 2 * F, D, **dev), torch.zeros(E, D, F, **dev)
+    for e in range(E):
+        t, k = (ids == e).nonzero(as_tuple=True)
+        if t.numel() == 0:
+            continue
+        X, s = x[t], scores[t, k].unsqueeze(-1)
+        h1 = (rows(X) @ w13d[e].T).to(bf)
+        h2 = act.forward(h1.float()).to(bf)
+        h3 = (rows(h2) @ w2d[e].T).to(bf)
+        routes[t, k] = h3.float()
+        h1r = rows(h1)
+        h2f = act.forward(h1r)
+        h2b = h2f.to(bf)
+        if cfg.save_route_outputs:
+            g3 = (s * gy[t].float()).to(bf)
+            u = rows(g3) @ w2d[e]
+            h2w = h2b
+            grad_s[t, k] = (gy[t].float() * h3.float()).sum(-1)
+        else:
+            g3 = gy[t]
+            u = rows(g3) @ w2d[e]
+            grad_s[t, k] = (u * h2b.float()).sum(-1)
+            u = s * u
+            h2w = (s * h2f).to(bf)
+        gh1 = act.backward(h1r, u.to(bf).float()).to(bf)
+        grad_w2[e] = cols(g3).T @ cols(h2w)
+        grad_routes[t, k] = (rows(gh1) @ w13d[e]).to(bf).float()
+        grad_w13[e] = cols(gh1).T @ cols(X)
+    y = (scores.unsqueeze(-1) * routes).sum(1).to(bf).float()
+    # weight gradients are returned in the weights' dtype (bf16)
+    return dict(y=y, grad_x=grad_routes.sum(1).to(bf).float(), grad_scores=grad_s,
+                grad_w13=grad_w13.view(E, 2, F, D).to(bf).float(), grad_w2=grad_w2.to(bf).float())
 
 
 def rank_errors(results: dict[str, torch.Tensor], oracle: dict[str, torch.Tensor],

@@ -40,11 +40,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..activation import Activation
 from ..errors import ARG_NAMES, RoutedExpertsInputError
 from ..layout import call_layout
 from ..routing import expert_major_order, owner_ranks, rows_per_rank
 from ..planner import LayerRecord, plan_backward, plan_forward, saved_layout
+from .reference_math import make_math
 
 __all__ = ["ReferenceBackend"]
 
@@ -86,11 +86,14 @@ class ReferenceBackend:
     """Pure-PyTorch backend over torch.distributed; see the module docstring."""
 
     name = "reference"
-    supported_dtypes = (torch.bfloat16, torch.float32, torch.float64)
 
     def __init__(self, ctx):
         self.ctx = ctx
-        self.act = Activation.of(ctx.config)
+        self.math = make_math(ctx.config, ctx.num_local_experts)
+        # the bf16 math runs fp32 / fp64 inputs too (oracle tests); a quantized precision
+        # quantizes bf16 values
+        self.supported_dtypes = ((torch.bfloat16, torch.float32, torch.float64)
+                                 if ctx.config.precision == "bf16" else (torch.bfloat16,))
         self.plan = ctx.plan
         self._arena_bytes = self.plan.scratch_offset + self.plan.total_scratch_bytes
         self._arenas: dict[int, torch.Tensor] = {}
@@ -105,30 +108,37 @@ class ReferenceBackend:
                                              device=self.ctx.device)
         return self._arenas[scale]
 
-    def _view(self, dtype: torch.dtype, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
-        """A `dtype` view of `shape` at plan byte `offset` (bf16 units) of the arena."""
-        scale = dtype.itemsize // 2
+    def _view(self, dtype: torch.dtype, offset: int, shape: tuple[int, ...],
+              arena_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A `dtype` view of `shape` at plan byte `offset` of the arena of `arena_dtype` (the
+        call's input dtype, default `dtype`), whose offsets are in units of plan bytes (bf16)."""
+        arena_dtype = arena_dtype or dtype
+        scale = arena_dtype.itemsize // 2
         numel = 1
         for s in shape:
             numel *= s
         start = int(offset) * scale
-        arena = self._arena(dtype)
+        arena = self._arena(arena_dtype)
         assert start + numel * dtype.itemsize <= arena.numel(), "arena view out of range"
         return arena[start:start + numel * dtype.itemsize].view(dtype).view(shape)
 
-    def _scratch(self, dtype: torch.dtype, mode: str, R: int) -> dict[str, torch.Tensor]:
-        """[R, width] views of every region of this call's layout (layout.call_layout), at the
-        addresses the CUDA backend uses: the layout of R rows ends at the arena end."""
+    def _views(self, dtype: torch.dtype, mode: str, R: int, saved_at: dict | None = None):
+        """views(name, shape, view_dtype=dtype): region `name` of this call's layout
+        (layout.call_layout: the layout of R rows ends at the arena end, as on the GPU), or the
+        slot offset of a saved region (saved_at, a full-save layer)."""
         cfg = self.ctx.config
-        lay = call_layout(mode, R, cfg.hidden_dim, cfg.intermediate_dim, cfg.precision)
-        end = self._arena_bytes
+        lay = call_layout(mode, R, cfg.hidden_dim, cfg.intermediate_dim, cfg.precision,
+                          self.ctx.num_local_experts)
         assert lay.total <= self.plan.total_scratch_bytes, (
             f"the {mode} layout of {R} rows needs {lay.total:,} B, the plan holds "
             f"{self.plan.total_scratch_bytes:,} B of scratch")
-        widths = {"x_g": cfg.hidden_dim, "h1": 2 * cfg.intermediate_dim,
-                  "h2": cfg.intermediate_dim, "g3": cfg.hidden_dim}
-        return {r.name: self._view(dtype, end - lay.total + r.offset, (R, widths[r.name]))
-                for r in lay.regions if r.name in widths}
+        end = self._arena_bytes
+        at = {r.name: end - lay.total + r.offset for r in lay.regions}
+        at.update({k: int(v) for k, v in (saved_at or {}).items()})
+
+        def views(name: str, shape, view_dtype: torch.dtype | None = None) -> torch.Tensor:
+            return self._view(view_dtype or dtype, at[name], tuple(shape), arena_dtype=dtype)
+        return views
 
     # -- collectives ----------------------------------------------------------------------------
     def check_collective(self, x_TD: torch.Tensor,
@@ -223,29 +233,16 @@ class ReferenceBackend:
             yield e, a, a + n
             a += n
 
-    def _experts_fwd(self, x_g, h1, h2, w13_END, w2_EDF, routes: _Routes,
-                     with_w2: bool = True) -> torch.Tensor | None:
-        """Fill h1 and h2 (arena views) from x_g; return h3 rows [R, D] (storage dtype), or None
-        without the W2 GEMM (with_w2=False)."""
-        acc = self._acc_dtype(x_g.dtype)
-        h3 = torch.empty_like(x_g) if with_w2 else None
-        for e, a, b in self._segments(routes):
-            if a == b:
-                continue
-            h1[a:b].copy_(x_g[a:b].to(acc) @ w13_END[e].to(acc).T)
-            h2[a:b].copy_(self.act.forward(h1[a:b].to(acc)))
-            if with_w2:
-                h3[a:b].copy_(h2[a:b].to(acc) @ w2_EDF[e].to(acc).T)
-        return h3
-
-    def _replay(self, x_TD, w13_END, w2_EDF, routes: _Routes, x_g, h1, h2,
-                routes_TKD: torch.Tensor | None) -> None:
-        """The forward up to the combine: fills x_g, h1, h2 and routes_TKD [T, K, D] (None: stop
-        after h2, as a backward replay without saved route outputs does)."""
-        K = self.ctx.config.top_k
+    def _replay(self, x_TD, w13_END, w2_EDF, routes: _Routes, views,
+                routes_TKD: torch.Tensor | None, training: bool) -> None:
+        """The forward up to the combine: dispatch into x_g, the expert math into the layout's
+        regions, and routes_TKD [T, K, D] (None: stop before the W2 GEMM, as a backward replay
+        without saved route outputs does)."""
+        K, D = self.ctx.config.top_k, self.ctx.config.hidden_dim
+        x_g = views("x_g", (routes.rows, D))
         self._dispatch(x_TD[routes.send_flat_idx // K], routes, x_g)
-        h3 = self._experts_fwd(x_g, h1, h2, w13_END, w2_EDF, routes,
-                               with_w2=routes_TKD is not None)
+        h3 = self.math.forward(views, x_g, w13_END, w2_EDF, self._segments(routes),
+                               with_w2=routes_TKD is not None, training=training)
         if routes_TKD is None:
             return
         flat = routes_TKD.view(-1, routes_TKD.shape[-1])
@@ -259,13 +256,11 @@ class ReferenceBackend:
             raise RuntimeError("routed_experts: this context has Config.inference=True and keeps "
                                "no state for backward; call it under torch.no_grad() or create "
                                "the context with inference=False")
-        T, D, K, F = x_TD.shape[0], cfg.hidden_dim, cfg.top_k, cfg.intermediate_dim
+        T, D, K = x_TD.shape[0], cfg.hidden_dim, cfg.top_k
         dtype = x_TD.dtype
         routes = self._route(expert_ids_TK)          # raises on overflow, before any write
         R = routes.rows
-        s = self._scratch(dtype, "train_forward" if training else "inference", R)
-        x_g, h1, h2 = s["x_g"], s["h1"], s["h2"]
-
+        saved_at = None
         record = None
         if training:
             planner = ctx.planner
@@ -287,15 +282,15 @@ class ReferenceBackend:
                 routes_TKD = torch.empty(T, K, D, dtype=dtype, device=x_TD.device)
             else:
                 lay = saved_layout(record, routes.rows_EP[ctx.rank], plan)
-                x_g = self._view(dtype, int(lay.x_gathered), (R, D))
-                h1 = self._view(dtype, int(lay.h1), (R, 2 * F))
+                saved_at = lay.regions
                 routes_TKD = (self._view(dtype, int(lay.routes), (T, K, D))
                               if cfg.save_route_outputs else
                               torch.empty(T, K, D, dtype=dtype, device=x_TD.device))
         else:
             routes_TKD = torch.empty(T, K, D, dtype=dtype, device=x_TD.device)
 
-        self._replay(x_TD, w13_END, w2_EDF, routes, x_g, h1, h2, routes_TKD)
+        views = self._views(dtype, "train_forward" if training else "inference", R, saved_at)
+        self._replay(x_TD, w13_END, w2_EDF, routes, views, routes_TKD, training)
         acc = self._acc_dtype(dtype)
         y_TD = (scores_TK.to(acc).unsqueeze(-1) * routes_TKD.to(acc)).sum(dim=1).to(dtype)
         if not training:
@@ -308,33 +303,24 @@ class ReferenceBackend:
         ctx, plan, cfg = self.ctx, self.plan, self.ctx.config
         record, routes, dtype = saved.record, saved.routes, saved.dtype
         plan_backward(ctx.planner, record)           # rewind first: backward runs in reverse
-        T, K, D, F, R = routes.T, cfg.top_k, cfg.hidden_dim, cfg.intermediate_dim, routes.rows
+        T, K, D, R = routes.T, cfg.top_k, cfg.hidden_dim, routes.rows
         acc = self._acc_dtype(dtype)
         w13, w2 = saved.w13_END, saved.w2_EDF
         replay = bool(record.need_recompute)
-        s = self._scratch(dtype, "replay" if replay else "backward", R)
-
         keep_routes = cfg.save_route_outputs
         if replay:
+            views = self._views(dtype, "replay", R)
             x_TD = self._view(dtype, int(record.start), (T, D))
-            x_g, h1 = s["x_g"], s["h1"]
             routes_TKD = (torch.empty(T, K, D, dtype=dtype, device=grad_y_TD.device)
                           if keep_routes else None)
-            self._replay(x_TD, w13, w2, routes, x_g, h1, s["h2"], routes_TKD)
+            self._replay(x_TD, w13, w2, routes, views, routes_TKD, training=True)
         else:
             lay = saved_layout(record, routes.rows_EP[ctx.rank], plan)
-            x_g = self._view(dtype, int(lay.x_gathered), (R, D))
-            h1 = self._view(dtype, int(lay.h1), (R, 2 * F))
+            views = self._views(dtype, "backward", R, lay.regions)
             routes_TKD = self._view(dtype, int(lay.routes), (T, K, D)) if keep_routes else None
-            for e, a, b in self._segments(routes):    # h2 is never saved: rebuild it from h1
-                s["h2"][a:b].copy_(self.act.forward(h1[a:b].to(acc)))
-        h2, g3 = s["h2"], s["g3"]
-        grad_h2 = torch.empty(R, F, dtype=dtype, device=grad_y_TD.device)   # never stored
+        g3 = views("g3", (R, D))
         gy = grad_y_TD.to(acc)
-        E_local = w13.shape[0]
-        grad_w2 = torch.zeros(E_local, D, F, dtype=acc, device=grad_y_TD.device)
-        grad_w13 = torch.zeros(E_local, 2 * F, D, dtype=acc, device=grad_y_TD.device)
-        s_rows = grad_s_rows = None
+        s_rows = None
         if keep_routes:
             # token owner: score gradients from the saved route outputs, and s * grad_y per route
             grad_scores_TK = (gy.unsqueeze(1) * routes_TKD.to(acc)).sum(dim=-1)
@@ -348,34 +334,14 @@ class ReferenceBackend:
             s_rows = torch.empty(R, 1, dtype=acc, device=grad_y_TD.device)
             self._dispatch(saved.scores_TK.to(acc).reshape(-1, 1)[routes.send_flat_idx],
                            routes, s_rows)
-            grad_s_rows = torch.zeros(R, 1, dtype=acc, device=grad_y_TD.device)
-        # expert owner: W2 DGRAD / WGRAD (last reads of h2 and g3)
-        for e, a, b in self._segments(routes):
-            if a == b:
-                continue
-            g3e, h2e = g3[a:b].to(acc), h2[a:b].to(acc)
-            u = g3e @ w2[e].to(acc)
-            if s_rows is not None:
-                grad_s_rows[a:b] = (u * h2e).sum(dim=-1, keepdim=True)
-                u, h2e = s_rows[a:b] * u, s_rows[a:b] * h2e
-            grad_w2[e] = g3e.T @ h2e
-            grad_h2[a:b].copy_(u)
+        # expert owner: the expert MLP's backward; route input gradients go back to the owners
+        grad_xg, grad_w13, grad_w2, grad_s_rows = self.math.backward(
+            views, g3, s_rows, w13, w2, self._segments(routes))
         if not keep_routes:
             grad_scores_TK = torch.zeros(T * K, dtype=acc, device=grad_y_TD.device)
-            grad_scores_TK[routes.send_flat_idx] = self._return(grad_s_rows, routes).view(-1)
+            grad_scores_TK[routes.send_flat_idx] = self._return(
+                grad_s_rows.to(acc), routes).view(-1)
             grad_scores_TK = grad_scores_TK.view(T, K)
-        # SwiGLU backward, written over h1 in place (wherever h1 lives), as on the GPU
-        grad_h1_rows = self.act.backward(h1.to(acc), grad_h2.to(acc))
-        grad_h1 = h1
-        grad_h1.copy_(grad_h1_rows)
-        # W13 DGRAD / WGRAD; route input gradients go back to the token owners
-        grad_xg = torch.empty(R, D, dtype=dtype, device=grad_y_TD.device)
-        for e, a, b in self._segments(routes):
-            if a == b:
-                continue
-            gh1e = grad_h1[a:b].to(acc)
-            grad_w13[e] = gh1e.T @ x_g[a:b].to(acc)
-            grad_xg[a:b].copy_(gh1e @ w13[e].to(acc))
         grad_routes = torch.zeros(T * K, D, dtype=acc, device=grad_y_TD.device)
         grad_routes[routes.send_flat_idx] = self._return(grad_xg, routes).to(acc)
         grad_x_TD = grad_routes.view(T, K, D).sum(dim=1).to(dtype)

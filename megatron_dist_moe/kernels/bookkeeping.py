@@ -4,18 +4,23 @@ The torch version of the same arithmetic (`backends/cuda/bookkeeping.py: TorchBo
 built from the shared planner functions `plan_forward`, `plan_backward`, `saved_layout` and the
 per-call layout `layout.call_layout`) takes ~75 small launches per forward and ~45 per
 backward; these kernels take one each (single program, a handful of scalars). They are held
-bit-equal to it in the interpreter (tests/cpu/test_kernels_bookkeeping_interp.py) and
-`_bf16_layout` below to `layout.call_layout` (tests/cpu/test_layout.py).
+bit-equal to it in the interpreter (tests/cpu/test_kernels_bookkeeping_interp.py).
+
+The layout is not written here: the kernels receive the tables of layout.py (`region_table`):
+one row per region, (bytes per row, bytes per padded row, index of the same region among the
+saved ones or -1, index among the backward layout's or -1), so every precision's layout runs
+through the same code. A region's bytes are align128(per_row * R + per_padded_row * Rp), Rp =
+layout.padded_rows(R, E_local).
 
 Outputs, one int64 vector `addr` and one int32 vector `i32` per call (kernel arguments of the
 downstream kernels are views of single entries):
 
-    addr[XG]     where x_g goes (slot when the full state is kept, else scratch)
-    addr[H1]     where h1 goes
-    addr[X]      slot address of the saved layer input x (replay)
-    addr[ROUTES] slot address of the saved route outputs; in backward: where the route outputs
-                 are read (slot, or the combine buffer when replayed)
-    addr[H2], addr[G3]   scratch regions of the call's layout (G3: backward)
+    addr[X]          slot address of the saved layer input x (replay)
+    addr[ROUTES]     slot address of the saved route outputs; in backward: where the route
+                     outputs are read (slot, or the combine buffer when replayed)
+    addr[REGIONS+i]  region i of the call's layout (forward: its mode's; backward: the replay
+                     layout's, whose regions include the backward ones): a saved region of a
+                     full-save layer is its slot address, every other region its scratch one
     i32[SAVE]    1 when the full state is kept (the combine kernel's save flag)
     i32[XROWS]   T when the input x is kept for replay, else 0 (copy_rows row count)
     i32[NROWS]   backward: R when the layer is replayed, else 0 (replay row count)
@@ -26,26 +31,34 @@ Layout guard: before any of the call's kernels writes the arena, the kernel chec
 call's layout fits the scratch (bytes needed <= the plan's scratch bytes) and traps with
 CHECK_LAYOUT_OUTSIDE_ARENA (bytes needed, bytes available, R) otherwise; in the interpreter,
 which cannot trap, the verdict goes to `status` [3] int64.
-
-Only the bf16 layout is implemented (the CUDA backend's precision); full_state(R) =
-align128(R*D*2) + align128(R*2F*2) + routes_bytes, as `memory_plan.LayerBytes.full_state`.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from .checks import trap_on_code
 
-__all__ = ["ADDR", "I32", "ADDR_LEN", "I32_LEN", "REC_FIXED", "plan_forward_kernel",
-           "plan_backward_kernel", "bf16_layout_kernel"]
+__all__ = ["ADDR", "I32", "ADDR_FIXED", "I32_LEN", "REC_FIXED", "TAB_COLS", "region_table",
+           "plan_forward_kernel", "plan_backward_kernel", "layout_kernel"]
 
-ADDR = dict(XG=0, H1=1, X=2, ROUTES=3, H2=4, G3=5)
-ADDR_LEN = 8
+ADDR = dict(X=0, ROUTES=1)
+ADDR_FIXED = 2     # region i of the call's layout is addr[ADDR_FIXED + i]
 I32 = dict(SAVE=0, XROWS=1, NROWS=2)
 I32_LEN = 4
-REC_FIXED = 4   # slot, start, need, position; then saved_before[EP]
+REC_FIXED = 4      # slot, start, need, position; then saved_before[EP]
+TAB_COLS = 4       # per_row, per_padded_row, saved index, backward index
+
+
+def region_table(specs, saved_names=(), backward_names=(), device=None) -> torch.Tensor:
+    """int64 [n, TAB_COLS] table of layout.RegionSpec rows for the kernels below."""
+    saved_names, backward_names = list(saved_names), list(backward_names)
+    rows = [[s.per_row, s.per_padded_row,
+             saved_names.index(s.name) if s.name in saved_names else -1,
+             backward_names.index(s.name) if s.name in backward_names else -1] for s in specs]
+    return torch.tensor(rows or [[0, 0, -1, -1]], dtype=torch.int64, device=device)
 
 
 @triton.jit
@@ -54,20 +67,31 @@ def _align128(n):
 
 
 @triton.jit
-def _bf16_layout(R, D, F, MODE: tl.constexpr):
-    """Twin of layout.call_layout(mode, R, D, F, "bf16"): (x_g, h1, h2, g3 offsets from the
-    layout base, total bytes). MODE 0 inference / train_forward, 1 backward, 2 replay; offsets
-    of regions a mode does not have are 0."""
-    sx = _align128(R * D * 2)
-    s1 = _align128(R * 4 * F)
-    s2 = _align128(R * F * 2)
-    zero = R * 0
-    if MODE == 0:
-        return zero, sx, sx + s1, zero, sx + s1 + s2
-    elif MODE == 1:
-        return zero, zero, zero, s2, s2 + sx
-    else:
-        return zero, sx, sx + s1, sx + s1 + s2, sx + s1 + s2 + sx
+def _padded(R, E):
+    """layout.padded_rows"""
+    return (R + 127 * E + 127) // 128 * 128
+
+
+@triton.jit
+def _region_bytes(tab_ptr, i, R, Rp):
+    return _align128(tl.load(tab_ptr + i * 4) * R + tl.load(tab_ptr + i * 4 + 1) * Rp)
+
+
+@triton.jit
+def _total(tab_ptr, n, R, Rp):
+    total = R * 0
+    for i in range(n):
+        total += _region_bytes(tab_ptr, i, R, Rp)
+    return total
+
+
+@triton.jit
+def _offset_of(tab_ptr, j, R, Rp):
+    """Offset of region j from its layout's base."""
+    off = R * 0
+    for i in range(j):
+        off += _region_bytes(tab_ptr, i, R, Rp)
+    return off
 
 
 @triton.jit
@@ -83,41 +107,43 @@ def _guard(total, scratch_bytes, R, status_ptr, TRAP: tl.constexpr):
 
 
 @triton.jit
-def bf16_layout_kernel(rows_ptr, out_ptr, n, D, F, MODE: tl.constexpr):
-    """out[i] = (x_g, h1, h2, g3, total) of `_bf16_layout` for rows_ptr[i] (the twin's test
-    entry point)."""
-    for i in range(n):
-        R = tl.load(rows_ptr + i)
-        xg, h1, h2, g3, total = _bf16_layout(R, D, F, MODE)
-        tl.store(out_ptr + i * 5 + 0, xg)
-        tl.store(out_ptr + i * 5 + 1, h1)
-        tl.store(out_ptr + i * 5 + 2, h2)
-        tl.store(out_ptr + i * 5 + 3, g3)
-        tl.store(out_ptr + i * 5 + 4, total)
+def layout_kernel(rows_ptr, out_ptr, n_rows, tab_ptr, n, E):
+    """out[i] = (offset of every region, total) of the table's layout for rows_ptr[i]: the
+    layout twin's test entry point (out [n_rows, n + 1])."""
+    for r in range(n_rows):
+        R = tl.load(rows_ptr + r)
+        Rp = _padded(R, E)
+        off = R * 0
+        for i in range(n):
+            tl.store(out_ptr + r * (n + 1) + i, off)
+            off += _region_bytes(tab_ptr, i, R, Rp)
+        tl.store(out_ptr + r * (n + 1) + n, off)
 
 
 @triton.jit
 def plan_forward_kernel(offsets_ptr, saved_ptr, position_ptr, selected_ptr, rows_ep_ptr,
                         num_rows_ptr, act_base_ptr, arena_end_ptr, rec_ptr, need_ptr, addr_ptr,
-                        i32_ptr, status_ptr, rank, EP, T, D, F, input_bytes, capacity,
-                        routes_bytes, scratch_bytes,
-                        TRAINING: tl.constexpr, EP_PAD: tl.constexpr, TRAP: tl.constexpr):
+                        i32_ptr, status_ptr, tab_ptr, n_regions, saved_tab_ptr, n_saved,
+                        rank, EP, T, E_local, input_bytes, capacity, routes_bytes,
+                        scratch_bytes, TRAINING: tl.constexpr, EP_PAD: tl.constexpr,
+                        TRAP: tl.constexpr):
     p = tl.arange(0, EP_PAD)
     pm = p < EP
     R = tl.load(num_rows_ptr).to(tl.int64)
+    Rp = _padded(R, E_local)
     act_base = tl.load(act_base_ptr)
     arena_end = tl.load(arena_end_ptr)
-    o_xg, o_h1, o_h2, _g3, total = _bf16_layout(R, D, F, 0)
+    total = _total(tab_ptr, n_regions, R, Rp)
     _guard(total, scratch_bytes, R, status_ptr, TRAP)
     base = arena_end - total
-    tl.store(addr_ptr + 4, base + o_h2)
     if TRAINING:
         slot = tl.load(selected_ptr)
         planned = tl.load(selected_ptr + 1)
         pos = tl.load(position_ptr + slot)
         saved = tl.load(saved_ptr + slot * EP + p, mask=pm, other=0)
         rows = tl.load(rows_ep_ptr + p, mask=pm, other=0)
-        full = _align128(rows * D * 2) + _align128(rows * 4 * F) + routes_bytes
+        rows_p = _padded(rows, E_local)
+        full = _total(saved_tab_ptr, n_saved, rows, rows_p) + routes_bytes
         worst = tl.max(tl.where(pm, saved + full, -(2 ** 62)), 0)
         need = worst + (planned - pos - 1) * input_bytes > capacity
         start = tl.load(offsets_ptr + slot)
@@ -132,27 +158,35 @@ def plan_forward_kernel(offsets_ptr, saved_ptr, position_ptr, selected_ptr, rows
         tl.store(saved_ptr + slot * EP + p, saved + added, mask=pm)
         tl.store(offsets_ptr + slot, start + tl.sum(tl.where(p == rank, added, 0), 0))
         tl.store(position_ptr + slot, pos + 1)
-        # saved layout in the slot: x_g | h1 | routes (full save), or x alone (replay)
-        xg_slot = act_base + start
-        h1_slot = xg_slot + _align128(R * D * 2)
-        tl.store(addr_ptr + 0, tl.where(need, base + o_xg, xg_slot))
-        tl.store(addr_ptr + 1, tl.where(need, base + o_h1, h1_slot))
-        tl.store(addr_ptr + 2, act_base + start)
-        tl.store(addr_ptr + 3, h1_slot + _align128(R * 4 * F))
+        # saved layout in the slot: the saved regions then the routes (full save), or x alone
+        slot_base = act_base + start
+        off = R * 0
+        for i in range(n_regions):
+            j = tl.load(tab_ptr + i * 4 + 2)
+            at = base + off
+            if j >= 0:
+                at = tl.where(need, at, slot_base + _offset_of(saved_tab_ptr, j, R, Rp))
+            tl.store(addr_ptr + 2 + i, at)
+            off += _region_bytes(tab_ptr, i, R, Rp)
+        tl.store(addr_ptr + 0, slot_base)
+        tl.store(addr_ptr + 1, slot_base + _total(saved_tab_ptr, n_saved, R, Rp))
         tl.store(i32_ptr + 0, tl.where(need, 0, 1).to(tl.int32))
         tl.store(i32_ptr + 1, tl.where(need, T, 0).to(tl.int32))
     else:
         # inference: everything in scratch (the slot addresses are never read)
-        tl.store(addr_ptr + 0, base + o_xg)
-        tl.store(addr_ptr + 1, base + o_h1)
+        off = R * 0
+        for i in range(n_regions):
+            tl.store(addr_ptr + 2 + i, base + off)
+            off += _region_bytes(tab_ptr, i, R, Rp)
 
 
 @triton.jit
 def plan_backward_kernel(offsets_ptr, saved_ptr, position_ptr, rec_ptr, num_rows_ptr,
                          expert_offsets_ptr, act_base_ptr, arena_end_ptr, combine_addr_ptr,
-                         addr_ptr, i32_ptr, pred_offsets_ptr, status_ptr, EP, T, D, F, E_local,
-                         scratch_bytes, EP_PAD: tl.constexpr,
-                         E_PAD: tl.constexpr, TRAP: tl.constexpr):
+                         addr_ptr, i32_ptr, pred_offsets_ptr, status_ptr, rp_tab_ptr, n_replay,
+                         bw_tab_ptr, n_backward, saved_tab_ptr, n_saved, EP, T, E_local,
+                         scratch_bytes, EP_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                         TRAP: tl.constexpr):
     p = tl.arange(0, EP_PAD)
     pm = p < EP
     slot = tl.load(rec_ptr + 0)
@@ -163,21 +197,29 @@ def plan_backward_kernel(offsets_ptr, saved_ptr, position_ptr, rec_ptr, num_rows
     tl.store(saved_ptr + slot * EP + p, tl.load(rec_ptr + 4 + p, mask=pm, other=0), mask=pm)
     tl.store(position_ptr + slot, tl.load(rec_ptr + 3))
     R = tl.load(num_rows_ptr).to(tl.int64)
+    Rp = _padded(R, E_local)
     arena_end = tl.load(arena_end_ptr)
-    r_xg, r_h1, r_h2, r_g3, r_total = _bf16_layout(R, D, F, 2)
-    _b_xg, _b_h1, b_h2, b_g3, b_total = _bf16_layout(R, D, F, 1)
+    r_total = _total(rp_tab_ptr, n_replay, R, Rp)
+    b_total = _total(bw_tab_ptr, n_backward, R, Rp)
     total = tl.where(need, r_total, b_total)
     _guard(total, scratch_bytes, R, status_ptr, TRAP)
-    base = arena_end - total
-    xg_slot = tl.load(act_base_ptr) + start
-    h1_slot = xg_slot + _align128(R * D * 2)
-    tl.store(addr_ptr + 0, tl.where(need, base + r_xg, xg_slot))
-    tl.store(addr_ptr + 1, tl.where(need, base + r_h1, h1_slot))
-    tl.store(addr_ptr + 2, xg_slot)
-    tl.store(addr_ptr + 3, tl.where(need, tl.load(combine_addr_ptr),
-                                    h1_slot + _align128(R * 4 * F)))
-    tl.store(addr_ptr + 4, base + tl.where(need, r_h2, b_h2))
-    tl.store(addr_ptr + 5, base + tl.where(need, r_g3, b_g3))
+    r_base = arena_end - r_total
+    b_base = arena_end - b_total
+    slot_base = tl.load(act_base_ptr) + start
+    off = R * 0
+    for i in range(n_replay):
+        js = tl.load(rp_tab_ptr + i * 4 + 2)
+        jb = tl.load(rp_tab_ptr + i * 4 + 3)
+        other = r_base + off   # a forward temporary: read only when replayed
+        if js >= 0:
+            other = slot_base + _offset_of(saved_tab_ptr, js, R, Rp)
+        elif jb >= 0:
+            other = b_base + _offset_of(bw_tab_ptr, jb, R, Rp)
+        tl.store(addr_ptr + 2 + i, tl.where(need, r_base + off, other))
+        off += _region_bytes(rp_tab_ptr, i, R, Rp)
+    tl.store(addr_ptr + 0, slot_base)
+    tl.store(addr_ptr + 1, tl.where(need, tl.load(combine_addr_ptr),
+                                    slot_base + _total(saved_tab_ptr, n_saved, R, Rp)))
     tl.store(i32_ptr + 0, tl.where(need, 0, 1).to(tl.int32))
     tl.store(i32_ptr + 1, tl.where(need, T, 0).to(tl.int32))
     tl.store(i32_ptr + 2, tl.where(need, R, 0).to(tl.int32))

@@ -32,14 +32,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .. import BACKENDS, RUNS, WGRAD_DTYPES, Config, ConfigError
-from ..execution import what_runs
+from .. import BACKENDS, WGRAD_DTYPES, Config, ConfigError
+from ..execution import runs_precision, what_runs
 
 __all__ = [
     "UnsupportedMegatronConfig",
     "DistMoEOptions",
     "check_supported",
     "precision_from_transformer_config",
+    "fp8_block_scaling",
     "tokens_per_rank",
     "dist_moe_config",
     "options_from_args",
@@ -135,7 +136,7 @@ FP8_RECIPES = {"mxfp8": "mxfp8", "blockwise": "fp8_block"}
 
 
 def _runnable_fp8_recipes() -> list[str]:
-    return [r for r, p in FP8_RECIPES.items() if any(p in b["precisions"] for b in RUNS.values())]
+    return [r for r, p in FP8_RECIPES.items() if runs_precision(p)]
 
 
 def precision_from_transformer_config(tc: Any) -> str:
@@ -157,6 +158,12 @@ def precision_from_transformer_config(tc: Any) -> str:
             f"--fp8-recipe {recipe}: dist_moe quantizes with block scales only; use "
             f"{alternatives}"])
     precision = FP8_RECIPES[recipe]
+    fmt = getattr(getattr(tc, "fp8", None), "value", fp8)
+    if precision == "fp8_block" and str(fmt).lower() not in ("e4m3", "true", "fp8format.e4m3"):
+        raise UnsupportedMegatronConfig([
+            f"--fp8-format {fmt}: dist_moe's fp8_block quantizes activations, weights and "
+            "gradients in E4M3 (TransformerEngine's Float8BlockScaling default); use "
+            "--fp8-format e4m3"])
     if recipe not in runnable:
         raise UnsupportedMegatronConfig([
             f"--fp8-recipe {recipe} maps to dist_moe precision {precision!r}, which does not "
@@ -249,10 +256,43 @@ def tokens_per_rank(seq_length: int, micro_batch_size: int, *, tensor_model_para
     return T
 
 
+def fp8_block_scaling(recipe: Any = None) -> dict:
+    """Config fields (fp8_power_2_scales, fp8_amax_epsilon) of --fp8-recipe blockwise.
+
+    From TransformerEngine's `Float8BlockScaling` recipe object (`recipe`, or a default one when
+    TransformerEngine is importable), else TE's defaults (power-of-two scales, amax epsilon 0).
+    The recipe's quantizer settings must be the ones dist_moe implements: the same QParams for
+    inputs, weights and gradients, 1 x 128 activation / gradient blocks, 128 x 128 weights."""
+    if recipe is None:
+        try:
+            from transformer_engine.common.recipe import Float8BlockScaling
+        except Exception:   # no TransformerEngine: its defaults
+            return dict(fp8_power_2_scales=True, fp8_amax_epsilon=0.0)
+        recipe = Float8BlockScaling()
+    qps = [getattr(recipe, n) for n in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight",
+                                         "fp8_quant_bwd_grad")]
+    settings = {(bool(q.power_2_scale), float(q.amax_epsilon)) for q in qps}
+    problems = []
+    if len(settings) != 1:
+        problems.append(f"Float8BlockScaling quantizer settings differ between inputs, weights "
+                        f"and gradients ({sorted(settings)}); dist_moe applies one setting")
+    dims = (getattr(recipe, "x_block_scaling_dim", 1), getattr(recipe, "w_block_scaling_dim", 2),
+            getattr(recipe, "grad_block_scaling_dim", 1))
+    if tuple(dims) != (1, 2, 1):
+        problems.append(f"Float8BlockScaling block dims (x, w, grad) = {dims}; dist_moe "
+                        "implements (1, 2, 1): 1 x 128 activations and gradients, 128 x 128 weights")
+    if problems:
+        raise UnsupportedMegatronConfig(problems)
+    pow2, eps = settings.pop()
+    return dict(fp8_power_2_scales=pow2, fp8_amax_epsilon=eps)
+
+
 def dist_moe_config(tc: Any, *, num_local_input_tokens: int, options: DistMoEOptions | None = None,
                     num_activation_slots: int = 1, max_moe_layers_per_activation_slot: int = 1,
-                    inference: bool = False) -> Config:
-    """The dm.Config of tc's MoE layers (validated; errors name the Megatron flag to change)."""
+                    inference: bool = False, fp8_recipe: Any = None) -> Config:
+    """The dm.Config of tc's MoE layers (validated; errors name the Megatron flag to change).
+    fp8_recipe: TransformerEngine's recipe object of the run, if the caller has it
+    (`fp8_block_scaling`)."""
     options = options or DistMoEOptions()
     check_supported(tc, options)
     capacity = options.activation_slot_capacity_factor
@@ -260,6 +300,8 @@ def dist_moe_config(tc: Any, *, num_local_input_tokens: int, options: DistMoEOpt
         recompute_moe = (getattr(tc, "recompute_granularity", None) == "selective"
                          and "moe" in _names(getattr(tc, "recompute_modules", None)))
         capacity = 0.0 if recompute_moe else 1.0
+    precision = precision_from_transformer_config(tc)
+    scaling = fp8_block_scaling(fp8_recipe) if precision == "fp8_block" else {}
     try:
         return Config(
             num_local_input_tokens=num_local_input_tokens,
@@ -267,7 +309,7 @@ def dist_moe_config(tc: Any, *, num_local_input_tokens: int, options: DistMoEOpt
             intermediate_dim=tc.moe_ffn_hidden_size or tc.ffn_hidden_size,
             top_k=tc.moe_router_topk,
             num_experts=tc.num_moe_experts,
-            precision=precision_from_transformer_config(tc),
+            precision=precision,
             inference=inference,
             num_activation_slots=0 if inference else num_activation_slots,
             max_moe_layers_per_activation_slot=max_moe_layers_per_activation_slot,
@@ -277,6 +319,7 @@ def dist_moe_config(tc: Any, *, num_local_input_tokens: int, options: DistMoEOpt
             wgrad_dtype=options.wgrad_dtype,
             save_route_outputs=bool(options.save_route_outputs),
             backend=options.backend,
+            **scaling,
         )
     except ConfigError as e:
         flag = _FLAG_OF_FIELD.get(e.field)

@@ -3,7 +3,9 @@
 # Usage (on the GPU machine, repo root): bash scripts/device/gpu_session.sh [sections...]
 # Sections:
 #   env        GPU, clocks, topology, torch / Triton versions
-#   kernels    tests/gpu kernel tests (grouped GEMMs, routing; not the CUTLASS units)
+#   kernels    tests/gpu kernel tests (grouped GEMMs, fp8_block kernels, routing; not the
+#              CUTLASS units)
+#   fp8kernels the fp8_block kernel tests alone (quantizers bit-exact, GEMMs vs their twins)
 #   check      dist_check on 1 GPU (and 2 when present): every gradient vs the fp64 oracle,
 #              graph replay, no host sync, bitwise repeats, inference
 #   packing    ten layers in one slot inside one CUDA graph
@@ -13,6 +15,7 @@
 #   baseline   the same bench_layer run on the tree in $BASE_TREE (a copy of an older commit, e.g.
 #              made by `git archive cfa8b72 | tar -x -C _base`), for a same-session comparison
 #   bench      bench_grouped_gemm (BENCH_ARGS)
+#   fp8gemm    bench_fp8_gemm: the fp8_block kernels beside bf16 and torch._scaled_mm (FP8_ARGS)
 #   claimsweep claim-mode variants of the staged pipeline's GEMMs
 #   ab         interleaved A/B in one process (AB_A, AB_B execution overrides; AB_ARGS)
 #   sustained  one graph replayed back to back from idle: ms next to SM clock and power
@@ -23,7 +26,8 @@
 #   megatron   tiny GPT, dist_moe vs alltoall (SEEDS, STEPS, MB, MOE_BACKEND, PERTURB,
 #              MEGATRON_ARGS)
 #   pack       fold everything under $OUT into one archive (the device tool brings back few files)
-# Knobs: CHECK_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS (extra arguments), TMO (seconds per step).
+# Knobs: CHECK_ARGS PACKING_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS FP8_ARGS (extra arguments), TMO
+# (seconds per step).
 # megatron-core travels as a wheel in .whl/ (carry it); it is installed into /tmp/site here.
 # Logs go to $OUT (or ./out) so the device tool brings them back.
 set -u
@@ -53,7 +57,8 @@ for s in $sections; do case $s in
                -k "not cuda_backend and not sm90" ;;
   check) LIMIT=300 run check1 torchrun --nproc-per-node=1 tests/gpu/dist_check.py ${CHECK_ARGS:-}
          [ "$NGPU" -ge 2 ] && LIMIT=300 run check2 torchrun --nproc-per-node=2 tests/gpu/dist_check.py ${CHECK_ARGS:-} ;;
-  packing) LIMIT=120 run packing torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py ;;
+  fp8kernels) LIMIT=300 run fp8kernels python3 -m pytest -q tests/gpu/test_fp8_kernels_gpu.py -m gpu ;;
+  packing) LIMIT=240 run packing torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py ${PACKING_ARGS:-} ;;
   inference) LIMIT=300 run inference torchrun --nproc-per-node="$NGPU" tests/gpu/inference_check.py \
                  --json "$OUT/inference.json" ;;
   traps) LIMIT=300 run traps python3 -m pytest -q tests/gpu/test_cuda_backend.py -m gpu -k device_traps ;;
@@ -63,6 +68,7 @@ for s in $sections; do case $s in
              PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} LIMIT=300 \
              run baseline torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py --out "$OUT/baseline" ${LAYER_ARGS:-}) ;;
   bench) LIMIT=400 run bench_gemm python3 benchmarks/bench_grouped_gemm.py --csv "$OUT/bench_gemm.csv" ${BENCH_ARGS:-} ;;
+  fp8gemm) LIMIT=300 run fp8_gemm python3 benchmarks/bench_fp8_gemm.py --out "$OUT" ${FP8_ARGS:-} ;;
   claimsweep) run claimsweep python3 benchmarks/bench_grouped_gemm.py --kernels fwd_swiglu_claim,dgrad_w2_claim \
                  --claim-sweep --csv "$OUT/claim_sweep.csv" ;;
   ab) LIMIT=200 run ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT" \

@@ -56,7 +56,8 @@ BAD = [
     # what no backend runs is refused when the Config is built, naming the field
     ("precision", dict(precision="mxfp8")),
     ("precision", dict(precision="nvfp4", inference=True, num_activation_slots=0)),
-    ("precision", dict(precision="fp8_block", backend="reference")),
+    ("fp8_power_2_scales", dict(precision="fp8_block", fp8_power_2_scales=1)),
+    ("fp8_amax_epsilon", dict(precision="fp8_block", fp8_amax_epsilon=-1e-3)),
     ("pipeline", dict(pipeline="mega")),
     ("pipeline", dict(pipeline="mega", backend="reference")),
 ]
@@ -76,7 +77,14 @@ def test_what_does_not_run_says_what_runs():
         make(pipeline="mega")
     msg = str(info.value)
     assert "does not run" in msg or "no backend runs" in msg
-    assert "what runs:" in msg and "'standard'" in msg and "'staged'" in msg
+    assert "what runs:" in msg and "'bf16' (standard/staged)" in msg
+    assert "'fp8_block' (standard)" in msg
+
+
+def test_a_pipeline_a_precision_does_not_run_with_names_the_pipeline():
+    with pytest.raises(ConfigError) as info:
+        make(precision="fp8_block", pipeline="staged", backend="cuda")
+    assert info.value.field == "pipeline"
 
 
 def test_valid_combinations():
@@ -85,6 +93,8 @@ def test_valid_combinations():
     make(activation="swiglu_clamped", swiglu_alpha=1.702, swiglu_limit=7.0)
     make(host_scratch_capacity_factor=8.0, device_scratch_capacity_factor=2.0)
     make(activation_slot_bytes=0)
+    make(precision="fp8_block", backend="cuda")
+    make(precision="fp8_block", pipeline="staged", backend="reference")
 
 
 def test_frozen_and_replace_validates():

@@ -36,12 +36,31 @@ NAMES = ["torch_gemm", "torch_gemm,torch_routing,torch_bookkeeping,saved_routes"
          "expert_score_grads,triton_gemm,standard,clamped",
          "expert_score_grads,torch_gemm", "wgrad_into,triton_gemm,standard",
          "wgrad_into,torch_gemm", "offset_weight_views,triton_gemm,staged"]
+FP8_NAMES = ["fp8_block,standard", "fp8_block,clamped,saved_routes,torch_tables",
+             "fp8_block,wgrad_into,fp32_scales"]
 
 
 @pytest.fixture(scope="module")
 def results():
     pytest.importorskip("triton")
     return tt.run_child_checks([CHILD], timeout_s=900, paths=(HERE,))[0]
+
+
+@pytest.mark.parametrize("name", FP8_NAMES)
+def test_fp8_block_within_twice_the_emulated_quantization_error(results, name):
+    """fp8_block: every output and gradient within 2x of the error that the same quantization
+    emulated in plain torch makes against the fp64 oracle (testing.fp8_block_emulation); and
+    quantized for real (E4M3 errors are several %, far above bf16's)."""
+    r = results.get(name)
+    assert r is not None, f"{name}: no result"
+    assert r["ok"], f"{name}: {r['error']}\n{r['trace']}"
+    for layer, (errs, em) in enumerate(zip(r["errors"], r["emulation_errors"])):
+        for k, e in errs.items():
+            assert e <= 2 * em[k], f"{name}: layer {layer} {k} error {e:.3e} vs emulated {em[k]:.3e}"
+            assert 0.02 < e < 0.2, f"{name}: layer {layer} {k} error {e:.3e}"
+    assert r["inference_error"] <= 2 * r["inference_emulation_error"]
+    assert r["needs"] == [False, True, True] and r["cursors_back"]
+    assert r["layout_guard"] == [0, 0, 0]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -28,7 +28,10 @@ VARIANTS = ["fwd_swiglu_tma", "fwd_swiglu_claim_sliced", "fwd_w2_scatter_clamped
             "rows_sum_score_parts", "wgrad_tma_bf16", "wgrad_table_fp32",
             "dgrad_w13_tma", "wgrad_tma_fp32", "wgrad_plain_bf16", "routing_count",
             "routing_place", "bookkeeping_fwd", "bookkeeping_fwd_inference", "bookkeeping_bwd",
-            "rows_device_check", "rows_swiglu_bwd", "rows_fanout", "routing_place_fanout"]
+            "rows_device_check", "rows_swiglu_bwd", "rows_fanout", "routing_place_fanout",
+            "fp8_mm_store", "fp8_mm_scatter", "fp8_mm_swiglu_bwd_scored",
+            "fp8_mm_swiglu_bwd_clamped", "fp8_wgrad_bf16", "fp8_wgrad_table",
+            "fp8_quant_rows_cols", "fp8_swiglu_quant", "fp8_quant_weight"]
 
 MAX_SPILL_BYTES = 256
 
@@ -52,6 +55,10 @@ EXPECT = {
     "bookkeeping_fwd": dict(trap=1, printf=1),
     "bookkeeping_fwd_inference": dict(trap=1, printf=1),
     "bookkeeping_bwd": dict(trap=1, printf=1),
+    # fp8_block: E4M3 wgmma with TMA operand loads
+    "fp8_mm_store": dict(wgmma_e4m3=1, tma_load=1),
+    "fp8_mm_swiglu_bwd_scored": dict(wgmma_e4m3=1, tma_load=1),
+    "fp8_wgrad_bf16": dict(wgmma_e4m3=1, tma_load=1),
 }
 
 

@@ -24,7 +24,7 @@ from megatron_dist_moe import layout as L
 from megatron_dist_moe import testing as tt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PRECISIONS = tuple(L._REGIONS)
+PRECISIONS = L.PRECISIONS_WITH_LAYOUT
 
 
 def random_configs(n: int, seed: int = 0):
@@ -40,8 +40,11 @@ def random_configs(n: int, seed: int = 0):
         inference = i % 3 == 0
         dev = rng.choice([0.5, 1.0, 2.0, 3.0])
         host = rng.choice([None, dev * 2, dev * 4])
+        precision = rng.choice(L.PRECISIONS_WITH_LAYOUT)
+        mult = 64 if precision == "bf16" else 128
         cfg = dm.Config(num_local_input_tokens=rng.choice([1, 7, 64, 96, 128, 333, 2048]),
-                        hidden_dim=64 * rng.randint(1, 120), intermediate_dim=64 * rng.randint(1, 60),
+                        hidden_dim=mult * rng.randint(1, 7680 // mult),
+                        intermediate_dim=mult * rng.randint(1, 3840 // mult), precision=precision,
                         top_k=K, num_experts=E_local * ep, inference=inference,
                         num_activation_slots=0 if inference else rng.randint(1, 3),
                         activation_slot_capacity_factor=None if inference else 1.0,
@@ -63,8 +66,8 @@ def row_counts(plan, rng: random.Random):
 def test_regions_are_contiguous_aligned_disjoint(mode, precision):
     rng = random.Random(hash((mode, precision)) & 0xFFFF)
     for _ in range(200):
-        D, F, R = 64 * rng.randint(1, 128), 64 * rng.randint(1, 64), rng.randint(0, 50000)
-        lay = L.call_layout(mode, R, D, F, precision)
+        D, F, R = 128 * rng.randint(1, 64), 128 * rng.randint(1, 32), rng.randint(0, 50000)
+        lay = L.call_layout(mode, R, D, F, precision, rng.randint(1, 32))
         off = 0
         for reg in lay.regions:
             assert reg.offset == off, (mode, reg)
@@ -82,13 +85,14 @@ def test_plan_scratch_holds_every_layout_of_every_row_count():
         for R in row_counts(plan, rng):
             for mode in L.modes_of(not cfg.inference):
                 need = L.call_layout(mode, R, cfg.hidden_dim, cfg.intermediate_dim,
-                                     cfg.precision).total
+                                     cfg.precision, plan.num_local_experts).total
                 assert need <= plan.total_scratch_bytes, (cfg, ep, mode, R)
                 if R <= plan.device_scratch_rows:   # device tier: device pages only
                     assert need <= plan.device_scratch_bytes, (cfg, ep, mode, R)
         # and it is no larger than it needs to be: the largest layout at the bound
         top = max(L.call_layout(m, plan.total_scratch_rows, cfg.hidden_dim, cfg.intermediate_dim,
-                                cfg.precision).total for m in L.modes_of(not cfg.inference))
+                                cfg.precision, plan.num_local_experts).total
+                  for m in L.modes_of(not cfg.inference))
         assert plan.total_scratch_bytes == dm.memory_plan.align128(top)
 
 
@@ -111,8 +115,9 @@ def _tables(R: int, E_local: int, ep: int, rank: int):
 
 def test_cuda_bookkeeping_hands_out_the_layout_inside_the_scratch():
     """The torch bookkeeping (the Triton one is held equal to it in the interpreter child):
-    every scratch address of every call lies in [arena_end - scratch, arena_end), as the
-    layout places it. At cfa8b72 an inference call placed x_g 2R(D+F) bytes below the arena."""
+    every region of every call lies where the layout places it: scratch regions in
+    [arena_end - scratch, arena_end), the saved regions of a full-save layer in its slot, and
+    no two overlap. At cfa8b72 an inference call placed x_g 2R(D+F) bytes below the arena."""
     from megatron_dist_moe.backends.cuda.bookkeeping import TorchBookkeeping
     from megatron_dist_moe.planner import PlannerState
     rng = random.Random(2)
@@ -122,6 +127,7 @@ def test_cuda_bookkeeping_hands_out_the_layout_inside_the_scratch():
         end = base + plan.scratch_offset + plan.total_scratch_bytes
         lo = end - plan.total_scratch_bytes
         D, F, E_local = cfg.hidden_dim, cfg.intermediate_dim, plan.num_local_experts
+        saved = {r.name for r in L.saved_regions(D, F, cfg.precision)}
         for R in row_counts(plan, rng):
             st = PlannerState.create(plan, "cpu")
             bk = TorchBookkeeping(plan, st, 0, torch.tensor([base]), torch.tensor([end]),
@@ -133,21 +139,27 @@ def test_cuda_bookkeeping_hands_out_the_layout_inside_the_scratch():
                 st.select(0, 1)
             fa = bk.forward(tabs, T, training)
             mode = "train_forward" if training else "inference"
-            lay = L.call_layout(mode, R, D, F, cfg.precision)
-            got = {"h2": (int(fa.h2), lay["h2"].nbytes)}
-            if not training or bool(fa.record.need_recompute):
-                got.update(x_g=(int(fa.xg), lay["x_g"].nbytes), h1=(int(fa.h1), lay["h1"].nbytes))
-            _addresses_inside(got, lo, end, f"{mode} R={R} {cfg}")
-            for name, (a, _n) in got.items():
+            lay = L.call_layout(mode, R, D, F, cfg.precision, E_local)
+            assert list(fa.at) == list(lay.names)
+            in_slot = training and not bool(fa.record.need_recompute)
+            scratch = {n: (int(a), lay[n].nbytes) for n, a in fa.at.items()
+                       if not (in_slot and n in saved)}
+            _addresses_inside(scratch, lo, end, f"{mode} R={R} {cfg}")
+            for name, (a, _n) in scratch.items():
                 assert a == end - lay.total + lay[name].offset, (mode, name)
+            if in_slot:
+                offs = L.saved_offsets(R, D, F, cfg.precision, E_local)
+                slot = {n: (int(fa.at[n]), lay[n].nbytes) for n in saved}
+                _addresses_inside(slot, base, base + plan.slot_bytes, f"slot R={R} {cfg}")
+                for n in saved:
+                    assert int(fa.at[n]) == base + offs[n], n
             if training:
                 ba = bk.backward(fa.record, None, tabs, T)
                 need = bool(fa.record.need_recompute)
-                lay = L.call_layout("replay" if need else "backward", R, D, F, cfg.precision)
-                got = {n: (int(getattr(ba, n)), lay[n].nbytes) for n in ("h2", "g3")}
-                if need:
-                    got.update(x_g=(int(ba.xg), lay["x_g"].nbytes),
-                               h1=(int(ba.h1), lay["h1"].nbytes))
+                lay = L.call_layout("replay" if need else "backward", R, D, F, cfg.precision,
+                                    E_local)
+                got = {n: (int(ba.at[n]), lay[n].nbytes) for n in lay.names
+                       if need or n not in saved}
                 _addresses_inside(got, lo, end, f"backward R={R} {cfg}")
 
 
@@ -160,20 +172,23 @@ def test_reference_backend_scratch_views_follow_the_layout():
         if cfg.hidden_dim * cfg.intermediate_dim > 1 << 20:
             cfg = cfg.replace(hidden_dim=128, intermediate_dim=256)
         plan = dm.plan_memory(cfg, ep_size=ep)
-        ctx = types.SimpleNamespace(config=cfg, plan=plan, device=torch.device("cpu"))
+        ctx = types.SimpleNamespace(config=cfg, plan=plan, device=torch.device("cpu"),
+                                    num_local_experts=plan.num_local_experts)
         be = ReferenceBackend(ctx)
         arena = be._arena(torch.bfloat16)
         end = arena.data_ptr() + arena.numel()
         for R in row_counts(plan, rng)[:4]:
             for mode in L.modes_of(not cfg.inference):
-                lay = L.call_layout(mode, R, cfg.hidden_dim, cfg.intermediate_dim)
-                views = be._scratch(torch.bfloat16, mode, R)
-                for name, v in views.items():
-                    if v.numel() == 0:       # R = 0: an empty view has no address to check
+                lay = L.call_layout(mode, R, cfg.hidden_dim, cfg.intermediate_dim,
+                                    cfg.precision, plan.num_local_experts)
+                views = be._views(torch.bfloat16, mode, R)
+                for reg in lay.regions:
+                    if reg.nbytes == 0:
                         continue
-                    assert v.data_ptr() == end - lay.total + lay[name].offset, (mode, name, R)
+                    v = views(reg.name, (reg.nbytes,), torch.uint8)
+                    assert v.data_ptr() == end - lay.total + reg.offset, (mode, reg.name, R)
                     assert end - plan.total_scratch_bytes <= v.data_ptr()
-                    assert v.data_ptr() + v.numel() * 2 <= end
+                    assert v.data_ptr() + v.numel() <= end
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +198,7 @@ def twin_results():
 
 
 def test_triton_twin_gives_the_same_layout(twin_results):
-    r = twin_results["bf16_layout_twin"]
+    r = twin_results["layout_twin"]
     assert r["ok"], r.get("error")
     assert r["cases"] > 100
 

@@ -53,18 +53,38 @@ def test_shape_and_policy_mapping():
     assert cfg.backend == "auto" and cfg.wgrad_dtype == "fp32"
 
 
-@pytest.mark.parametrize("recipe, precision", [("mxfp8", "mxfp8"), ("blockwise", "fp8_block")])
-def test_fp8_recipe_that_does_not_run_yet_is_refused_by_name(recipe, precision):
+def test_fp8_recipe_that_does_not_run_yet_is_refused_by_name():
     """A recipe whose precision no backend runs is refused at model construction, naming the
     flag and what runs (not accepted and failed later)."""
-    from megatron_dist_moe.execution import RUNS
-    if any(precision in b["precisions"] for b in RUNS.values()):
-        cfg = dist_moe_config(like(fp8="e4m3", fp8_recipe=recipe, moe_ffn_hidden_size=128),
-                              num_local_input_tokens=128)
-        assert cfg.precision == precision
-        return
-    with pytest.raises(UnsupportedMegatronConfig, match=f"--fp8-recipe {recipe}.*does not run yet"):
-        dist_moe_config(like(fp8="e4m3", fp8_recipe=recipe, moe_ffn_hidden_size=128),
+    with pytest.raises(UnsupportedMegatronConfig, match="--fp8-recipe mxfp8.*does not run yet"):
+        dist_moe_config(like(fp8="e4m3", fp8_recipe="mxfp8", moe_ffn_hidden_size=128),
+                        num_local_input_tokens=128)
+
+
+def test_blockwise_recipe_runs_fp8_block_with_te_settings():
+    """--fp8-format e4m3 --fp8-recipe blockwise: precision fp8_block, with the scaling settings
+    of TransformerEngine's Float8BlockScaling (its defaults without TE, or a recipe object)."""
+    from types import SimpleNamespace as NS
+    from megatron_dist_moe.megatron.config_map import fp8_block_scaling
+    t = like(fp8="e4m3", fp8_recipe="blockwise", moe_ffn_hidden_size=128)
+    cfg = dist_moe_config(t, num_local_input_tokens=128)
+    assert cfg.precision == "fp8_block"
+    assert cfg.fp8_power_2_scales is True and cfg.fp8_amax_epsilon == 0.0
+    q = lambda pow2, eps: NS(power_2_scale=pow2, amax_epsilon=eps)  # noqa: E731
+    # a stand-in for TE's recipe object with FP32 scales (NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1)
+    fp32 = NS(fp8_quant_fwd_inp=q(False, 0.0), fp8_quant_fwd_weight=q(False, 0.0),
+              fp8_quant_bwd_grad=q(False, 0.0), x_block_scaling_dim=1, w_block_scaling_dim=2,
+              grad_block_scaling_dim=1)
+    cfg = dist_moe_config(t, num_local_input_tokens=128, fp8_recipe=fp32)
+    assert cfg.fp8_power_2_scales is False
+    mixed = NS(**{**vars(fp32), "fp8_quant_bwd_grad": q(True, 0.0)})
+    with pytest.raises(UnsupportedMegatronConfig, match="differ between inputs, weights"):
+        fp8_block_scaling(mixed)
+    one_d = NS(**{**vars(fp32), "w_block_scaling_dim": 1})
+    with pytest.raises(UnsupportedMegatronConfig, match="block dims"):
+        fp8_block_scaling(one_d)
+    with pytest.raises(UnsupportedMegatronConfig, match="--fp8-format hybrid"):
+        dist_moe_config(like(fp8="hybrid", fp8_recipe="blockwise", moe_ffn_hidden_size=128),
                         num_local_input_tokens=128)
 
 

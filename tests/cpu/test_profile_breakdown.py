@@ -14,8 +14,8 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import profile_breakdown as pb  # noqa: E402
 
-PROFILE = os.path.join(REPO, "benchmarks", "results", "h200x2_2026-11-30",
-                       "profile_guide_fwdbwd_graph.txt")
+# a 2xH200 graph-replay profile of 2026-11-30 kept as a test fixture
+PROFILE = os.path.join(HERE, "data", "profile_guide_fwdbwd_graph_h200x2.txt")
 
 
 def test_stored_profile_matches_the_hand_made_table(tmp_path):

@@ -64,7 +64,14 @@ def case_oracle(rank, ws, *, dtype, routing, layout="E2FD", cfg_kw=None, problem
     out["rows_received"] = int((problem.ids // cfg.num_local_experts(ws) == rank)
                                .logical_and(problem.ids >= 0).sum())
     out["y_dtype"] = str(res["y"].dtype)
-    if dtype == torch.bfloat16:
+    if cfg.precision == "fp8_block":
+        # the same quantization emulated per expert in plain torch (testing.fp8_block_emulation)
+        em = tt.fp8_block_emulation(problem, cfg)
+        pick = _pick(problem, rank)
+        out["vs_emulation"] = {k: tt.relative_error(res[k], em[k][pick[k]]) for k in pick}
+        out["baseline"] = {k: tt.relative_error(em[k][pick[k]], oracle[k][pick[k]])
+                           for k in pick}
+    elif dtype == torch.bfloat16:
         base = tt.oracle_results(problem, cfg, compute_dtype=None)   # plain torch in bf16
         pick = _pick(problem, rank)
         out["baseline"] = {k: tt.relative_error(base[k][pick[k]], oracle[k][pick[k]])
@@ -264,6 +271,21 @@ CASES = {
     "bf16_random_inactive_wgrad_into": dict(
         fn=case_oracle, dtype=torch.bfloat16, routing="random", wgrad_into=True,
         problem_kw=dict(inactive_fraction=0.25, num_inactive_rows=4)),
+    # fp8_block: E4M3 operands, 1x128 / 128x128 scales (D, F multiples of 128)
+    "fp8_block_random_inactive": dict(
+        fn=case_oracle, dtype=torch.bfloat16, routing="random",
+        cfg_kw=dict(precision="fp8_block", hidden_dim=128, intermediate_dim=256),
+        problem_kw=dict(inactive_fraction=0.25, num_inactive_rows=4)),
+    "fp8_block_one_rank_replay_saved_routes": dict(
+        fn=case_oracle, dtype=torch.bfloat16, routing="one_rank",
+        cfg_kw=dict(precision="fp8_block", hidden_dim=256, intermediate_dim=128,
+                    save_route_outputs=True, activation_slot_capacity_factor=0.0),
+        problem_kw=dict(target_rank=1)),
+    "fp8_block_hot_expert_clamped_fp32_scales": dict(
+        fn=case_oracle, dtype=torch.bfloat16, routing="hot_expert", layout="E2F_D",
+        cfg_kw=dict(precision="fp8_block", hidden_dim=128, intermediate_dim=384,
+                    activation="swiglu_clamped", fp8_power_2_scales=False),
+        problem_kw=dict(hot_expert=1, num_inactive_rows=2)),
     "multilayer": dict(fn=case_multilayer),
     "two_slots": dict(fn=case_two_slots),
     "no_grad": dict(fn=case_no_grad),
@@ -314,6 +336,16 @@ def test_forward_and_gradients_match_oracle(results, name):
                 tol = 8e-3 if k.startswith("grad_w") else 1e-5
                 assert v < tol, f"rank {rank} {k}: rel err {v:.3g}"
             assert max(err["grad_w13"], err["grad_w2"]) > 1e-5, "wgrad_dtype='bf16' not honoured"
+        elif "vs_emulation" in res:
+            # fp8_block: the reference is that emulation (up to fp32 summation order), and its
+            # error against the fp64 oracle is the quantization's (E4M3: 3 mantissa bits)
+            for k, v in res["vs_emulation"].items():
+                assert v < 1e-3, f"rank {rank} {k}: {v:.3g} from the torch emulation"
+            for k, v in err.items():
+                assert v <= 2 * res["baseline"][k] + 1e-6, (rank, k, v, res["baseline"][k])
+                assert v < 0.2, f"rank {rank} {k}: rel err {v:.3g}"
+                if res["baseline"][k] > 0:     # (zero on a rank that receives no rows)
+                    assert v > 1e-2, f"rank {rank} {k}: rel err {v:.3g}: not quantized?"
         else:
             base = res["baseline"]
             for k, v in err.items():

@@ -72,6 +72,25 @@ def oracle(x_all, ids_all, s_all, w13_all, w2_all, gy_all, cfg, bf16_points=Fals
     return y.detach(), x.grad, s.grad, w13.grad, w2.grad
 
 
+def emulation(prob, cfg):
+    """The same computation at the precision's own rounding points: bf16 stores (oracle with
+    bf16_points), or fp8_block's quantization (testing.fp8_block_emulation). Its error against
+    the exact oracle sets the tolerance."""
+    if cfg.precision != "fp8_block":
+        return oracle(prob["x"], prob["ids"], prob["s"], prob["w13"], prob["w2"], prob["gy"],
+                      cfg, bf16_points=True)
+    from megatron_dist_moe import testing as tt
+    EP, T, D = prob["x"].shape
+    K = prob["ids"].shape[-1]
+    E, F2, _ = prob["w13"].shape
+    P = tt.Problem(EP, T, prob["x"].reshape(EP * T, D), prob["ids"].reshape(EP * T, K).long(),
+                   prob["s"].reshape(EP * T, K), prob["w13"].view(E, 2, F2 // 2, D), prob["w2"],
+                   prob["gy"].reshape(EP * T, D))
+    em = tt.fp8_block_emulation(P, cfg)
+    return (em["y"].view(EP, T, D), em["grad_x"].view(EP, T, D),
+            em["grad_scores"].view(EP, T, K), em["grad_w13"].view(E, F2, D), em["grad_w2"])
+
+
 def relerr(a, b):
     a = a.double()
     b = b.double()
@@ -83,10 +102,11 @@ NAMES = ("y", "grad_x", "grad_scores", "grad_w13", "grad_w2")
 
 def compare(got, prob, cfg, rank, sl):
     """Norm-wise relative errors vs the exact fp64 oracle, and tolerances: 2x the error of the
-    same computation with bf16 stores (the precision's own error), floored at TOL_FLOOR."""
+    same computation at the precision's rounding points (`emulation`: the precision's own
+    error), floored at TOL_FLOOR."""
     args = (prob["x"], prob["ids"], prob["s"], prob["w13"], prob["w2"], prob["gy"], cfg)
     exact = oracle(*args)
-    emul = oracle(*args, bf16_points=True)
+    emul = emulation(prob, cfg)
     pick = (lambda t: t[rank], lambda t: t[rank], lambda t: t[rank], lambda t: t[sl],
             lambda t: t[sl])
     # NOTE: the clamped activation's derivative jumps at +-limit; an h1 element within a bf16
@@ -311,7 +331,7 @@ def run_inference_case(name, cfg, ctx, EP, rank, results, T, graph=False):
         del g
     for tag, p, y in runs:
         args = (p["x"], p["ids"], p["s"], p["w13"], p["w2"], p["gy"], cfg)
-        exact, emul = oracle(*args)[0][rank], oracle(*args, bf16_points=True)[0][rank]
+        exact, emul = oracle(*args)[0][rank], emulation(p, cfg)[0][rank]
         err = relerr(y, exact)
         tol = max(TOL_FLOOR, 2 * relerr(emul, exact))
         zero_rows = (p["ids"][rank] < 0).all(1)
@@ -327,6 +347,7 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--engines", default="triton,torch")
     ap.add_argument("--pipelines", default="standard,staged")
+    ap.add_argument("--precisions", default="bf16,fp8_block")
     ap.add_argument("--save-route-outputs", default="0", choices=["0", "1"],
                     help="Config.save_route_outputs (0: score gradients on the expert side)")
     args = ap.parse_args()
@@ -338,19 +359,22 @@ def main():
     shapes = [dict(T=37, D=128, F=192, K=3, E_local=3)]
     if not args.quick:
         shapes.append(dict(T=256, D=1024, F=512, K=6, E_local=6))
-    combos = [(e, p) for e in args.engines.split(",") for p in args.pipelines.split(",")
-              if not (e == "torch" and p == "staged")]
-    for (engine, pipeline), sh in ((c, sh) for c in combos for sh in shapes):
+    from megatron_dist_moe.execution import runs
+    combos = [(pr, e, p) for pr in args.precisions.split(",") for e in args.engines.split(",")
+              for p in args.pipelines.split(",")
+              if not (e == "torch" and (p == "staged" or pr != "bf16")) and runs("cuda", pr, p)]
+    for (precision, engine, pipeline), sh in ((c, sh) for c in combos for sh in shapes):
         exe = {"gemm_engine": engine}
         T = sh["T"]
+        F = sh["F"] if precision == "bf16" else -(-sh["F"] // 128) * 128   # fp8: F % 128 == 0
         for activation in ("swiglu", "swiglu_clamped"):
-            cfg = dm.Config(num_local_input_tokens=T, hidden_dim=sh["D"], intermediate_dim=sh["F"],
+            cfg = dm.Config(num_local_input_tokens=T, hidden_dim=sh["D"], intermediate_dim=F,
                             top_k=sh["K"], num_experts=sh["E_local"] * EP, backend="cuda",
                             activation=activation, device_scratch_capacity_factor=float(EP),
                             activation_slot_capacity_factor=1.5, wgrad_dtype="fp32",
-                            swiglu_limit=3.0, pipeline=pipeline,
+                            swiglu_limit=3.0, pipeline=pipeline, precision=precision,
                             save_route_outputs=args.save_route_outputs == "1")
-            tag = f"{engine}_{pipeline}_T{T}_D{sh['D']}_F{sh['F']}_{activation}"
+            tag = f"{precision}_{engine}_{pipeline}_T{T}_D{sh['D']}_F{F}_{activation}"
             if args.save_route_outputs == "0":
                 tag += "_expert_score_grads"
             try:

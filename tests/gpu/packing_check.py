@@ -53,13 +53,34 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--save-route-outputs", default="0", choices=["0", "1"],
                     help="Config.save_route_outputs (0: score gradients on the expert side)")
+    ap.add_argument("--precisions", default="bf16,fp8_block")
     args = ap.parse_args()
     rank, EP = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dev = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("nccl", device_id=dev)
     T, D, F, K, E_loc = 128, 256, 256, 4, 4
-    base = dm.Config(num_local_input_tokens=T, hidden_dim=D, intermediate_dim=F, top_k=K,
+    results = []
+    for precision in args.precisions.split(","):
+        run_precision(precision, args, rank, EP, dev, T, D, F, K, E_loc, results)
+    gathered = [None] * EP
+    dist.all_gather_object(gathered, results)
+    flat = [r for rs in gathered for r in rs]
+    if rank == 0:
+        for r in flat:
+            print(f"{'PASS' if r['ok'] else 'FAIL'} rank{r['rank']} {r['case']:<28} flags={r['flags']} "
+                  f"expected={r['expected']} worst_err={r['worst_rel_err']:.2e} cursors_ok={r['cursors_ok']}")
+        n_fail = sum(not r["ok"] for r in flat)
+        print(f"{len(flat) - n_fail} passed, {n_fail} failed")
+        if args.json:
+            json.dump(flat, open(args.json, "w"), indent=1)
+    ok = all(r["ok"] for r in flat)
+    dist.destroy_process_group()
+    sys.exit(0 if ok else 1)
+
+
+def run_precision(precision, args, rank, EP, dev, T, D, F, K, E_loc, results):
+    base = dm.Config(precision=precision, num_local_input_tokens=T, hidden_dim=D, intermediate_dim=F, top_k=K,
                      num_experts=E_loc * EP, backend="cuda", max_moe_layers_per_activation_slot=L,
                      device_scratch_capacity_factor=float(EP), wgrad_dtype="fp32",
                      save_route_outputs=args.save_route_outputs == "1")
@@ -73,7 +94,6 @@ def main():
         lo, hi = (plan0.layer.full_state(int(v)) for v in (rows0.min(), rows0.max()))
         reserve = (L - 1) * plan0.input_bytes
         budgets["worst_rank"] = dict(activation_slot_bytes=(lo + hi) // 2 + reserve)
-    results = []
     sl = slice(rank * E_loc, (rank + 1) * E_loc)
     for name, extra in budgets.items():
         cfg = base.replace(**extra)
@@ -131,25 +151,11 @@ def main():
                               and int(st.saved_bytes.abs().sum()) == 0
                               and int(st.layer_position.abs().sum()) == 0)
                 ok &= cursors_ok
-                results.append(dict(case=f"{name}_replay{rnd}", rank=rank, ok=bool(ok),
+                results.append(dict(case=f"{precision}_{name}_replay{rnd}", rank=rank, ok=bool(ok),
                                     flags="".join("R" if f else "S" for f in flags),
                                     expected="".join("R" if f else "S" for f in want),
                                     worst_rel_err=worst_err, cursors_ok=cursors_ok))
             del g
-    gathered = [None] * EP
-    dist.all_gather_object(gathered, results)
-    flat = [r for rs in gathered for r in rs]
-    if rank == 0:
-        for r in flat:
-            print(f"{'PASS' if r['ok'] else 'FAIL'} rank{r['rank']} {r['case']:<18} flags={r['flags']} "
-                  f"expected={r['expected']} worst_err={r['worst_rel_err']:.2e} cursors_ok={r['cursors_ok']}")
-        n_fail = sum(not r["ok"] for r in flat)
-        print(f"{len(flat) - n_fail} passed, {n_fail} failed")
-        if args.json:
-            json.dump(flat, open(args.json, "w"), indent=1)
-    ok = all(r["ok"] for r in flat)
-    dist.destroy_process_group()
-    sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ class _Saved:
     w13: torch.Tensor
     w2: torch.Tensor
     T: int
+    prepared: object = None            # what the pipeline made of the weights (fp8: Fp8Weights)
     wgrad_into: tuple | None = None    # see reference._Saved
 
 
@@ -155,7 +156,9 @@ class CudaBackend:
         fa = self.bk.forward(tabs, T, training)
         if training and self.decision_trace is not None:
             self.decision_trace.append(fa.record.need_recompute)
-        self.experts.forward(tabs, w13_E2FD, w2_EDF, tabs.combine_ptrs, fa.xg, fa.h1, fa.h2)
+        prepared = self.experts.prepare(w13_E2FD, w2_EDF, training)
+        self.experts.forward(tabs, w13_E2FD, w2_EDF, tabs.combine_ptrs, fa.at, prepared=prepared,
+                             training=training)
         self.sym.barrier(1)
         y_TD = torch.empty_like(x_TD)
         routes = self._routes_view(self.sym.combine, T)
@@ -170,7 +173,8 @@ class CudaBackend:
                               save_addr=fa.routes_save if keep_routes else None,
                               save_flag=fa.save_flag if keep_routes else None)
         K_rows.copy_rows(K_rows.device_ptr(x_TD), fa.x_slot, fa.x_rows, D, T)
-        return y_TD, _Saved(fa.record, fa.rec_vec, tabs, ids_TK, scores_TK, w13_E2FD, w2_EDF, T)
+        return y_TD, _Saved(fa.record, fa.rec_vec, tabs, ids_TK, scores_TK, w13_E2FD, w2_EDF, T,
+                            prepared)
 
     # -- backward ---------------------------------------------------------------------------
     def _wgrad_tables(self, wgrad_into):
@@ -204,8 +208,8 @@ class CudaBackend:
         K_rows.copy_rows(ba.x_slot, self.p_dispatch, ba.x_rows, D, T)
         self.sym.barrier(0)
         self.experts.forward(tabs, saved.w13, saved.w2,
-                             tabs.combine_ptrs if keep_routes else None, ba.xg, ba.h1, ba.h2,
-                             rows=(ba.replay_offsets, ba.replay_rows))
+                             tabs.combine_ptrs if keep_routes else None, ba.at,
+                             rows=(ba.replay_offsets, ba.replay_rows), prepared=saved.prepared)
         grad_scores = torch.empty(T, K, dtype=torch.float32, device=grad_y_TD.device)
         if keep_routes:
             self.sym.barrier(1)
@@ -233,7 +237,7 @@ class CudaBackend:
             wgrad_dtype=cfg.wgrad_dtype, wgrad_into=self._wgrad_tables(saved.wgrad_into),
             score_ptrs=None if keep_routes else self.score_ptrs,
             score_grad_delta=self.ctx.plan.route_score_grads_delta,
-            part_stride=self.ctx.plan.score_part_stride)
+            part_stride=self.ctx.plan.score_part_stride, prepared=saved.prepared)
         self.sym.barrier(3)
         if not keep_routes:
             K_rows.sum_score_parts(self.sym.score_parts, self.experts.score_parts, saved.ids_TK,

@@ -29,8 +29,8 @@ from ...execution import Execution
 from ...kernels import rows as K_rows
 from .routing import RoutingTables
 
-__all__ = ["Bf16Kernels", "StandardPipeline", "StagedPipeline", "TorchPipeline",
-           "make_expert_pipeline", "wgrad_store_dtype"]
+__all__ = ["Bf16Kernels", "Fp8BlockKernels", "StandardPipeline", "StagedPipeline",
+           "TorchPipeline", "Fp8BlockPipeline", "make_expert_pipeline", "wgrad_store_dtype"]
 
 
 def wgrad_store_dtype(wgrad_dtype: str, weight_dtype: torch.dtype) -> torch.dtype:
@@ -145,20 +145,26 @@ class StandardPipeline:
         self.k.gather(tabs, gather_ptrs, g3, nrows, "combine" if score is not None else None)
         self.k.w2_dgrad_swiglu_bwd(w2, offs, g3, h1, h2, score)
 
-    def forward(self, tabs: RoutingTables, w13_E2FD, w2_EDF, scatter_ptrs, xg, h1, h2,
-                rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Expert MLP of the received rows; x_g and h1 land at xg / h1 (device ptrs), route
-        outputs h3 at scatter_ptrs (peer combine rows; None: stop after W13 + SwiGLU, as a
+    def prepare(self, w13_E2FD, w2_EDF, training: bool):
+        """What the GEMMs read of the weights: the bf16 weights themselves."""
+        return None
+
+    def forward(self, tabs: RoutingTables, w13_E2FD, w2_EDF, scatter_ptrs, at: dict,
+                rows: tuple[torch.Tensor, torch.Tensor] | None = None, prepared=None,
+                training: bool = True) -> None:
+        """Expert MLP of the received rows into the call's regions `at` (region name -> int64
+        [1] device address; x_g and h1 land in the slot or scratch, as the bookkeeping chose),
+        route outputs h3 at scatter_ptrs (peer combine rows; None: stop after W13 + SwiGLU, as a
         backward replay without saved route outputs does). A replay passes its predicated
         (expert offsets, row count) as `rows`: zeros when nothing is replayed."""
         offs, nrows = rows if rows is not None else (tabs.expert_offsets, tabs.num_rows)
-        self._w13(tabs, w13_E2FD, offs, nrows, xg, h1, h2)
+        self._w13(tabs, w13_E2FD, offs, nrows, at["x_g"], at["h1"], at["h2"])
         if scatter_ptrs is not None:
-            self.k.w2_scatter(w2_EDF, offs, h2, scatter_ptrs)
+            self.k.w2_scatter(w2_EDF, offs, at["h2"], scatter_ptrs)
 
     def backward(self, tabs: RoutingTables, w13_E2FD, w2_EDF, gather_ptrs, scatter_ptrs, ba,
                  wgrad_dtype: str, score_ptrs=None, score_grad_delta: int = 0,
-                 part_stride: int = 0, wgrad_into=None):
+                 part_stride: int = 0, wgrad_into=None, prepared=None):
         """Returns (grad_w13 [E,2F,D], grad_w2 [E,D,F]); route input gradients are stored at
         scatter_ptrs (owners' dispatch rows). `ba`: the call's BackwardAddresses. The g3 rows
         are read from gather_ptrs. wgrad_into: (w13, w2) ExpertOutTable of fp32 matrices: the
@@ -227,9 +233,13 @@ class TorchPipeline:
         c = self.cfg
         return (c.intermediate_dim, self.max_rows, self.clamped, c.swiglu_alpha, c.swiglu_limit)
 
-    def forward(self, tabs, w13_E2FD, w2_EDF, scatter_ptrs, xg_addr, h1_addr, h2_addr,
-                rows=None) -> None:
+    def prepare(self, w13_E2FD, w2_EDF, training: bool):
+        return None
+
+    def forward(self, tabs, w13_E2FD, w2_EDF, scatter_ptrs, at, rows=None, prepared=None,
+                training=True) -> None:
         D, F, Rm = self.cfg.hidden_dim, self.cfg.intermediate_dim, self.max_rows
+        xg_addr, h1_addr = at["x_g"], at["h1"]
         offs, nrows = rows if rows is not None else (tabs.expert_offsets, tabs.num_rows)
         xg = torch.empty(Rm, D, dtype=torch.bfloat16, device=self.device)
         self.k.gather(tabs, tabs.fwd_gather_ptrs, K_rows.device_ptr(xg), nrows, "dispatch")
@@ -243,7 +253,8 @@ class TorchPipeline:
         K_rows.copy_rows(K_rows.device_ptr(h1), h1_addr, nrows, 2 * F, Rm)
 
     def backward(self, tabs, w13_E2FD, w2_EDF, gather_ptrs, scatter_ptrs, ba, wgrad_dtype,
-                 score_ptrs=None, score_grad_delta=0, part_stride=0, wgrad_into=None):
+                 score_ptrs=None, score_grad_delta=0, part_stride=0, wgrad_into=None,
+                 prepared=None):
         D, F, Rm = self.cfg.hidden_dim, self.cfg.intermediate_dim, self.max_rows
         offs, nrows = tabs.expert_offsets, tabs.num_rows
         out_dtype = wgrad_store_dtype(wgrad_dtype, w13_E2FD.dtype)
@@ -279,9 +290,152 @@ class TorchPipeline:
         return None, None
 
 
+class Fp8BlockKernels:
+    """The fp8_block steps (Triton): block quantization of rows and columns, the FP8
+    block-scaled grouped GEMMs with their epilogues, the SwiGLU with the quantization of its
+    input and output (kernels/quant_fp8.py, kernels/grouped_gemm/fp8.py)."""
+
+    def __init__(self, cfg: Config, num_local_experts: int, max_rows: int):
+        from ...quant.fp8_block import BlockScaling
+        self.cfg, self.E, self.max_rows = cfg, num_local_experts, max_rows
+        self.recipe = BlockScaling.of(cfg)
+        self.act = dict(activation=cfg.activation, swiglu_alpha=cfg.swiglu_alpha,
+                        swiglu_limit=cfg.swiglu_limit)
+
+    def quantize(self, x, offs, K: int, rows=None, cols=None):
+        from ...kernels.quant_fp8 import quantize_rows_cols
+        quantize_rows_cols(x, offs, self.max_rows, K, rows=rows, cols=cols, recipe=self.recipe)
+
+    def swiglu_quant(self, h1, nrows, h2q, h1q=None):
+        from ...kernels.quant_fp8 import swiglu_quant
+        swiglu_quant(h1, nrows, self.max_rows, self.cfg.intermediate_dim, h2q=h2q, h1q=h1q,
+                     recipe=self.recipe, **self.act)
+
+    def weights(self, w13_E2FD, w2_EDF, transposed: bool):
+        """Fp8Weights of one version (both orientations when `transposed`, for a backward)."""
+        from ...kernels.quant_fp8 import quantize_weight
+        from ...quant.fp8_block import Fp8Weights
+        q13, s13, q13t, s13t = quantize_weight(w13_E2FD, self.recipe, transposed=transposed)
+        q2, s2, q2t, s2t = quantize_weight(w2_EDF, self.recipe, transposed=transposed)
+        return Fp8Weights(q13, s13, q13t, s13t, q2, s2, q2t, s2t)
+
+    def mm(self, a, w, w_s, offs, epilogue, **kw):
+        from ...kernels.grouped_gemm.fp8 import fp8_grouped_mm
+        fp8_grouped_mm(a=a, w=w, w_scales=w_s, expert_offsets=offs, max_rows=self.max_rows,
+                       epilogue=epilogue, **kw, **self.act)
+
+    def wgrad(self, a, b, offs, out):
+        from ...kernels.grouped_gemm import ExpertOutTable
+        from ...kernels.grouped_gemm.fp8 import fp8_grouped_wgrad
+        fp8_grouped_wgrad(a, b, offs, out, accumulate=isinstance(out, ExpertOutTable))
+
+    def score_parts(self, device) -> int:
+        from ...kernels.grouped_gemm.fp8 import _config
+        return -(-self.cfg.intermediate_dim // _config(torch.device(device)).block_n)
+
+
+class Fp8BlockPipeline:
+    """fp8_block, standard order. Forward: gather x_g (bf16), quantize its rows (and, training,
+    its columns: the saved x_c), W13 FP8 GEMM -> h1 (bf16), SwiGLU + quantization (h2 row
+    bundle; training: the saved h1 row bundle), W2 FP8 GEMM + scatter to the owners. Backward:
+    gather g3, quantize its rows and columns, W2 DGRAD (+ SwiGLU backward from the saved h1
+    bundle, + score-gradient parts) -> grad_h1 and h2 (bf16), quantize grad_h1 (rows, columns)
+    and h2 (columns), W2 WGRAD, W13 DGRAD + scatter, W13 WGRAD.
+
+    Weights are quantized once per version (`prepare`): outside CUDA-graph capture the
+    quantized copies of the last WEIGHT_CACHE weight pairs are kept (both orientations, one byte
+    per element each; least recently used first out) and reused while the weights' version
+    counter (`tensor._version`, shared by views, bumped by every in-place update such as an
+    optimizer step) is unchanged. An entry holds its bf16 weights too, so their memory cannot
+    be reused by another tensor at the same address while cached. A capture quantizes inside
+    the graph, so every replay reads the weights of that moment."""
+
+    WEIGHT_CACHE = 16
+
+    name = "standard"
+    uses_fanout = True
+
+    def __init__(self, cfg: Config, execution: Execution, num_local_experts: int, max_rows: int,
+                 device: torch.device, rank: int):
+        self.cfg, self.E, self.max_rows, self.device = cfg, num_local_experts, max_rows, device
+        self.k = Fp8BlockKernels(cfg, num_local_experts, max_rows)
+        self.bf = Bf16Kernels(cfg, num_local_experts, max_rows, execution.wait_timeout_s, rank)
+        self.score_parts = self.k.score_parts(device)
+        from collections import OrderedDict
+        self._cache: OrderedDict = OrderedDict()
+
+    def prepare(self, w13_E2FD, w2_EDF, training: bool):
+        """The Fp8Weights of this weight version (see the class docstring)."""
+        key = tuple((w.data_ptr(), tuple(w.shape), w.stride()) for w in (w13_E2FD, w2_EDF))
+        key += (training,)
+        version = (w13_E2FD._version, w2_EDF._version)
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        hit = self._cache.get(key)
+        if hit is not None and hit[0] == version and not capturing:
+            self._cache.move_to_end(key)
+            return hit[1]
+        w = self.k.weights(w13_E2FD, w2_EDF, transposed=training)
+        if not capturing:
+            self._cache[key] = (version, w, (w13_E2FD, w2_EDF))
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.WEIGHT_CACHE:
+                self._cache.popitem(last=False)
+        return w
+
+    def forward(self, tabs: RoutingTables, w13_E2FD, w2_EDF, scatter_ptrs, at: dict,
+                rows=None, prepared=None, training: bool = True) -> None:
+        D = self.cfg.hidden_dim
+        offs, nrows = rows if rows is not None else (tabs.expert_offsets, tabs.num_rows)
+        W = prepared if prepared is not None else self.prepare(w13_E2FD, w2_EDF, training)
+        self.bf.gather(tabs, tabs.fwd_gather_ptrs, at["x_g"], nrows, "dispatch")
+        self.k.quantize(at["x_g"], offs, D, rows=(at["xq"], at["xq_s"]),
+                        cols=(at["x_c"], at["x_c_s"]) if training else None)
+        self.k.mm((at["xq"], at["xq_s"]), W.w13, W.w13_s, offs, "store", out=at["h1"])
+        self.k.swiglu_quant(at["h1"], nrows, (at["h2q"], at["h2q_s"]),
+                            (at["h1q"], at["h1q_s"]) if training else None)
+        if scatter_ptrs is not None:
+            self.k.mm((at["h2q"], at["h2q_s"]), W.w2, W.w2_s, offs, "scatter",
+                      out_row_ptrs=scatter_ptrs)
+
+    def backward(self, tabs: RoutingTables, w13_E2FD, w2_EDF, gather_ptrs, scatter_ptrs, ba,
+                 wgrad_dtype: str, score_ptrs=None, score_grad_delta: int = 0,
+                 part_stride: int = 0, wgrad_into=None, prepared=None):
+        """As StandardPipeline.backward; `prepared`: the forward's Fp8Weights."""
+        D, F = self.cfg.hidden_dim, self.cfg.intermediate_dim
+        offs, nrows = tabs.expert_offsets, tabs.num_rows
+        at = ba.at
+        W = prepared if prepared is not None else self.prepare(w13_E2FD, w2_EDF, True)
+        out_dtype = wgrad_store_dtype(wgrad_dtype, w13_E2FD.dtype)
+        self.bf.gather(tabs, gather_ptrs, at["g3"], nrows,
+                       "combine" if score_ptrs is not None else None)
+        self.k.quantize(at["g3"], offs, D, rows=(at["g3q"], at["g3q_s"]),
+                        cols=(at["g3c"], at["g3c_s"]))
+        sc = {} if score_ptrs is None else dict(score_ptrs=score_ptrs,
+                                               score_grad_delta=score_grad_delta,
+                                               part_stride=part_stride)
+        self.k.mm((at["g3q"], at["g3q_s"]), W.w2_t, W.w2_t_s, offs, "swiglu_bwd",
+                  out=at["gh1"], h1q=(at["h1q"], at["h1q_s"]), h2=at["h2"], **sc)
+        self.k.quantize(at["gh1"], offs, 2 * F, rows=(at["gh1q"], at["gh1q_s"]),
+                        cols=(at["gh1c"], at["gh1c_s"]))
+        self.k.quantize(at["h2"], offs, F, cols=(at["h2c"], at["h2c_s"]))
+        grad_w2 = (wgrad_into[1] if wgrad_into is not None
+                   else torch.empty(self.E, D, F, dtype=out_dtype, device=self.device))
+        self.k.wgrad((at["g3c"], at["g3c_s"]), (at["h2c"], at["h2c_s"]), offs, grad_w2)
+        self.k.mm((at["gh1q"], at["gh1q_s"]), W.w13_t, W.w13_t_s, offs, "scatter",
+                  out_row_ptrs=scatter_ptrs)
+        grad_w13 = (wgrad_into[0] if wgrad_into is not None
+                    else torch.empty(self.E, 2 * F, D, dtype=out_dtype, device=self.device))
+        self.k.wgrad((at["gh1c"], at["gh1c_s"]), (at["x_c"], at["x_c_s"]), offs, grad_w13)
+        if wgrad_into is not None:
+            return None, None
+        return grad_w13, grad_w2
+
+
 def make_expert_pipeline(cfg: Config, execution: Execution, num_local_experts: int,
                          max_rows: int, device: torch.device, rank: int):
-    if execution.gemm_engine == "torch":
+    if execution.precision == "fp8_block":
+        cls = Fp8BlockPipeline
+    elif execution.gemm_engine == "torch":
         cls = TorchPipeline
     else:
         cls = StagedPipeline if execution.pipeline == "staged" else StandardPipeline

@@ -8,11 +8,11 @@ from megatron_dist_moe.backends.cuda.bookkeeping import TorchBookkeeping, Triton
 from megatron_dist_moe.backends.cuda.routing import RoutingTables
 
 
-def run(ep, rank, factor, seed, layers, slots):
-    cfg = dm.Config(num_local_input_tokens=32, hidden_dim=64, intermediate_dim=128, top_k=2,
+def run(ep, rank, factor, seed, layers, slots, precision="bf16"):
+    cfg = dm.Config(num_local_input_tokens=32, hidden_dim=128, intermediate_dim=256, top_k=2,
                     num_experts=4 * ep, backend="reference", num_activation_slots=slots,
                     max_moe_layers_per_activation_slot=layers,
-                    activation_slot_capacity_factor=factor)
+                    activation_slot_capacity_factor=factor, precision=precision)
     plan = dm.plan_memory(cfg, ep_size=ep)
     E_local = cfg.num_local_experts(ep)
     g = torch.Generator().manual_seed(seed)
@@ -42,6 +42,10 @@ def run(ep, rank, factor, seed, layers, slots):
                 raise AssertionError(f"{tag}: torch {a.tolist()} != triton {b.tolist()}")
         elif a is None or b is None:
             assert a is None and b is None, f"{tag}: one is None"
+        elif isinstance(a, dict):
+            assert list(a) == list(b), f"{tag}: regions {list(a)} != {list(b)}"
+            for k in a:
+                same(f"{tag}[{k}]", a[k], b[k])
         else:
             for f in vars(a):
                 if f != "rec_vec":
@@ -81,7 +85,11 @@ if __name__ == "__main__":
     for name, kw in {"ep2_rank0_tight": dict(ep=2, rank=0, factor=1.0, seed=1, layers=4, slots=2),
                      "ep2_rank1_tight": dict(ep=2, rank=1, factor=1.0, seed=2, layers=4, slots=2),
                      "ep4_roomy": dict(ep=4, rank=3, factor=2.5, seed=3, layers=3, slots=1),
-                     "ep1_tight": dict(ep=1, rank=0, factor=1.0, seed=4, layers=5, slots=2)}.items():
+                     "ep1_tight": dict(ep=1, rank=0, factor=1.0, seed=4, layers=5, slots=2),
+                     "fp8_block_ep2_tight": dict(ep=2, rank=1, factor=1.0, seed=5, layers=4,
+                                                 slots=2, precision="fp8_block"),
+                     "fp8_block_ep1_roomy": dict(ep=1, rank=0, factor=2.0, seed=6, layers=3,
+                                                 slots=1, precision="fp8_block")}.items():
         try:
             needs = run(**kw)
             out = {"name": name, "ok": True, "needs": needs}

@@ -21,6 +21,7 @@ from megatron_dist_moe.backends.cuda.bookkeeping import TritonBookkeeping
 from megatron_dist_moe.backends.cuda.routing import RoutingTables
 
 _TT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
+       torch.float8_e4m3fn: "fp8e4nv",
        torch.int32: "i32", torch.int16: "i16", torch.uint8: "u8", torch.bool: "i1"}
 
 
@@ -181,7 +182,42 @@ _rec = torch.zeros(KB.REC_FIXED + 2, dtype=torch.int64)
 VARIANTS["bookkeeping_fwd"] = lambda: _bk.forward(_tabs, 2048, True)
 VARIANTS["bookkeeping_fwd_inference"] = lambda: _bk.forward(_tabs, 2048, False)
 VARIANTS["bookkeeping_bwd"] = lambda: _bk.backward(None, _rec, _tabs, 2048)
+# fp8_block: the launchers pick the interpreter's settings on CPU tensors; the GPU's are set below
+from megatron_dist_moe.kernels import quant_fp8 as KQ  # noqa: E402
+from megatron_dist_moe.kernels.grouped_gemm import fp8 as G8  # noqa: E402
+from megatron_dist_moe.quant import fp8_block as Q8  # noqa: E402
+f8 = torch.float8_e4m3fn
+W8 = Q8.Fp8Weights(torch.empty(E, 2 * F, D, dtype=f8), torch.empty(E, 2 * F // 128, D // 128),
+                   torch.empty(E, D, 2 * F, dtype=f8), torch.empty(E, D // 128, 2 * F // 128),
+                   torch.empty(E, D, F, dtype=f8), torch.empty(E, D // 128, F // 128),
+                   torch.empty(E, F, D, dtype=f8), torch.empty(E, F // 128, D // 128))
+G8_BIG = G8.FP8_CONFIG
+VARIANTS["fp8_mm_store"] = lambda: G8.fp8_grouped_mm(a=(p, p), w=W8.w13, w_scales=W8.w13_s,
+    expert_offsets=offs, max_rows=R, epilogue="store", out=p, config=G8_BIG)
+VARIANTS["fp8_mm_scatter"] = lambda: G8.fp8_grouped_mm(a=(p, p), w=W8.w13_t, w_scales=W8.w13_t_s,
+    expert_offsets=offs, max_rows=R, epilogue="scatter", out_row_ptrs=rows_tab, config=G8_BIG)
+VARIANTS["fp8_mm_swiglu_bwd_scored"] = lambda: G8.fp8_grouped_mm(a=(p, p), w=W8.w2_t,
+    w_scales=W8.w2_t_s, expert_offsets=offs, max_rows=R, epilogue="swiglu_bwd", out=p,
+    h1q=(p, p), h2=p, score_ptrs=rows_tab, score_grad_delta=49152, part_stride=49152,
+    config=G8_BIG)
+VARIANTS["fp8_mm_swiglu_bwd_clamped"] = lambda: G8.fp8_grouped_mm(a=(p, p), w=W8.w2_t,
+    w_scales=W8.w2_t_s, expert_offsets=offs, max_rows=R, epilogue="swiglu_bwd", out=p,
+    h1q=(p, p), h2=p, activation="swiglu_clamped", config=G8_BIG)
+VARIANTS["fp8_wgrad_bf16"] = lambda: G8.fp8_grouped_wgrad((p, p), (p, p), offs,
+    torch.empty(E, 2 * F, D, dtype=bf), config=G8_BIG, num_programs=132)
+VARIANTS["fp8_wgrad_table"] = lambda: G8.fp8_grouped_wgrad((p, p), (p, p), offs,
+    G.ExpertOutTable(torch.zeros(E, dtype=torch.int64), D, F, torch.float32), accumulate=True,
+    config=G8_BIG, num_programs=132)
+VARIANTS["fp8_quant_rows_cols"] = lambda: KQ.quantize_rows_cols(p, offs, R, D, rows=(p, p),
+                                                                  cols=(p, p))
+VARIANTS["fp8_swiglu_quant"] = lambda: KQ.swiglu_quant(p, offs[-1:], R, F, h2q=(p, p),
+                                                       h1q=(p, p))
+VARIANTS["fp8_quant_weight"] = lambda: KQ.quantize_weight(torch.empty(E, 2 * F, D, dtype=bf))
 JIT = {"rows_device_check": (K_checks, "_device_check_kernel"),
+       "fp8_mm": (G8, "_fp8_mm_kernel"), "fp8_wgrad": (G8, "_fp8_wgrad_kernel"),
+       "fp8_quant_rows_cols": (KQ, "_quant_rows_cols_kernel"),
+       "fp8_swiglu_quant": (KQ, "_swiglu_quant_kernel"),
+       "fp8_quant_weight": (KQ, "_quant_weight_kernel"),
        "rows_sum_score_parts": (K_rows, "_sum_score_parts_kernel"),
        "rows_fanout": (K_rows, "_fanout_rows_kernel"),
        "rows_swiglu_bwd": (K_rows, "_swiglu_bwd_kernel"),
@@ -201,18 +237,24 @@ for name in names:
     t0 = time.time()
     res = {"name": name}
     try:
-        module, jit_name = JIT.get(name, JIT.get(name.split("_")[0], (G_mm, "_grouped_mm_kernel")))
+        key = "_".join(name.split("_")[:2]) if name.startswith("fp8_") else name.split("_")[0]
+        module, jit_name = JIT.get(name, JIT.get(key, (G_mm, "_grouped_mm_kernel")))
         jit, calls = record(jit_name, module, VARIANTS[name])
         kw, nw, ns = calls[-1]
         if jit_name == "_grouped_mm_kernel":   # as on the GPU: sleeping, trapping waits, fences
             kw = dict(kw, ON_GPU=True,
                       PROXY_FENCE=bool(kw.get("A_CLAIM")) and bool(kw.get("USE_TMA")))
+        if module in (G8, KQ):   # as on the GPU: TMA, fp8 tensor cores, hardware conversions
+            kw = dict(kw, HW=True)
+            if "IEEE" in kw:
+                kw.update(IEEE=False, USE_TMA=True)
         kernel = compile_call(jit, kw, nw, ns)
         ptx = kernel.asm["ptx"]
         res["ok"] = True
         res["spill_bytes"] = spill_bytes(ptx)
         res["ptx"] = {k: len(re.findall(pat, ptx)) for k, pat in {
-            "wgmma": r"wgmma\.mma_async", "tma_load": r"cp\.async\.bulk\.tensor",
+            "wgmma": r"wgmma\.mma_async", "wgmma_e4m3": r"wgmma\.mma_async[.\w]*\.e4m3",
+            "tma_load": r"cp\.async\.bulk\.tensor",
             "ld_acquire": r"ld\.global[.\w]*\.acquire", "atom_release": r"atom\.global[.\w]*\.release",
             "atom_max": r"atom\.global[.\w]*\.max\.s64", "cas": r"atom\.global[.\w]*\.acq_rel[.\w]*\.cas",
             "proxy_fence": r"fence\.proxy\.async\.global", "trap": r"\btrap;",

@@ -39,7 +39,16 @@ def run(variant, seed):
     guard = be.bk.status.tolist() if hasattr(be.bk, "status") else [0, 0, 0]
     be.close()
     errs = [tt.rank_errors(o, orc, p, 0) for o, orc, p in zip(out["results"], oracles, problems)]
-    return dict(errors=errs, inference_error=tt.relative_error(y_inf, oracles[0]["y"]),
+    extra = {}
+    if cfg.precision == "fp8_block":
+        # the same quantization emulated in plain torch: what the errors are judged by
+        ems = [tt.fp8_block_emulation(p, cfg) for p in problems]
+        extra = dict(vs_emulation=[tt.rank_errors(o, em, p, 0)
+                                   for o, em, p in zip(out["results"], ems, problems)],
+                     emulation_errors=[{k: tt.relative_error(em[k], orc[k]) for k in em}
+                                       for em, orc in zip(ems, oracles)],
+                     inference_emulation_error=tt.relative_error(ems[0]["y"], oracles[0]["y"]))
+    return dict(errors=errs, inference_error=tt.relative_error(y_inf, oracles[0]["y"]), **extra,
                 saved_none=none is None, needs=out["needs"], cursors_back=out["cursors_back"],
                 layout_guard=guard)
 
@@ -74,6 +83,15 @@ VARIANTS = {
     "wgrad_into,triton_gemm,standard": dict(overrides=dict(TRITON), pipeline="standard",
                                             wgrad_into=True),
     "wgrad_into,torch_gemm": dict(overrides=dict(TORCH), pipeline="standard", wgrad_into=True),
+    # fp8_block: FP8 block-scaled kernels (quantization, GEMMs, fused SwiGLU backward)
+    "fp8_block,standard": dict(overrides={}, pipeline="standard",
+                               cfg=dict(precision="fp8_block")),
+    "fp8_block,clamped,saved_routes,torch_tables": dict(
+        overrides=dict(TORCH_TABLES), pipeline="standard", activation="swiglu_clamped",
+        cfg=dict(precision="fp8_block", save_route_outputs=True)),
+    "fp8_block,wgrad_into,fp32_scales": dict(
+        overrides={}, pipeline="standard", wgrad_into=True,
+        cfg=dict(precision="fp8_block", fp8_power_2_scales=False)),
     # weights as views at a storage offset (the Megatron plugin's packed weights)
     "offset_weight_views,triton_gemm,staged": dict(overrides=dict(TRITON), pipeline="staged",
                                                    offset_views=True),

@@ -1,5 +1,6 @@
-"""Child of tests/cpu/test_layout.py (TRITON_INTERPRET=1): the Triton twin of the per-call
-layout against layout.call_layout, and the bookkeeping kernel's layout guard."""
+"""Child of tests/cpu/test_layout.py (TRITON_INTERPRET=1): the device twin of the per-call
+layout (kernels/bookkeeping.py reading layout.py's tables) against layout.call_layout, and the
+bookkeeping kernel's layout guard."""
 
 import json
 import random
@@ -9,27 +10,27 @@ import torch
 
 import megatron_dist_moe as dm
 from megatron_dist_moe import layout as L
-from megatron_dist_moe.kernels.bookkeeping import bf16_layout_kernel
-
-MODES = {"inference": 0, "train_forward": 0, "backward": 1, "replay": 2}
-FIELDS = ("x_g", "h1", "h2", "g3")
+from megatron_dist_moe.kernels.bookkeeping import layout_kernel, region_table
 
 
 def twin():
     rng = random.Random(0)
     cases = 0
-    for _ in range(30):
-        D, F = 64 * rng.randint(1, 128), 64 * rng.randint(1, 64)
-        rows = torch.tensor([0, 1, 127, 128, 129] + [rng.randint(0, 60000) for _ in range(6)],
+    for _ in range(20):
+        D, F, E = 128 * rng.randint(1, 64), 128 * rng.randint(1, 32), rng.randint(1, 16)
+        rows = torch.tensor([0, 1, 127, 128, 129] + [rng.randint(0, 60000) for _ in range(5)],
                             dtype=torch.int64)
-        for mode, code in MODES.items():
-            out = torch.zeros(rows.numel(), 5, dtype=torch.int64)
-            bf16_layout_kernel[(1,)](rows, out, rows.numel(), D, F, MODE=code)
-            for i, R in enumerate(rows.tolist()):
-                lay = L.call_layout(mode, R, D, F)
-                want = [lay[n].offset if n in lay else 0 for n in FIELDS] + [lay.total]
-                assert out[i].tolist() == want, (mode, R, D, F, out[i].tolist(), want)
-                cases += 1
+        for precision in L.PRECISIONS_WITH_LAYOUT:
+            for mode in L.MODES:
+                specs = L.region_specs(mode, D, F, precision)
+                n = len(specs)
+                out = torch.zeros(rows.numel(), n + 1, dtype=torch.int64)
+                layout_kernel[(1,)](rows, out, rows.numel(), region_table(specs), n, E)
+                for i, R in enumerate(rows.tolist()):
+                    lay = L.call_layout(mode, R, D, F, precision, E)
+                    want = [r.offset for r in lay.regions] + [lay.total]
+                    assert out[i].tolist() == want, (precision, mode, R, D, F, E)
+                    cases += 1
     return dict(cases=cases)
 
 
@@ -57,7 +58,7 @@ def guard():
 
 
 if __name__ == "__main__":
-    for name, fn in (("bf16_layout_twin", twin), ("layout_guard", guard)):
+    for name, fn in (("layout_twin", twin), ("layout_guard", guard)):
         try:
             res = dict(name=name, ok=True, **fn())
         except Exception as ex:

@@ -1,0 +1,208 @@
+"""The expert math of the reference backend, one class per precision (plain torch).
+
+The reference backend moves rows between ranks and decides where each tensor lives; these
+classes compute the expert MLP on the received rows, expert-major, in the arena regions of the
+one per-call layout (layout.py). `views(name, shape, dtype)` returns the region `name` (the
+activation slot for saved regions of a full-save layer, else the call's scratch).
+
+    Bf16Math        operands in the storage dtype, fp32 accumulation (fp64 for fp64 inputs)
+    Fp8BlockMath    quant/fp8_block.py's quantizers at every GEMM operand, fp32 accumulation of
+                    the dequantized values; the same quantization points as the CUDA kernels
+
+Segments: `segs` lists (expert, first row, row end) of the expert-major rows.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..activation import Activation
+from ..layout import padded_rows
+from ..quant import fp8_block as Q
+
+__all__ = ["Bf16Math", "Fp8BlockMath", "make_math"]
+
+Views = Callable[..., torch.Tensor]
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+class Bf16Math:
+    """h1 = round(x_g W13^T), h2 = round(act(h1)), h3 = round(h2 W2^T); the backward rebuilds h2
+    from h1 and writes grad_h1 over h1 (as the CUDA kernels do)."""
+
+    precision = "bf16"
+
+    def __init__(self, act: Activation, D: int, F: int, num_local_experts: int):
+        self.act, self.D, self.F, self.E = act, D, F, num_local_experts
+
+    def forward(self, views: Views, x_g: torch.Tensor, w13_END, w2_EDF, segs, with_w2: bool,
+                training: bool) -> torch.Tensor | None:
+        R, F, dt = x_g.shape[0], self.F, x_g.dtype
+        acc = _acc(dt)
+        segs = list(segs)
+        h1, h2 = views("h1", (R, 2 * F), dt), views("h2", (R, F), dt)
+        h3 = torch.empty_like(x_g) if with_w2 else None
+        for e, a, b in segs:
+            h1[a:b].copy_(x_g[a:b].to(acc) @ w13_END[e].to(acc).T)
+            h2[a:b].copy_(self.act.forward(h1[a:b].to(acc)))
+            if with_w2:
+                h3[a:b].copy_(h2[a:b].to(acc) @ w2_EDF[e].to(acc).T)
+        return h3
+
+    def backward(self, views: Views, g3: torch.Tensor, s_rows, w13_END, w2_EDF, segs):
+        """(grad_xg [R, D] storage dtype, grad_w13, grad_w2 in the accumulation dtype,
+        grad_s_rows [R, 1] or None). s_rows [R, 1]: g3 holds unscaled grad_y rows, and the
+        score of each row scales grad_h2 and h2 here (the expert-side score gradients)."""
+        R, D, F, dt = g3.shape[0], self.D, self.F, g3.dtype
+        acc = _acc(dt)
+        segs = list(segs)
+        x_g, h1, h2 = views("x_g", (R, D), dt), views("h1", (R, 2 * F), dt), views("h2", (R, F), dt)
+        grad_w2 = torch.zeros(self.E, D, F, dtype=acc, device=g3.device)
+        grad_w13 = torch.zeros(self.E, 2 * F, D, dtype=acc, device=g3.device)
+        grad_s = None if s_rows is None else torch.zeros(R, 1, dtype=acc, device=g3.device)
+        grad_h2 = torch.empty(R, F, dtype=dt, device=g3.device)
+        for e, a, b in segs:
+            h2[a:b].copy_(self.act.forward(h1[a:b].to(acc)))     # h2 is never saved
+            g3e, h2e = g3[a:b].to(acc), h2[a:b].to(acc)
+            u = g3e @ w2_EDF[e].to(acc)
+            if s_rows is not None:
+                grad_s[a:b] = (u * h2e).sum(dim=-1, keepdim=True)
+                u, h2e = s_rows[a:b] * u, s_rows[a:b] * h2e
+            grad_w2[e] = g3e.T @ h2e
+            grad_h2[a:b].copy_(u)
+        h1.copy_(self.act.backward(h1.to(acc), grad_h2.to(acc)))   # grad_h1, over h1
+        grad_xg = torch.empty(R, D, dtype=dt, device=g3.device)
+        for e, a, b in segs:
+            gh1e = h1[a:b].to(acc)
+            grad_w13[e] = gh1e.T @ x_g[a:b].to(acc)
+            grad_xg[a:b].copy_(gh1e @ w13_END[e].to(acc))
+        return grad_xg, grad_w13, grad_w2, grad_s
+
+
+class Fp8BlockMath:
+    """fp8_block: every GEMM operand quantized as quant/fp8_block.py describes.
+
+    forward   xq = rows(x_g) [, x_c = cols(x_g)], h1 = round(xq W13q^T) (bf16),
+              [h1q = rows(h1) (saved)], h2 = round(act(h1)), h2q = rows(h2),
+              h3 = round(h2q W2q^T)
+    backward  h1 = deq(h1q) (fp32), h2 = round(act(h1)); g3q = rows(g3), g3c = cols(g3);
+              u = g3q W2q (fp32); [s_rows: grad_s = <u, h2>, u = s u, h2 = round(s act(h1))];
+              grad_h1 = round(act'(h1) round(u)); h2c = cols(h2); grad_W2 = g3c^T h2c;
+              gh1q = rows(grad_h1), gh1c = cols(grad_h1); grad_xg = round(gh1q W13q);
+              grad_W13 = gh1c^T x_c
+    The weights are quantized from the passed bf16 weights on every call (128 x 128 tiles);
+    the forward h2 comes from the bf16 h1, the backward's from the saved fp8 h1 (DeepSeek-V3).
+    """
+
+    precision = "fp8_block"
+
+    def __init__(self, act: Activation, D: int, F: int, num_local_experts: int,
+                 recipe: Q.BlockScaling):
+        self.act, self.D, self.F, self.E, self.recipe = act, D, F, num_local_experts, recipe
+
+    def _rows(self, views, name, x):
+        q, s = Q.quantize_rows(x, self.recipe)
+        views(name, q.shape, q.dtype).copy_(q)
+        views(name + "_s", s.shape, s.dtype).copy_(s)
+        return Q.dequantize_rows(q, s)
+
+    def _cols(self, views, name, x, offsets):
+        Rp = padded_rows(x.shape[0], self.E)
+        q, s = Q.quantize_cols(x, offsets, Rp, self.recipe)
+        views(name, q.shape, q.dtype).copy_(q)
+        views(name + "_s", s.shape, s.dtype).copy_(s)
+        return Q.dequantize_cols(q, s)
+
+    @staticmethod
+    def _offsets(segs, R, device):
+        ends = [b for _e, _a, b in segs]
+        return torch.tensor([0] + ends if ends else [0, R], dtype=torch.int64, device=device)
+
+    def _read_rows(self, views, name, R, width):
+        q = views(name, (R, width), Q.FP8_DTYPE)
+        s = views(name + "_s", (R, width // Q.BLOCK), torch.float32)
+        return Q.dequantize_rows(q, s)
+
+    def _read_cols(self, views, name, R, width):
+        Rp = padded_rows(R, self.E)
+        q = views(name, (width, Rp), Q.FP8_DTYPE)
+        s = views(name + "_s", (Rp // Q.BLOCK, width), torch.float32)
+        return Q.dequantize_cols(q, s)
+
+    def _weights(self, w13_END, w2_EDF):
+        q13, s13 = Q.quantize_weight(w13_END, self.recipe)
+        q2, s2 = Q.quantize_weight(w2_EDF, self.recipe)
+        return Q.dequantize_weight(q13, s13), Q.dequantize_weight(q2, s2)
+
+    def forward(self, views: Views, x_g, w13_END, w2_EDF, segs, with_w2, training):
+        R, F, dt = x_g.shape[0], self.F, x_g.dtype
+        segs = list(segs)
+        w13, w2 = self._weights(w13_END, w2_EDF)
+        xd = self._rows(views, "xq", x_g)
+        if training:
+            self._cols(views, "x_c", x_g, self._offsets(segs, R, x_g.device))
+        h1 = views("h1", (R, 2 * F), dt)
+        for e, a, b in segs:
+            h1[a:b].copy_(xd[a:b] @ w13[e].T)
+        if training:
+            self._rows(views, "h1q", h1)
+        h2 = self.act.forward(h1.float()).to(dt)
+        h2d = self._rows(views, "h2q", h2)
+        if not with_w2:
+            return None
+        h3 = torch.empty_like(x_g)
+        for e, a, b in segs:
+            h3[a:b].copy_(h2d[a:b] @ w2[e].T)
+        return h3
+
+    def backward(self, views: Views, g3, s_rows, w13_END, w2_EDF, segs):
+        R, D, F, dt, dev = g3.shape[0], self.D, self.F, g3.dtype, g3.device
+        segs = list(segs)
+        offsets = self._offsets(segs, R, dev)
+        poffs = Q.padded_offsets(offsets).tolist()
+        w13, w2 = self._weights(w13_END, w2_EDF)
+        h1 = self._read_rows(views, "h1q", R, 2 * F)
+        h2f = self.act.forward(h1)
+        h2 = h2f.to(dt)
+        g3d = self._rows(views, "g3q", g3)
+        g3c = self._cols(views, "g3c", g3, offsets)
+        grad_s = None if s_rows is None else torch.zeros(R, 1, dtype=torch.float32, device=dev)
+        u = torch.zeros(R, F, dtype=torch.float32, device=dev)
+        for e, a, b in segs:
+            u[a:b] = g3d[a:b] @ w2[e]
+        if s_rows is not None:
+            grad_s = (u * h2.float()).sum(dim=-1, keepdim=True)
+            u = s_rows * u
+            h2 = (s_rows * h2f).to(dt)
+        gh1 = views("gh1", (R, 2 * F), dt)
+        gh1.copy_(self.act.backward(h1, u.to(dt).float()))
+        views("h2", (R, F), dt).copy_(h2)
+        h2c = self._cols(views, "h2c", h2, offsets)
+        gh1d = self._rows(views, "gh1q", gh1)
+        gh1c = self._cols(views, "gh1c", gh1, offsets)
+        x_c = self._read_cols(views, "x_c", R, D)
+        grad_w2 = torch.zeros(self.E, D, F, dtype=torch.float32, device=dev)
+        grad_w13 = torch.zeros(self.E, 2 * F, D, dtype=torch.float32, device=dev)
+        grad_xg = torch.empty(R, D, dtype=dt, device=dev)
+        for (e, a, b), p in zip(segs, poffs):
+            q = p + (b - a + Q.BLOCK - 1) // Q.BLOCK * Q.BLOCK   # the padded segment
+            grad_w2[e] = g3c[p:q].T @ h2c[p:q]
+            grad_w13[e] = gh1c[p:q].T @ x_c[p:q]
+            grad_xg[a:b].copy_(gh1d[a:b] @ w13[e])
+        return grad_xg, grad_w13, grad_w2, grad_s
+
+
+def make_math(config, num_local_experts: int):
+    act = Activation.of(config)
+    D, F = config.hidden_dim, config.intermediate_dim
+    if config.precision == "bf16":
+        return Bf16Math(act, D, F, num_local_experts)
+    if config.precision == "fp8_block":
+        return Fp8BlockMath(act, D, F, num_local_experts, Q.BlockScaling.of(config))
+    raise ValueError(f"the reference backend has no expert math for precision "
+                     f"{config.precision!r}")

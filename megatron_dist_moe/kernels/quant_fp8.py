@@ -1,0 +1,264 @@
+"""FP8 block quantization kernels (Triton): the twins of quant/fp8_block.py, bit-equal to it.
+
+    quantize_rows_cols  bf16 rows [R, K] (dense, at a device pointer) -> the row bundle
+                        (1 x 128 along K) and / or the column bundle (128 x 1 along the tokens
+                        of each expert, padded, stored transposed [K, Rp]) in one read
+    swiglu_quant        h1 [R, 2F] bf16 -> the h1 row bundle (saved for the backward) and the
+                        row bundle of h2 = round(act(h1)) (the W2 FPROP operand)
+    quantize_weight     w [E, N, K] bf16 -> q [E, N, K] and q_t [E, K, N] with their 128 x 128
+                        tile scales (both orientations of one quantization)
+
+R and the expert offsets are device values: grids are host bounds and programs past the rows
+return. Every kernel reads the recipe (power-of-two scales, amax epsilon) as constexprs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..quant.fp8_block import BF16_MAX, BLOCK, BlockScaling
+from .common import as_device_ptr, interpreting, load_ptr
+from .rows import _act_fwd
+
+__all__ = ["quantize_rows_cols", "swiglu_quant", "quantize_weight", "block_scales", "to_e4m3",
+           "abs_nan0", "round_bf16"]
+
+_BF16_MAX = tl.constexpr(BF16_MAX)
+
+
+def _hw(t: torch.Tensor) -> bool:
+    """The hardware fp8 conversion where it rounds correctly: a GPU, not the interpreter."""
+    return t.device.type == "cuda" and not interpreting()
+
+
+@triton.jit
+def block_scales(amax, POW2: tl.constexpr, EPS: tl.constexpr):
+    """(scale, scale_inv) fp32 from block amaxes: quant/fp8_block.compute_scales."""
+    if EPS > 0:
+        amax = tl.maximum(amax, EPS)
+    scale = tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)
+    scale = tl.where(scale == float("inf"), _BF16_MAX, scale)
+    scale = tl.where((amax == 0.0) | (amax == float("inf")), 1.0, scale)
+    if POW2:
+        scale = (scale.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)
+    return scale, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)
+
+
+@triton.jit
+def abs_nan0(x):
+    """|x| with NaN -> 0 (TE's amax ignores NaN)."""
+    return tl.where(x != x, 0.0, tl.abs(x))
+
+
+@triton.jit
+def to_e4m3(v, HW: tl.constexpr):
+    """clamp to +-448 (NaN kept), round to nearest even: the hardware conversion (HW, on the
+    GPU: cvt.rn.satfinite) or the same rounding in integer arithmetic (the interpreter, whose
+    fp8 conversion does not round to nearest even)."""
+    v = tl.where(v != v, v, tl.minimum(tl.maximum(v, -448.0), 448.0))
+    if HW:
+        return v.to(tl.float8e4nv)
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    # normal range (>= 2^-6): round the fp32 mantissa to 3 bits, rebias the exponent 127 -> 7
+    rounded = (mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20
+    normal = rounded - (120 << 3)
+    # subnormal range: multiples of 2^-9; x * 512 + 2^23 rounds to an integer (ties to even)
+    sub = ((tl.abs(v) * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    code = tl.where(mag >= 0x3C800000, normal, sub)       # 0x3C800000 = 2^-6
+    code = tl.where(mag > 0x7F800000, 0x7F, code)          # NaN
+    return (code | sign).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def round_bf16(x, HW: tl.constexpr):
+    """fp32 x rounded to bf16 (nearest even), returned as fp32: the hardware conversion, or
+    the same in integer arithmetic (the interpreter's conversion truncates)."""
+    if HW:
+        return x.to(tl.bfloat16).to(tl.float32)
+    bits = x.to(tl.int32, bitcast=True)
+    r = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, r)
+
+
+@triton.jit
+def _padded_segments(offsets_ptr, E, E_PAD: tl.constexpr):
+    """(starts, lens, padded starts) of the experts' segments, [E_PAD] int64 vectors."""
+    e = tl.arange(0, E_PAD)
+    ok = e < E
+    starts = tl.load(offsets_ptr + e, mask=ok, other=0).to(tl.int64)
+    ends = tl.load(offsets_ptr + e + 1, mask=ok, other=0).to(tl.int64)
+    lens = ends - starts
+    plen = (lens + 127) // 128 * 128
+    pstarts = tl.cumsum(plen, 0) - plen
+    return starts, lens, pstarts, plen
+
+
+@triton.jit
+def _quant_rows_cols_kernel(x_addr, offsets_ptr, q_addr, s_addr, qc_addr, sc_addr, K, E,
+                            E_PAD: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                            POW2: tl.constexpr, EPS: tl.constexpr, HW: tl.constexpr):
+    # one program per 128-row block of the padded row space x 128 columns
+    pb = tl.program_id(0)
+    cb = tl.program_id(1)
+    starts, lens, pstarts, plen = _padded_segments(offsets_ptr, E, E_PAD)
+    # the column bundle's row stride: layout.padded_rows(R, E) of this call's R
+    Rp = (tl.load(offsets_ptr + E).to(tl.int64) + 127 * E + 127) // 128 * 128
+    p0 = pb.to(tl.int64) * 128
+    in_e = (pstarts <= p0) & (p0 < pstarts + plen)
+    if tl.sum(in_e.to(tl.int32), 0) == 0:
+        return          # past the last padded segment
+    start = tl.sum(tl.where(in_e, starts, 0), 0)
+    n = tl.sum(tl.where(in_e, lens, 0), 0)
+    pstart = tl.sum(tl.where(in_e, pstarts, 0), 0)
+    i = tl.arange(0, 128)
+    local = p0 - pstart + i                     # row within the expert's segment
+    ok = local < n
+    rows = start + local                        # compact row
+    cols = cb * 128 + tl.arange(0, 128)
+    x_base = load_ptr(x_addr, tl.bfloat16)
+    x = tl.load(x_base + rows[:, None] * K + cols[None, :], mask=ok[:, None], other=0.0)
+    x = x.to(tl.float32)
+    ax = abs_nan0(x)
+    if ROWS:
+        scale, s_inv = block_scales(tl.max(ax, 1), POW2, EPS)
+        q = to_e4m3(x * scale[:, None], HW)
+        q_base = load_ptr(q_addr, tl.float8e4nv)
+        tl.store(q_base + rows[:, None] * K + cols[None, :], q, mask=ok[:, None])
+        s_base = load_ptr(s_addr, tl.float32)
+        tl.store(s_base + rows * (K // 128) + cb, s_inv, mask=ok)
+    if COLS:
+        scale, s_inv = block_scales(tl.max(ax, 0), POW2, EPS)
+        q = to_e4m3(x * scale[None, :], HW)
+        qc_base = load_ptr(qc_addr, tl.float8e4nv)
+        prow = p0 + i
+        tl.store(qc_base + cols[None, :].to(tl.int64) * Rp + prow[:, None], q)
+        sc_base = load_ptr(sc_addr, tl.float32)
+        tl.store(sc_base + pb.to(tl.int64) * K + cols, s_inv)
+
+
+def quantize_rows_cols(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows=None,
+                       cols=None, recipe: BlockScaling = BlockScaling()) -> None:
+    """Quantize bf16 rows x [R, K] (tensor or device pointer; R = offsets[-1] on the device).
+
+    rows = (q, s): the row bundle, q [>= R, K] e4m3, s [>= R, K/128] fp32 (tensors or device
+    pointers); cols = (q_t, s_t): the column bundle over each expert's segment padded to 128
+    rows, q_t [K, Rp] e4m3 and s_t [Rp/128, K] fp32 with Rp = layout.padded_rows(R, E) (zeros
+    in each segment's padding). max_rows: host bound on R (the grid)."""
+    assert rows is not None or cols is not None
+    assert K % BLOCK == 0, f"K={K} must be a multiple of {BLOCK}"
+    E = offsets.numel() - 1
+    from ..layout import padded_rows
+    Rp = padded_rows(max_rows, E)
+    dummy = offsets
+    xa = as_device_ptr(x, "x", torch.bfloat16)
+    q, s = (as_device_ptr(rows[0], "q"), as_device_ptr(rows[1], "s")) if rows else (dummy, dummy)
+    qc, sc = (as_device_ptr(cols[0], "q_t"), as_device_ptr(cols[1], "s_t")) if cols else (
+        dummy, dummy)
+    grid = (max(1, Rp // BLOCK), K // BLOCK)
+    _quant_rows_cols_kernel[grid](xa, offsets, q, s, qc, sc, K, E,
+                                  E_PAD=max(2, triton.next_power_of_2(E)), ROWS=rows is not None,
+                                  COLS=cols is not None, POW2=recipe.power_2_scales,
+                                  EPS=float(recipe.amax_epsilon), HW=_hw(offsets),
+                                  num_warps=8)
+
+
+@triton.jit
+def _swiglu_quant_kernel(h1_addr, num_rows_ptr, h1q_addr, h1s_addr, h2q_addr, h2s_addr, F,
+                         alpha, limit, CLAMPED: tl.constexpr, SAVE_H1: tl.constexpr,
+                         POW2: tl.constexpr, EPS: tl.constexpr, HW: tl.constexpr,
+                         BLOCK_R: tl.constexpr):
+    rb = tl.program_id(0)
+    cb = tl.program_id(1)
+    n = tl.load(num_rows_ptr)
+    rows = rb.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = rows < n
+    if rb * BLOCK_R >= n:
+        return
+    c = cb * 128 + tl.arange(0, 128)
+    h1 = load_ptr(h1_addr, tl.bfloat16)
+    gp = h1 + rows[:, None] * (2 * F) + c[None, :]
+    g = tl.load(gp, mask=ok[:, None], other=0.0).to(tl.float32)
+    u = tl.load(gp + F, mask=ok[:, None], other=0.0).to(tl.float32)
+    nb = (2 * F) // 128
+    if SAVE_H1:
+        q_base = load_ptr(h1q_addr, tl.float8e4nv)
+        s_base = load_ptr(h1s_addr, tl.float32)
+        sg, ig = block_scales(tl.max(abs_nan0(g), 1), POW2, EPS)
+        su, iu = block_scales(tl.max(abs_nan0(u), 1), POW2, EPS)
+        qp = q_base + rows[:, None] * (2 * F) + c[None, :]
+        tl.store(qp, to_e4m3(g * sg[:, None], HW), mask=ok[:, None])
+        tl.store(qp + F, to_e4m3(u * su[:, None], HW), mask=ok[:, None])
+        tl.store(s_base + rows * nb + cb, ig, mask=ok)
+        tl.store(s_base + rows * nb + F // 128 + cb, iu, mask=ok)
+    h2 = round_bf16(_act_fwd(g, u, CLAMPED, alpha, limit), HW)
+    s2, i2 = block_scales(tl.max(abs_nan0(h2), 1), POW2, EPS)
+    q2 = load_ptr(h2q_addr, tl.float8e4nv)
+    tl.store(q2 + rows[:, None] * F + c[None, :], to_e4m3(h2 * s2[:, None], HW), mask=ok[:, None])
+    tl.store(load_ptr(h2s_addr, tl.float32) + rows * (F // 128) + cb, i2, mask=ok)
+
+
+def swiglu_quant(h1, num_rows: torch.Tensor, max_rows: int, F: int, *, h2q, h1q=None,
+                 activation: str = "swiglu", swiglu_alpha: float = 1.702,
+                 swiglu_limit: float = 7.0, recipe: BlockScaling = BlockScaling()) -> None:
+    """From bf16 h1 [R, 2F] (R = num_rows[0] on the device): h2q = (q [R, F], s [R, F/128]),
+    the row bundle of round(act(h1)); h1q = (q [R, 2F], s [R, 2F/128]) when given."""
+    assert F % BLOCK == 0, f"F={F} must be a multiple of {BLOCK}"
+    BLOCK_R = 32
+    dummy = num_rows
+    a, b = (as_device_ptr(h1q[0], "h1q"), as_device_ptr(h1q[1], "h1q_s")) if h1q else (
+        dummy, dummy)
+    grid = (max(1, triton.cdiv(max_rows, BLOCK_R)), F // BLOCK)
+    _swiglu_quant_kernel[grid](as_device_ptr(h1, "h1", torch.bfloat16), num_rows, a, b,
+                               as_device_ptr(h2q[0], "h2q"), as_device_ptr(h2q[1], "h2q_s"), F,
+                               float(swiglu_alpha), float(swiglu_limit),
+                               CLAMPED=activation == "swiglu_clamped", SAVE_H1=h1q is not None,
+                               POW2=recipe.power_2_scales, EPS=float(recipe.amax_epsilon),
+                               HW=_hw(num_rows), BLOCK_R=BLOCK_R, num_warps=4)
+
+
+@triton.jit
+def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, POW2: tl.constexpr,
+                         EPS: tl.constexpr, HW: tl.constexpr, TRANSPOSED: tl.constexpr):
+    e = tl.program_id(0).to(tl.int64)
+    nb = tl.program_id(1)
+    kb = tl.program_id(2)
+    r = nb * 128 + tl.arange(0, 128)
+    c = kb * 128 + tl.arange(0, 128)
+    base = e * N * K
+    w = tl.load(w_ptr + base + r[:, None].to(tl.int64) * K + c[None, :]).to(tl.float32)
+    amax = tl.max(tl.max(abs_nan0(w), 1), 0)
+    scale, s_inv = block_scales(amax, POW2, EPS)
+    q = to_e4m3(w * scale, HW)
+    tl.store(q_ptr + base + r[:, None].to(tl.int64) * K + c[None, :], q)
+    tl.store(s_ptr + e * (N // 128) * (K // 128) + nb * (K // 128) + kb, s_inv)
+    if TRANSPOSED:
+        tl.store(qt_ptr + base + c[None, :].to(tl.int64) * N + r[:, None], q)
+        tl.store(st_ptr + e * (N // 128) * (K // 128) + kb * (N // 128) + nb, s_inv)
+
+
+def quantize_weight(w_ENK: torch.Tensor, recipe: BlockScaling = BlockScaling(),
+                    transposed: bool = True):
+    """(q [E, N, K], s [E, N/128, K/128], q_t [E, K, N], s_t [E, K/128, N/128]); without
+    `transposed` q_t and s_t are None."""
+    E, N, K = w_ENK.shape
+    assert w_ENK.is_contiguous() and w_ENK.dtype == torch.bfloat16
+    assert N % BLOCK == 0 and K % BLOCK == 0, f"[{N}, {K}] must be multiples of {BLOCK}"
+    f8 = torch.float8_e4m3fn
+    q = torch.empty(E, N, K, dtype=f8, device=w_ENK.device)
+    s = torch.empty(E, N // BLOCK, K // BLOCK, dtype=torch.float32, device=w_ENK.device)
+    qt = st = None
+    if transposed:
+        qt = torch.empty(E, K, N, dtype=f8, device=w_ENK.device)
+        st = torch.empty(E, K // BLOCK, N // BLOCK, dtype=torch.float32, device=w_ENK.device)
+    _quant_weight_kernel[(E, N // BLOCK, K // BLOCK)](w_ENK, q, s, q if qt is None else qt,
+                                                      s if st is None else st, N, K,
+                                                      POW2=recipe.power_2_scales,
+                                                      EPS=float(recipe.amax_epsilon),
+                                                      HW=_hw(w_ENK), TRANSPOSED=transposed,
+                                                      num_warps=8)
+    return q, s, qt, st
+

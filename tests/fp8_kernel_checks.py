@@ -1,0 +1,260 @@
+"""Checks of the fp8_block kernels against their torch twins, on any device.
+
+Shared by tests/cpu/test_kernels_fp8_interp.py (Triton's interpreter, small shapes) and
+tests/gpu/test_fp8_kernels_gpu.py (sm_90, real shapes). Quantizers must match quant/fp8_block.py
+bit for bit; the GEMMs must match the same math on the dequantized operands in fp32 up to the
+summation order (|err| <= 1e-5 x max|ref| before the bf16 rounding of a stored output, one bf16
+unit, 2^-7, after it: the interpreter's bf16 stores truncate).
+
+Each check_* takes (device, big): big selects the GPU's real shapes. On the GPU, fp32 outputs
+get ACC_TOL: Hopper's FP8 tensor cores add the products of one 128-wide K block with about 14
+significant bits (the reason for promoting to fp32 every 128 of K), so a block's partial sum
+differs from an fp32 sum by ~1e-4 of the largest values.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron_dist_moe.activation import Activation
+from megatron_dist_moe.kernels.quant_fp8 import _hw, round_bf16, to_e4m3
+from megatron_dist_moe.layout import padded_rows
+from megatron_dist_moe.quant import fp8_block as Q
+
+U8 = torch.uint8
+F8 = torch.float8_e4m3fn
+
+
+def _acc_tol(device) -> float:
+    return 1e-3 if torch.device(device).type == "cuda" else 1e-5
+
+
+def _bits_equal(name, got, want):
+    if got.dtype == F8:
+        got, want = got.view(U8), want.view(U8)
+    if not torch.equal(got.cpu(), want.cpu()):
+        bad = (got.cpu() != want.cpu()).sum().item()
+        raise AssertionError(f"{name}: {bad} of {got.numel()} values differ from the twin")
+
+
+def _close(name, got, want, tol):
+    g, w = got.double().cpu(), want.double().cpu()
+    assert not torch.isnan(g).any(), f"{name}: NaN (unwritten?)"
+    err = ((g - w).abs().max() / w.abs().max().clamp(min=1e-30)).item()
+    assert err <= tol, f"{name}: max error {err:.3e} x max|ref| > {tol:.1e}"
+
+
+def _segments(big, device):
+    lens = [900, 0, 2048, 1, 1800, 77] if big else [40, 0, 70, 5]
+    offs = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
+                        device=device)
+    return lens, offs, sum(lens)
+
+
+@triton.jit
+def _convert_kernel(x_ptr, q_ptr, b_ptr, n, HW: tl.constexpr):
+    i = tl.program_id(0) * 1024 + tl.arange(0, 1024)
+    m = i < n
+    x = tl.load(x_ptr + i, mask=m)
+    tl.store(q_ptr + i, to_e4m3(x, HW), mask=m)
+    tl.store(b_ptr + i, round_bf16(x, HW), mask=m)
+
+
+def check_e4m3_and_bf16_rounding(device, big=False):
+    """The kernels' conversions (hardware on the GPU, the integer twins in the interpreter)
+    round to nearest even exactly as torch does, ties and subnormals included."""
+    g = torch.Generator().manual_seed(0)
+    grid = torch.linspace(-448, 448, 200001)
+    ties = torch.tensor([108.0, -108.0, 104.0 + 4, 0.0, -0.0, 2 ** -10, 3 * 2 ** -10,
+                         5 * 2 ** -10, 2 ** -6 * 0.999, float("nan"), 1.0 + 2 ** -8,
+                         1.0 + 3 * 2 ** -8])
+    x = torch.cat([grid, torch.randn(100000, generator=g) * 10, ties]).to(device)
+    q = torch.empty(x.numel(), dtype=F8, device=device)
+    b = torch.empty_like(x)
+    _convert_kernel[(triton.cdiv(x.numel(), 1024),)](x, q, b, x.numel(), HW=_hw(x))
+    _bits_equal("e4m3", q, x.clamp(-448, 448).to(F8))
+    want = x.to(torch.bfloat16).float()
+    assert torch.equal(torch.isnan(b), torch.isnan(want))
+    ok = ~torch.isnan(want)
+    assert torch.equal(b[ok], want[ok]), "bf16 rounding differs from torch"
+
+
+def check_quantize_rows_cols(device, big=False):
+    from megatron_dist_moe.kernels.quant_fp8 import quantize_rows_cols
+    lens, offs, R = _segments(big, device)
+    E = len(lens)
+    for K in ((7168, 384) if big else (256,)):
+        for pow2 in (True, False):
+            rc = Q.BlockScaling(pow2)
+            g = torch.Generator().manual_seed(K + pow2)
+            x = (torch.randn(R, K, generator=g) * torch.logspace(-3, 3, R)[:, None]).to(
+                torch.bfloat16).to(device)
+            x[7, 3] = float("nan")
+            x[9, :128] = 0
+            Rp = padded_rows(R, E)
+            q = torch.empty(R, K, dtype=F8, device=device)
+            s = torch.empty(R, K // 128, device=device)
+            qc = torch.empty(K, Rp, dtype=F8, device=device)
+            sc = torch.empty(Rp // 128, K, device=device)
+            quantize_rows_cols(x, offs, R + 5, K, rows=(q, s), cols=(qc, sc), recipe=rc)
+            rq, rs = Q.quantize_rows(x, rc)
+            cq, cs = Q.quantize_cols(x, offs.long(), Rp, rc)
+            used = int(Q.padded_offsets(offs)[-1])
+            _bits_equal(f"rows K={K} pow2={pow2}", q, rq)
+            _bits_equal(f"row scales K={K}", s, rs)
+            _bits_equal(f"cols K={K} pow2={pow2}", qc[:, :used], cq[:, :used])
+            _bits_equal(f"col scales K={K}", sc[:used // 128], cs[:used // 128])
+
+
+def check_swiglu_quant(device, big=False):
+    from megatron_dist_moe.kernels.quant_fp8 import swiglu_quant
+    R, F = (6000, 3072) if big else (141, 256)
+    for act in ("swiglu", "swiglu_clamped"):
+        a = Activation(act, 1.702, 7.0 if act == "swiglu" else 1.5)
+        g = torch.Generator().manual_seed(len(act))
+        h1 = (torch.randn(R, 2 * F, generator=g) * 2).to(torch.bfloat16).to(device)
+        nr = torch.tensor([R - 3], dtype=torch.int32, device=device)
+        h1q = (torch.zeros(R, 2 * F, dtype=F8, device=device),
+               torch.zeros(R, 2 * F // 128, device=device))
+        h2q = (torch.zeros(R, F, dtype=F8, device=device), torch.zeros(R, F // 128, device=device))
+        swiglu_quant(h1, nr, R, F, h2q=h2q, h1q=h1q, activation=act, swiglu_alpha=a.alpha,
+                     swiglu_limit=a.limit)
+        n = R - 3
+        wq, ws = Q.quantize_rows(h1[:n])
+        _bits_equal(f"{act} h1q", h1q[0][:n], wq)
+        _bits_equal(f"{act} h1q scales", h1q[1][:n], ws)
+        assert not h1q[0][n:].view(U8).any(), "rows past num_rows written"
+        # h2 = round(act(h1)): the kernels' activation may differ from torch's in the last fp32
+        # bit (exp implementations), which can flip a bf16 rounding: compare the dequantized
+        # values within one e4m3 quantum of the block, and require the flips to be rare
+        h2 = a.forward(h1[:n].float()).to(torch.bfloat16)
+        tq, ts = Q.quantize_rows(h2)
+        got = Q.dequantize_rows(h2q[0][:n], h2q[1][:n])
+        want = Q.dequantize_rows(tq, ts)
+        quantum = ts.repeat_interleave(128, 1) * 32      # the block's step at its top binade
+        assert bool(((got - want).abs() <= quantum).all()), f"{act}: h2q off by more than a step"
+        flips = (h2q[0][:n].view(U8) != tq.view(U8)).float().mean().item()
+        assert flips < 1e-3, f"{act}: {flips:.2e} of the h2 row bundle differs from the twin"
+
+
+def check_quantize_weight(device, big=False):
+    from megatron_dist_moe.kernels.quant_fp8 import quantize_weight
+    E, N, K = (6, 6144, 7168) if big else (2, 256, 384)
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(E, N, K, generator=g) / 50).to(torch.bfloat16).to(device)
+    for pow2 in (True, False):
+        rc = Q.BlockScaling(pow2)
+        q, s, qt, st = quantize_weight(w, rc)
+        tq, ts = Q.quantize_weight(w, rc)
+        _bits_equal("w", q, tq)
+        _bits_equal("w scales", s, ts)
+        _bits_equal("w_t", qt, tq.transpose(1, 2).contiguous())
+        _bits_equal("w_t scales", st, ts.transpose(1, 2).contiguous())
+    q2, s2, none_q, none_s = quantize_weight(w, transposed=False)
+    assert none_q is None and none_s is None
+    _bits_equal("w (no transpose)", q2, Q.quantize_weight(w)[0])
+
+
+def _gemm_problem(device, big):
+    lens, offs, R = _segments(big, device)
+    E = len(lens)
+    D, F = (7168, 3072) if big else (256, 128)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(R, D, generator=g).to(torch.bfloat16).to(device)
+    w13 = (torch.randn(E, 2 * F, D, generator=g) / D ** 0.5).to(torch.bfloat16).to(device)
+    w2 = (torch.randn(E, D, F, generator=g) / F ** 0.5).to(torch.bfloat16).to(device)
+    return lens, offs, R, E, D, F, x, w13, w2, Q.prepare_weights(w13, w2)
+
+
+def _per_expert(offs, fn):
+    o = offs.tolist()
+    return torch.cat([fn(e, o[e], o[e + 1]) for e in range(len(o) - 1)])
+
+
+def check_fp8_mm_store_and_scatter(device, big=False):
+    from megatron_dist_moe.kernels.grouped_gemm.fp8 import fp8_grouped_mm
+    lens, offs, R, E, D, F, x, w13, w2, W = _gemm_problem(device, big)
+    xq = Q.quantize_rows(x)
+    h1 = torch.full((R, 2 * F), float("nan"), dtype=torch.bfloat16, device=device)
+    fp8_grouped_mm(a=xq, w=W.w13, w_scales=W.w13_s, expert_offsets=offs, max_rows=R + 7,
+                   epilogue="store", out=h1)
+    xd, w13d = Q.dequantize_rows(*xq), Q.dequantize_weight(W.w13, W.w13_s)
+    ref = _per_expert(offs, lambda e, a, b: xd[a:b] @ w13d[e].T)
+    _close("W13 store", h1.float(), ref, 4e-3)
+    h2q = Q.quantize_rows(Activation().forward(h1.float()).to(torch.bfloat16))
+    dst = torch.full((R + 3, D), float("nan"), dtype=torch.bfloat16, device=device)
+    perm = torch.randperm(R + 3, generator=torch.Generator().manual_seed(1))[:R].to(device)
+    ptrs = dst.data_ptr() + perm.long() * D * 2
+    ptrs[3] = 0                                             # a row with no destination
+    fp8_grouped_mm(a=h2q, w=W.w2, w_scales=W.w2_s, expert_offsets=offs, max_rows=R,
+                   epilogue="scatter", out_row_ptrs=ptrs)
+    w2d = Q.dequantize_weight(W.w2, W.w2_s)
+    h2d = Q.dequantize_rows(*h2q)
+    ref = _per_expert(offs, lambda e, a, b: h2d[a:b] @ w2d[e].T)
+    keep = torch.arange(R, device=device) != 3
+    _close("W2 scatter", dst[perm][keep].float(), ref[keep], 4e-3)
+    assert torch.isnan(dst[perm[3]].float()).all(), "row with address 0 was written"
+
+
+def check_fp8_mm_swiglu_bwd(device, big=False):
+    from megatron_dist_moe.kernels.grouped_gemm.fp8 import _config, fp8_grouped_mm
+    lens, offs, R, E, D, F, x, w13, w2, W = _gemm_problem(device, big)
+    g = torch.Generator().manual_seed(9)
+    h1 = torch.randn(R, 2 * F, generator=g).to(torch.bfloat16).to(device)
+    g3 = torch.randn(R, D, generator=g).to(torch.bfloat16).to(device)
+    h1q, g3q = Q.quantize_rows(h1), Q.quantize_rows(g3)
+    act = Activation()
+    h1d = Q.dequantize_rows(*h1q)
+    w2d = Q.dequantize_weight(W.w2, W.w2_s)
+    u = _per_expert(offs, lambda e, a, b: Q.dequantize_rows(*g3q)[a:b] @ w2d[e])
+    h2f = act.forward(h1d)
+    parts = -(-F // _config(torch.device(device)).block_n)
+    for scored in (False, True):
+        gh1 = torch.full((R, 2 * F), float("nan"), dtype=torch.bfloat16, device=device)
+        h2 = torch.full((R, F), float("nan"), dtype=torch.bfloat16, device=device)
+        kw = {}
+        s = torch.ones(R, device=device)
+        if scored:
+            s = torch.rand(R, generator=g).to(device)
+            buf = torch.zeros(R, 1 + parts, device=device)
+            buf[:, 0] = s
+            kw = dict(score_ptrs=buf.data_ptr() + torch.arange(R, device=device) * (1 + parts) * 4,
+                      score_grad_delta=4, part_stride=4)
+        fp8_grouped_mm(a=g3q, w=W.w2_t, w_scales=W.w2_t_s, expert_offsets=offs, max_rows=R,
+                       epilogue="swiglu_bwd", out=gh1, h1q=h1q, h2=h2, **kw)
+        want_gh1 = act.backward(h1d, (s[:, None] * u).to(torch.bfloat16).float())
+        _close(f"grad_h1 scored={scored}", gh1.float(), want_gh1, 2e-2)
+        _close(f"h2 scored={scored}", h2.float(), s[:, None] * h2f, 4e-3)
+        if scored:
+            want = (u * h2f.to(torch.bfloat16).float()).sum(-1)
+            _close("score-gradient parts", buf[:, 1:].sum(1), want, max(1e-4, _acc_tol(device)))
+
+
+def check_fp8_wgrad(device, big=False):
+    from megatron_dist_moe.kernels.grouped_gemm import ExpertOutTable
+    from megatron_dist_moe.kernels.grouped_gemm.fp8 import fp8_grouped_wgrad
+    lens, offs, R, E, D, F, *_ = _gemm_problem(device, big)
+    g = torch.Generator().manual_seed(11)
+    a = torch.randn(R, D, generator=g).to(torch.bfloat16).to(device)
+    b = torch.randn(R, F, generator=g).to(torch.bfloat16).to(device)
+    Rp = padded_rows(R, E)
+    ac = Q.quantize_cols(a, offs.long(), Rp)
+    bc = Q.quantize_cols(b, offs.long(), Rp)
+    po = Q.padded_offsets(offs).tolist()
+    ad, bd = Q.dequantize_cols(*ac), Q.dequantize_cols(*bc)
+    ref = torch.stack([ad[po[e]:po[e + 1]].T @ bd[po[e]:po[e + 1]] for e in range(E)])
+    out = torch.full((E, D, F), float("nan"), device=device)
+    fp8_grouped_wgrad(ac, bc, offs, out)
+    _close("wgrad fp32", out, ref, _acc_tol(device))
+    assert not out[1].any(), "an expert without rows must get exact zeros"
+    out16 = torch.full((E, D, F), float("nan"), dtype=torch.bfloat16, device=device)
+    fp8_grouped_wgrad(ac, bc, offs, out16)
+    _close("wgrad bf16", out16.float(), ref, 8e-3)    # one bf16 unit
+    accs = [torch.full((D, F), 2.0, device=device) for _ in range(E)]
+    fp8_grouped_wgrad(ac, bc, offs, ExpertOutTable.of(accs), accumulate=True)
+    _close("wgrad accumulate", torch.stack(accs) - 2.0, ref, _acc_tol(device))
+
+
+CHECKS = {n[len("check_"):]: f for n, f in sorted(globals().items()) if n.startswith("check_")}
