@@ -53,6 +53,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--shape", default="6x2048x7168x3072", help="E x rows per expert x D x F")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time pipeline-depth and grouping candidates of the fp8 GEMMs")
     args = ap.parse_args(argv)
     E, n, D, F = map(int, args.shape.split("x"))
     R = E * n
@@ -157,6 +159,25 @@ def main(argv=None) -> int:
         tb = time_windows(bf16[k], graph=True)
         row("bf16", k, tb, flops)
         row("fp8_block", k, t8, flops, ratio=round(tb.median_ms / t8.median_ms, 3))
+    if args.sweep:
+        from megatron_dist_moe.kernels.grouped_gemm.fp8 import FP8_CONFIG
+        cands = [FP8_CONFIG.replace(num_stages=4), FP8_CONFIG.replace(num_stages=5),
+                 FP8_CONFIG.replace(group_m=16), FP8_CONFIG.replace(group_m=4)]
+        sweep = {
+            "w13_fprop": (lambda c: fp8_grouped_mm(a=xq, w=W.w13, w_scales=W.w13_s,
+                                                   expert_offsets=offs, max_rows=R,
+                                                   epilogue="store", out=out_h1, config=c),
+                          2 * R * 2 * F * D),
+            "w13_wgrad": (lambda c: fp8_grouped_wgrad(cols["gh1"], cols["x"], offs, wg13,
+                                                      config=c), 2 * R * D * 2 * F),
+        }
+        for k, (fn, flops) in sweep.items():
+            for c in cands:
+                try:
+                    row("fp8_block", f"{k} [{c}]", time_windows(lambda c=c: fn(c), graph=True),
+                        flops, note="sweep")
+                except Exception as e:   # a candidate that does not compile: say so, go on
+                    print(f"sweep {k} [{c}]: {type(e).__name__}: {str(e)[:150]}", flush=True)
     try:   # the vendor block-scaled GEMM on one dense product of the W13 size
         a, sa = xq
         b, sb = W.w13[0], W.w13_s[0]
