@@ -258,7 +258,7 @@ def _demo_worker(rank: int, world_size: int, spec: dict) -> dict:
     # the same math at the precision's rounding points: plain bf16 torch, or fp8_block's
     # quantization emulated in torch
     plain = (tt.oracle_results(problem, cfg, compute_dtype=None) if cfg.precision == "bf16"
-             else tt.fp8_block_emulation(problem, cfg))
+             else tt.block_quant_emulation(problem, cfg))
     tok, exp = problem.tokens(rank), problem.experts(rank)
     pick = dict(y=tok, grad_x=tok, grad_scores=tok, grad_w13=exp, grad_w2=exp)
     baseline = {k: tt.relative_error(plain[k][pick[k]], oracle[k][pick[k]]) for k in pick}
@@ -399,8 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--experts", type=_positive_int, help="E (global)")
     pd.add_argument("--topk", type=_positive_int, help="K")
     pd.add_argument("--activation", choices=("swiglu", "swiglu_clamped"))
-    pd.add_argument("--precision", choices=("bf16", "fp8_block"),
-                    help="fp8_block: E4M3 with 1x128 / 128x128 scales (D, F multiples of 128)")
+    pd.add_argument("--precision", choices=("bf16", "fp8_block", "mxfp8"),
+                    help="fp8_block: E4M3 with 1x128 / 128x128 scales; mxfp8: E4M3 with E8M0 "
+                    "scales per 32 (both: D, F multiples of 128)")
     pd.add_argument("--routing", default="random",
                     choices=("random", "hot_expert", "zipf", "one_rank"))
     pd.add_argument("--seed", type=int, default=0)

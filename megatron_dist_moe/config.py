@@ -70,9 +70,11 @@ class Config:
         precision     "bf16" | "fp8_block" (E4M3 operands with fp32 scales per 1 x 128
                       activation / gradient block and per 128 x 128 weight tile: DeepSeek-V3's
                       recipe, TransformerEngine's Float8BlockScaling; quant/fp8_block.py; bf16
-                      inputs and weights, D and F multiples of 128). The design's other formats,
-                      "mxfp8" and "nvfp4", are named here so that asking for one gets a clear
-                      error while no backend runs it: execution.RUNS lists what runs.
+                      inputs and weights, D and F multiples of 128) | "mxfp8" (E4M3 with one
+                      E8M0 scale per 32 values, weights per 32 x 32 tile: OCP MX as
+                      TransformerEngine's MXFP8BlockScaling computes it; quant/mxfp8.py; the
+                      reference backend runs it). "nvfp4" is named so that asking for it gets a
+                      clear error while no backend runs it: execution.RUNS lists what runs.
         fp8_power_2_scales  fp8_block: scales rounded down to powers of two (TE's default).
         fp8_amax_epsilon    fp8_block: floor of a block's amax before its scale (TE's default 0).
         pipeline      "standard" | "staged" (CUDA kernel sequence; the reference backend runs

@@ -37,7 +37,8 @@ __all__ = ["RUNS", "Execution", "runs", "runs_precision", "what_runs", "parse_ov
 # backend -> precision -> the pipelines it runs that precision with (the reference backend runs
 # one algorithm for every pipeline)
 RUNS: dict[str, dict[str, tuple[str, ...]]] = {
-    "reference": {"bf16": ("standard", "staged"), "fp8_block": ("standard", "staged")},
+    "reference": {"bf16": ("standard", "staged"), "fp8_block": ("standard", "staged"),
+                  "mxfp8": ("standard", "staged")},
     "cuda": {"bf16": ("standard", "staged"), "fp8_block": ("standard",)},
 }
 
@@ -161,15 +162,17 @@ class Execution:
     def explain(self) -> str:
         rows = [("backend", self.backend), ("precision", self.precision),
                 ("mode", "inference" if self.inference else "training")]
-        if self.backend == "cuda" and self.precision == "fp8_block":
-            gemms = ("Triton FP8 block-scaled persistent grouped GEMMs (E4M3, 1x128 activation / "
-                     "128x128 weight scales, fp32 promotion every 128 of K); scatter to the "
-                     "owners in the W2 epilogue")
-        elif self.backend == "cuda":
-            gemms = ("Triton persistent grouped GEMMs (SwiGLU in the W13 epilogue, scatter to "
-                     "the owners in the W2 epilogue)" if self.gemm_engine == "triton" else
-                     "torch._grouped_mm with separate gather / SwiGLU / scatter kernels "
-                     "(oracle)")
+        if self.backend == "cuda":
+            if self.precision == "fp8_block":
+                gemms = ("Triton FP8 block-scaled persistent grouped GEMMs (E4M3, 1x128 "
+                         "activation / 128x128 weight scales, fp32 promotion every 128 of K); "
+                         "scatter to the owners in the W2 epilogue")
+            elif self.gemm_engine == "triton":
+                gemms = ("Triton persistent grouped GEMMs (SwiGLU in the W13 epilogue, scatter "
+                         "to the owners in the W2 epilogue)")
+            else:
+                gemms = ("torch._grouped_mm with separate gather / SwiGLU / scatter kernels "
+                         "(oracle)")
             rows += [("pipeline", self.pipeline), ("GEMMs", gemms),
                      ("x gather", self.x_gather),
                      ("routing tables", "Triton, 2 launches" if self.routing == "triton"

@@ -27,7 +27,8 @@ bf16 (2 bytes per element):
     replay          x_g | h1 | h2 | g3     a layer that kept only its input replays its forward
                                            into scratch first
 
-fp8_block (quant/fp8_block.py; a bundle `b` is its E4M3 data `b` then its fp32 scales `b_s`):
+fp8_block and mxfp8 (quant/; a bundle `b` is its E4M3 data `b` then its scales `b_s`: fp32 per
+128 values, or E8M0 bytes per 32, the same bytes either way):
 
     saved           x_c (x_g column bundle, for the W13 WGRAD) | h1q (h1 row bundle: the SwiGLU
                     input, DeepSeek-V3's choice; h2 is rebuilt from it)
@@ -105,7 +106,9 @@ def _fp8_block_specs(D: int, F: int) -> dict:
         backward=bwd, replay=fwd + bwd))
 
 
-_SPECS = {"bf16": _bf16_specs, "fp8_block": _fp8_block_specs}
+# mxfp8's bundles take the same bytes as fp8_block's: one uint8 scale per 32 values is one fp32
+# scale per 128 (quant/mxfp8.py)
+_SPECS = {"bf16": _bf16_specs, "fp8_block": _fp8_block_specs, "mxfp8": _fp8_block_specs}
 PRECISIONS_WITH_LAYOUT = tuple(_SPECS)
 
 

@@ -7,8 +7,9 @@ Nothing here runs at import time; torch.distributed is only touched inside spawn
     problems    make_problem(cfg, ep_size, seed, ...) -> Problem (every rank's inputs and weights)
                 run_rank(ctx, problem, ...) -> this rank's output and gradients
                 oracle_results(problem, cfg) / rank_errors(...)
-                fp8_block_emulation(problem, cfg): the same quantization in plain torch, per
-                expert over all ranks' tokens (what a quantized run's errors are judged by)
+                block_quant_emulation(problem, cfg): the same quantization (fp8_block, mxfp8)
+                in plain torch, per expert over all ranks' tokens (what a quantized run's
+                errors are judged by)
     processes   spawn(fn, world_size, args) runs fn(rank, world_size, *args) on gloo/NCCL ranks
                 rendezvousing through a FileStore in a fresh temporary directory (no ports).
                 run_child_checks(argv) runs checks in a fresh Python (e.g. Triton's
@@ -29,7 +30,7 @@ import torch
 __all__ = [
     "routed_experts_oracle", "random_routing", "imbalanced_routing", "make_weights",
     "relative_error", "Problem", "make_problem", "run_rank", "oracle_results", "rank_errors",
-    "fp8_block_emulation",
+    "block_quant_emulation",
     "spawn", "SpawnedRankDied", "run_child_checks", "RESULT_NAMES",
 ]
 
@@ -281,32 +282,30 @@ def oracle_results(problem: Problem, cfg, *, compute_dtype: torch.dtype | None =
                 grad_w2=w2.grad)
 
 
-def fp8_block_emulation(problem: Problem, cfg) -> dict[str, torch.Tensor]:
-    """y and every gradient of `problem` with fp8_block quantization at the points the kernels
-    quantize (reference_math.Fp8BlockMath documents them), computed per expert over every
-    rank's tokens in plain torch: an implementation independent of the backends' row
-    movement, arenas and planner. Global tensors (fp32), shaped like `oracle_results`."""
+def block_quant_emulation(problem: Problem, cfg) -> dict[str, torch.Tensor]:
+    """y and every gradient of `problem` with cfg.precision's block quantization (fp8_block,
+    mxfp8) at the points the kernels quantize (reference_math.BlockQuantMath documents them),
+    computed per expert over every rank's tokens in plain torch: an implementation independent
+    of the backends' row movement, arenas and planner. Global tensors (fp32), shaped like
+    `oracle_results`."""
     from .activation import Activation
-    from .quant import fp8_block as Q
+    from .quant import format_of
 
-    recipe = Q.BlockScaling.of(cfg)
+    fmt = format_of(cfg)
     act = Activation.of(cfg)
     bf = torch.bfloat16
     E, D, F = problem.w13.shape[0], cfg.hidden_dim, cfg.intermediate_dim
     w13 = problem.w13.reshape(E, 2 * F, D).to(bf)
     w2 = problem.w2.to(bf)
-    q13, s13 = Q.quantize_weight(w13, recipe)
-    q2, s2 = Q.quantize_weight(w2, recipe)
-    w13d, w2d = Q.dequantize_weight(q13, s13), Q.dequantize_weight(q2, s2)
+    w13d, w2d = fmt.deq_weight(*fmt.weight(w13)), fmt.deq_weight(*fmt.weight(w2))
 
     def rows(x):
-        return Q.dequantize_rows(*Q.quantize_rows(x, recipe))
+        return fmt.deq_rows(*fmt.rows(x))
 
     def cols(x):
         n = x.shape[0]
-        Rp = -(-max(n, 1) // Q.BLOCK) * Q.BLOCK
-        q, s = Q.quantize_cols(x, torch.tensor([0, n]), Rp, recipe)
-        return Q.dequantize_cols(q, s)[:n]
+        Rp = -(-max(n, 1) // 128) * 128
+        return fmt.deq_cols(*fmt.cols(x, torch.tensor([0, n]), Rp))[:n]
 
     x, gy, ids = problem.x.to(bf), problem.grad_y.to(bf), problem.ids
     scores = problem.scores.to(torch.float32)

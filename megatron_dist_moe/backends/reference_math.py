@@ -6,8 +6,9 @@ one per-call layout (layout.py). `views(name, shape, dtype)` returns the region 
 activation slot for saved regions of a full-save layer, else the call's scratch).
 
     Bf16Math        operands in the storage dtype, fp32 accumulation (fp64 for fp64 inputs)
-    Fp8BlockMath    quant/fp8_block.py's quantizers at every GEMM operand, fp32 accumulation of
-                    the dequantized values; the same quantization points as the CUDA kernels
+    BlockQuantMath  a block-scaled format's quantizers at every GEMM operand (fp8_block:
+                    quant/fp8_block.py; mxfp8: quant/mxfp8.py), fp32 accumulation of the
+                    dequantized values; the same quantization points as the CUDA kernels
 
 Segments: `segs` lists (expert, first row, row end) of the expert-major rows.
 """
@@ -20,9 +21,12 @@ import torch
 
 from ..activation import Activation
 from ..layout import padded_rows
-from ..quant import fp8_block as Q
+from ..quant import format_of
+from ..quant.fp8_block import FP8_DTYPE, padded_offsets
 
-__all__ = ["Bf16Math", "Fp8BlockMath", "make_math"]
+__all__ = ["Bf16Math", "BlockQuantMath", "make_math"]
+
+PAD = 128     # column bundles pad each expert's rows to this multiple (layout.padded_rows)
 
 Views = Callable[..., torch.Tensor]
 
@@ -84,8 +88,8 @@ class Bf16Math:
         return grad_xg, grad_w13, grad_w2, grad_s
 
 
-class Fp8BlockMath:
-    """fp8_block: every GEMM operand quantized as quant/fp8_block.py describes.
+class BlockQuantMath:
+    """A block-scaled precision: every GEMM operand quantized by `fmt` (fp8_block, mxfp8).
 
     forward   xq = rows(x_g) [, x_c = cols(x_g)], h1 = round(xq W13q^T) (bf16),
               [h1q = rows(h1) (saved)], h2 = round(act(h1)), h2q = rows(h2),
@@ -99,24 +103,22 @@ class Fp8BlockMath:
     the forward h2 comes from the bf16 h1, the backward's from the saved fp8 h1 (DeepSeek-V3).
     """
 
-    precision = "fp8_block"
-
-    def __init__(self, act: Activation, D: int, F: int, num_local_experts: int,
-                 recipe: Q.BlockScaling):
-        self.act, self.D, self.F, self.E, self.recipe = act, D, F, num_local_experts, recipe
+    def __init__(self, act: Activation, D: int, F: int, num_local_experts: int, fmt):
+        self.act, self.D, self.F, self.E, self.fmt = act, D, F, num_local_experts, fmt
+        self.precision = fmt.name
 
     def _rows(self, views, name, x):
-        q, s = Q.quantize_rows(x, self.recipe)
+        q, s = self.fmt.rows(x)
         views(name, q.shape, q.dtype).copy_(q)
         views(name + "_s", s.shape, s.dtype).copy_(s)
-        return Q.dequantize_rows(q, s)
+        return self.fmt.deq_rows(q, s)
 
     def _cols(self, views, name, x, offsets):
         Rp = padded_rows(x.shape[0], self.E)
-        q, s = Q.quantize_cols(x, offsets, Rp, self.recipe)
+        q, s = self.fmt.cols(x, offsets, Rp)
         views(name, q.shape, q.dtype).copy_(q)
         views(name + "_s", s.shape, s.dtype).copy_(s)
-        return Q.dequantize_cols(q, s)
+        return self.fmt.deq_cols(q, s)
 
     @staticmethod
     def _offsets(segs, R, device):
@@ -124,20 +126,19 @@ class Fp8BlockMath:
         return torch.tensor([0] + ends if ends else [0, R], dtype=torch.int64, device=device)
 
     def _read_rows(self, views, name, R, width):
-        q = views(name, (R, width), Q.FP8_DTYPE)
-        s = views(name + "_s", (R, width // Q.BLOCK), torch.float32)
-        return Q.dequantize_rows(q, s)
+        q = views(name, (R, width), FP8_DTYPE)
+        s = views(name + "_s", (R, width // self.fmt.block), self.fmt.scale_dtype)
+        return self.fmt.deq_rows(q, s)
 
     def _read_cols(self, views, name, R, width):
         Rp = padded_rows(R, self.E)
-        q = views(name, (width, Rp), Q.FP8_DTYPE)
-        s = views(name + "_s", (Rp // Q.BLOCK, width), torch.float32)
-        return Q.dequantize_cols(q, s)
+        q = views(name, (width, Rp), FP8_DTYPE)
+        s = views(name + "_s", (Rp // self.fmt.block, width), self.fmt.scale_dtype)
+        return self.fmt.deq_cols(q, s)
 
     def _weights(self, w13_END, w2_EDF):
-        q13, s13 = Q.quantize_weight(w13_END, self.recipe)
-        q2, s2 = Q.quantize_weight(w2_EDF, self.recipe)
-        return Q.dequantize_weight(q13, s13), Q.dequantize_weight(q2, s2)
+        return (self.fmt.deq_weight(*self.fmt.weight(w13_END)),
+                self.fmt.deq_weight(*self.fmt.weight(w2_EDF)))
 
     def forward(self, views: Views, x_g, w13_END, w2_EDF, segs, with_w2, training):
         R, F, dt = x_g.shape[0], self.F, x_g.dtype
@@ -164,7 +165,7 @@ class Fp8BlockMath:
         R, D, F, dt, dev = g3.shape[0], self.D, self.F, g3.dtype, g3.device
         segs = list(segs)
         offsets = self._offsets(segs, R, dev)
-        poffs = Q.padded_offsets(offsets).tolist()
+        poffs = padded_offsets(offsets).tolist()
         w13, w2 = self._weights(w13_END, w2_EDF)
         h1 = self._read_rows(views, "h1q", R, 2 * F)
         h2f = self.act.forward(h1)
@@ -190,7 +191,7 @@ class Fp8BlockMath:
         grad_w13 = torch.zeros(self.E, 2 * F, D, dtype=torch.float32, device=dev)
         grad_xg = torch.empty(R, D, dtype=dt, device=dev)
         for (e, a, b), p in zip(segs, poffs):
-            q = p + (b - a + Q.BLOCK - 1) // Q.BLOCK * Q.BLOCK   # the padded segment
+            q = p + (b - a + PAD - 1) // PAD * PAD   # the padded segment
             grad_w2[e] = g3c[p:q].T @ h2c[p:q]
             grad_w13[e] = gh1c[p:q].T @ x_c[p:q]
             grad_xg[a:b].copy_(gh1d[a:b] @ w13[e])
@@ -202,7 +203,7 @@ def make_math(config, num_local_experts: int):
     D, F = config.hidden_dim, config.intermediate_dim
     if config.precision == "bf16":
         return Bf16Math(act, D, F, num_local_experts)
-    if config.precision == "fp8_block":
-        return Fp8BlockMath(act, D, F, num_local_experts, Q.BlockScaling.of(config))
+    if config.precision in ("fp8_block", "mxfp8"):
+        return BlockQuantMath(act, D, F, num_local_experts, format_of(config))
     raise ValueError(f"the reference backend has no expert math for precision "
                      f"{config.precision!r}")

@@ -159,11 +159,11 @@ def precision_from_transformer_config(tc: Any) -> str:
             f"{alternatives}"])
     precision = FP8_RECIPES[recipe]
     fmt = getattr(getattr(tc, "fp8", None), "value", fp8)
-    if precision == "fp8_block" and str(fmt).lower() not in ("e4m3", "true", "fp8format.e4m3"):
+    if str(fmt).lower() not in ("e4m3", "true", "fp8format.e4m3"):
         raise UnsupportedMegatronConfig([
-            f"--fp8-format {fmt}: dist_moe's fp8_block quantizes activations, weights and "
-            "gradients in E4M3 (TransformerEngine's Float8BlockScaling default); use "
-            "--fp8-format e4m3"])
+            f"--fp8-format {fmt}: dist_moe's {precision} quantizes activations, weights and "
+            "gradients in E4M3 (TransformerEngine's default for both block-scaled recipes); "
+            "use --fp8-format e4m3"])
     if recipe not in runnable:
         raise UnsupportedMegatronConfig([
             f"--fp8-recipe {recipe} maps to dist_moe precision {precision!r}, which does not "

@@ -42,7 +42,7 @@ from ..layout import padded_rows   # the column-bundle row bound, shared with th
 __all__ = ["BLOCK", "FP8_MAX", "FP8_DTYPE", "BlockScaling", "compute_scales", "quantize_rows",
            "dequantize_rows", "padded_rows", "padded_offsets", "quantize_cols",
            "dequantize_cols", "quantize_weight", "dequantize_weight", "Fp8Weights",
-           "prepare_weights"]
+           "prepare_weights", "Fp8BlockFormat"]
 
 BLOCK = 128
 FP8_MAX = 448.0
@@ -182,3 +182,32 @@ def prepare_weights(w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor,
     q2, s2 = quantize_weight(w2_EDF, recipe)
     return Fp8Weights(q13, s13, q13.transpose(1, 2).contiguous(), s13.transpose(1, 2).contiguous(),
                       q2, s2, q2.transpose(1, 2).contiguous(), s2.transpose(1, 2).contiguous())
+
+
+@dataclass(frozen=True)
+class Fp8BlockFormat:
+    """The format interface the reference math and the emulation use: quantize / dequantize
+    rows, columns and weights (quant/mxfp8.Mxfp8Format is the other one)."""
+
+    recipe: BlockScaling = BlockScaling()
+    name: str = "fp8_block"
+    block: int = BLOCK
+    scale_dtype: torch.dtype = torch.float32
+
+    def rows(self, x):
+        return quantize_rows(x, self.recipe)
+
+    def deq_rows(self, q, s):
+        return dequantize_rows(q, s)
+
+    def cols(self, x, offsets, Rp):
+        return quantize_cols(x, offsets, Rp, self.recipe)
+
+    def deq_cols(self, q, s):
+        return dequantize_cols(q, s)
+
+    def weight(self, w):
+        return quantize_weight(w, self.recipe)
+
+    def deq_weight(self, q, s):
+        return dequantize_weight(q, s)

@@ -101,14 +101,15 @@ def test_demo_end_to_end():
     assert 1e-4 < worst < 2e-2
 
 
-def test_demo_fp8_block():
-    """--precision fp8_block: judged entry by entry against the emulated quantization's error."""
+@pytest.mark.parametrize("precision", ["fp8_block", "mxfp8"])
+def test_demo_block_scaled(precision):
+    """--precision: judged entry by entry against the emulated quantization's error."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "-m", "megatron_dist_moe", "demo", "--ranks", "2",
-                           "--precision", "fp8_block"],
+                           "--precision", precision],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "fp8_block quantization emulated" in proc.stdout and "PASS" in proc.stdout
+    assert f"{precision} quantization emulated" in proc.stdout and "PASS" in proc.stdout
     worst = float(proc.stdout.split("max relative error")[1].split()[0])
     assert 2e-2 < worst < 0.2     # E4M3's error, far above bf16's
 

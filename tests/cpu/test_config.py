@@ -54,7 +54,7 @@ BAD = [
     ("wait_timeout_s", dict(wait_timeout_s=0)),
     ("wait_timeout_s", dict(wait_timeout_s="10")),
     # what no backend runs is refused when the Config is built, naming the field
-    ("precision", dict(precision="mxfp8")),
+    ("precision", dict(precision="mxfp8", backend="cuda")),
     ("precision", dict(precision="nvfp4", inference=True, num_activation_slots=0)),
     ("fp8_power_2_scales", dict(precision="fp8_block", fp8_power_2_scales=1)),
     ("fp8_amax_epsilon", dict(precision="fp8_block", fp8_amax_epsilon=-1e-3)),
@@ -95,6 +95,7 @@ def test_valid_combinations():
     make(activation_slot_bytes=0)
     make(precision="fp8_block", backend="cuda")
     make(precision="fp8_block", pipeline="staged", backend="reference")
+    make(precision="mxfp8", backend="reference")
 
 
 def test_frozen_and_replace_validates():
@@ -177,3 +178,17 @@ def test_execution_overrides_are_strict(monkeypatch):
     assert ex.backend == "reference" and "reference" in ex.explain()
     with pytest.raises(ValueError, match="reference backend"):
         Execution.resolve(make(), torch.device("cpu"), {"gemm_engine": "torch"})
+
+
+@pytest.mark.parametrize("precision, gemm", [("bf16", "Triton persistent grouped GEMMs"),
+                                             ("fp8_block", "FP8 block-scaled")])
+def test_cuda_execution_explains_every_step(precision, gemm):
+    from megatron_dist_moe.execution import Execution
+    ex = Execution(backend="cuda", precision=precision, pipeline="standard", inference=False,
+                   save_route_outputs=False, wait_timeout_s=600.0)
+    text = ex.explain()
+    for key in ("pipeline", "GEMMs", "x gather", "routing tables", "bookkeeping", "backward",
+                "device waits", "score gradients"):
+        assert key in text, (precision, key)
+    assert gemm in text
+    assert ("quantization" in text) == (precision != "bf16")

@@ -49,7 +49,7 @@ def results():
 @pytest.mark.parametrize("name", FP8_NAMES)
 def test_fp8_block_within_twice_the_emulated_quantization_error(results, name):
     """fp8_block: every output and gradient within 2x of the error that the same quantization
-    emulated in plain torch makes against the fp64 oracle (testing.fp8_block_emulation); and
+    emulated in plain torch makes against the fp64 oracle (testing.block_quant_emulation); and
     quantized for real (E4M3 errors are several %, far above bf16's)."""
     r = results.get(name)
     assert r is not None, f"{name}: no result"

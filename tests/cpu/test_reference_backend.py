@@ -64,9 +64,9 @@ def case_oracle(rank, ws, *, dtype, routing, layout="E2FD", cfg_kw=None, problem
     out["rows_received"] = int((problem.ids // cfg.num_local_experts(ws) == rank)
                                .logical_and(problem.ids >= 0).sum())
     out["y_dtype"] = str(res["y"].dtype)
-    if cfg.precision == "fp8_block":
-        # the same quantization emulated per expert in plain torch (testing.fp8_block_emulation)
-        em = tt.fp8_block_emulation(problem, cfg)
+    if cfg.precision != "bf16":
+        # the same quantization emulated per expert in plain torch (testing.block_quant_emulation)
+        em = tt.block_quant_emulation(problem, cfg)
         pick = _pick(problem, rank)
         out["vs_emulation"] = {k: tt.relative_error(res[k], em[k][pick[k]]) for k in pick}
         out["baseline"] = {k: tt.relative_error(em[k][pick[k]], oracle[k][pick[k]])
@@ -286,6 +286,16 @@ CASES = {
         cfg_kw=dict(precision="fp8_block", hidden_dim=128, intermediate_dim=384,
                     activation="swiglu_clamped", fp8_power_2_scales=False),
         problem_kw=dict(hot_expert=1, num_inactive_rows=2)),
+    # mxfp8: E4M3 with E8M0 scales per 32 values (weights per 32 x 32 tile)
+    "mxfp8_random_inactive": dict(
+        fn=case_oracle, dtype=torch.bfloat16, routing="random",
+        cfg_kw=dict(precision="mxfp8", hidden_dim=128, intermediate_dim=256),
+        problem_kw=dict(inactive_fraction=0.25, num_inactive_rows=4)),
+    "mxfp8_hot_expert_replay_saved_routes": dict(
+        fn=case_oracle, dtype=torch.bfloat16, routing="hot_expert",
+        cfg_kw=dict(precision="mxfp8", hidden_dim=256, intermediate_dim=128,
+                    save_route_outputs=True, activation_slot_capacity_factor=0.0),
+        problem_kw=dict(hot_expert=2, num_inactive_rows=2)),
     "multilayer": dict(fn=case_multilayer),
     "two_slots": dict(fn=case_two_slots),
     "no_grad": dict(fn=case_no_grad),
@@ -337,8 +347,8 @@ def test_forward_and_gradients_match_oracle(results, name):
                 assert v < tol, f"rank {rank} {k}: rel err {v:.3g}"
             assert max(err["grad_w13"], err["grad_w2"]) > 1e-5, "wgrad_dtype='bf16' not honoured"
         elif "vs_emulation" in res:
-            # fp8_block: the reference is that emulation (up to fp32 summation order), and its
-            # error against the fp64 oracle is the quantization's (E4M3: 3 mantissa bits)
+            # block-scaled: the reference is that emulation (up to fp32 summation order), and
+            # its error against the fp64 oracle is the quantization's (E4M3: 3 mantissa bits)
             for k, v in res["vs_emulation"].items():
                 assert v < 1e-3, f"rank {rank} {k}: {v:.3g} from the torch emulation"
             for k, v in err.items():

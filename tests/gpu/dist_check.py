@@ -74,9 +74,9 @@ def oracle(x_all, ids_all, s_all, w13_all, w2_all, gy_all, cfg, bf16_points=Fals
 
 def emulation(prob, cfg):
     """The same computation at the precision's own rounding points: bf16 stores (oracle with
-    bf16_points), or fp8_block's quantization (testing.fp8_block_emulation). Its error against
+    bf16_points), or a block-scaled format's quantization (testing.block_quant_emulation). Its error against
     the exact oracle sets the tolerance."""
-    if cfg.precision != "fp8_block":
+    if cfg.precision == "bf16":
         return oracle(prob["x"], prob["ids"], prob["s"], prob["w13"], prob["w2"], prob["gy"],
                       cfg, bf16_points=True)
     from megatron_dist_moe import testing as tt
@@ -86,7 +86,7 @@ def emulation(prob, cfg):
     P = tt.Problem(EP, T, prob["x"].reshape(EP * T, D), prob["ids"].reshape(EP * T, K).long(),
                    prob["s"].reshape(EP * T, K), prob["w13"].view(E, 2, F2 // 2, D), prob["w2"],
                    prob["gy"].reshape(EP * T, D))
-    em = tt.fp8_block_emulation(P, cfg)
+    em = tt.block_quant_emulation(P, cfg)
     return (em["y"].view(EP, T, D), em["grad_x"].view(EP, T, D),
             em["grad_scores"].view(EP, T, K), em["grad_w13"].view(E, F2, D), em["grad_w2"])
 
@@ -366,7 +366,7 @@ def main():
     for (precision, engine, pipeline), sh in ((c, sh) for c in combos for sh in shapes):
         exe = {"gemm_engine": engine}
         T = sh["T"]
-        F = sh["F"] if precision == "bf16" else -(-sh["F"] // 128) * 128   # fp8: F % 128 == 0
+        F = sh["F"] if precision == "bf16" else -(-sh["F"] // 128) * 128   # block-scaled: % 128
         for activation in ("swiglu", "swiglu_clamped"):
             cfg = dm.Config(num_local_input_tokens=T, hidden_dim=sh["D"], intermediate_dim=F,
                             top_k=sh["K"], num_experts=sh["E_local"] * EP, backend="cuda",

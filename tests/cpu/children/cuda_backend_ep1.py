@@ -42,7 +42,7 @@ def run(variant, seed):
     extra = {}
     if cfg.precision == "fp8_block":
         # the same quantization emulated in plain torch: what the errors are judged by
-        ems = [tt.fp8_block_emulation(p, cfg) for p in problems]
+        ems = [tt.block_quant_emulation(p, cfg) for p in problems]
         extra = dict(vs_emulation=[tt.rank_errors(o, em, p, 0)
                                    for o, em, p in zip(out["results"], ems, problems)],
                      emulation_errors=[{k: tt.relative_error(em[k], orc[k]) for k in em}
