@@ -282,12 +282,13 @@ def oracle_results(problem: Problem, cfg, *, compute_dtype: torch.dtype | None =
                 grad_w2=w2.grad)
 
 
-def block_quant_emulation(problem: Problem, cfg) -> dict[str, torch.Tensor]:
+def block_quant_emulation(problem: Problem, cfg, backward: bool = True
+                          ) -> dict[str, torch.Tensor]:
     """y and every gradient of `problem` with cfg.precision's block quantization (fp8_block,
     mxfp8) at the points the kernels quantize (reference_math.BlockQuantMath documents them),
     computed per expert over every rank's tokens in plain torch: an implementation independent
     of the backends' row movement, arenas and planner. Global tensors (fp32), shaped like
-    `oracle_results`."""
+    `oracle_results` (backward=False: y only; problem.grad_y is not read)."""
     from .activation import Activation
     from .quant import format_of
 
@@ -324,6 +325,8 @@ def block_quant_emulation(problem: Problem, cfg) -> dict[str, torch.Tensor]:
         h2 = act.forward(h1.float()).to(bf)
         h3 = (rows(h2) @ w2d[e].T).to(bf)
         routes[t, k] = h3.float()
+        if not backward:
+            continue
         h1r = rows(h1)
         h2f = act.forward(h1r)
         h2b = h2f.to(bf)
@@ -343,6 +346,8 @@ def block_quant_emulation(problem: Problem, cfg) -> dict[str, torch.Tensor]:
         grad_routes[t, k] = (rows(gh1) @ w13d[e]).to(bf).float()
         grad_w13[e] = cols(gh1).T @ cols(X)
     y = (scores.unsqueeze(-1) * routes).sum(1).to(bf).float()
+    if not backward:
+        return dict(y=y)
     # weight gradients are returned in the weights' dtype (bf16)
     return dict(y=y, grad_x=grad_routes.sum(1).to(bf).float(), grad_scores=grad_s,
                 grad_w13=grad_w13.view(E, 2, F, D).to(bf).float(), grad_w2=grad_w2.to(bf).float())

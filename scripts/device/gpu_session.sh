@@ -9,7 +9,8 @@
 #   check      dist_check on 1 GPU (and 2 when present): every gradient vs the fp64 oracle,
 #              graph replay, no host sync, bitwise repeats, inference
 #   packing    ten layers in one slot inside one CUDA graph
-#   inference  inference at the guide's expert shapes, T = 1..4096, eager and graph, guarded arena
+#   inference  inference at the guide's expert shapes, T = 1..4096, eager and graph, guarded arena,
+#              bf16 and fp8_block (INFERENCE_ARGS, e.g. "--precisions fp8_block")
 #   traps      the device traps that end a job with a message (1 GPU: overflow, bad id, layout)
 #   layer      bench_layer (LAYER_ARGS, e.g. "--cases guide --paths dist_moe,a2a")
 #   baseline   the same bench_layer run on the tree in $BASE_TREE (a copy of an older commit, e.g.
@@ -59,8 +60,8 @@ for s in $sections; do case $s in
          [ "$NGPU" -ge 2 ] && LIMIT=300 run check2 torchrun --nproc-per-node=2 tests/gpu/dist_check.py ${CHECK_ARGS:-} ;;
   fp8kernels) LIMIT=300 run fp8kernels python3 -m pytest -q tests/gpu/test_fp8_kernels_gpu.py -m gpu ;;
   packing) LIMIT=240 run packing torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py ${PACKING_ARGS:-} ;;
-  inference) LIMIT=300 run inference torchrun --nproc-per-node="$NGPU" tests/gpu/inference_check.py \
-                 --json "$OUT/inference.json" ;;
+  inference) LIMIT=480 run inference torchrun --nproc-per-node="$NGPU" tests/gpu/inference_check.py \
+                 --json "$OUT/inference.json" ${INFERENCE_ARGS:-} ;;
   traps) LIMIT=300 run traps python3 -m pytest -q tests/gpu/test_cuda_backend.py -m gpu -k device_traps ;;
   layer) LIMIT=300 run layer torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py --out "$OUT" ${LAYER_ARGS:-} ;;
   baseline) [ -d "${BASE_TREE:-_base}" ] || { echo "baseline: no tree at ${BASE_TREE:-_base}"; continue; }

@@ -5,9 +5,11 @@
 Per rank: D=7168, F=3072, K=6, 6 local experts, Config(inference=True) with the device scratch
 factors 1 and 2, for T in {1, 8, 64, 96, 128, 512, 2048, 4096}: one eager forward under
 torch.no_grad, then the same forward captured in a CUDA graph and replayed with new inputs and
-routing at the same addresses. Each y is compared with an fp64 oracle of the whole EP problem
-(tolerance: 2x the error of the same math with bf16 stores, floored at 6e-3). A context that
-trained first (forward + backward) then serves an inference call at T=512.
+routing at the same addresses, for every precision the CUDA backend runs (--precisions). Each y
+is compared with an fp64 oracle of the whole EP problem (tolerance: 2x the error of the same
+math at the precision's rounding points: bf16 stores, floored at 6e-3, or the block-scaled
+quantization emulated in torch, testing.block_quant_emulation). A context that trained first
+(forward + backward) then serves an inference call at T=512.
 
 Canary: every arena is allocated with 1 MiB guard regions on both sides filled with a byte
 pattern (a test-only DeviceArena); after every call the guards must be intact, and the arena
@@ -104,8 +106,24 @@ def relerr(a, b):
     return float((a.double() - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def judge(name, y, p, rank, results):
-    exact, emul = oracle_y(p, rank, False), oracle_y(p, rank, True)
+def emulated_y(p, rank, precision):
+    """y of rank's tokens at the precision's rounding points."""
+    if precision == "bf16":
+        return oracle_y(p, rank, True)
+    from megatron_dist_moe import testing as tt
+    EP, T, _ = p["x"].shape
+    E = p["w13"].shape[0]
+    cfg = dm.Config(num_local_input_tokens=T, hidden_dim=D, intermediate_dim=F, top_k=K,
+                    num_experts=E, precision=precision, backend="reference", inference=True,
+                    num_activation_slots=0)
+    P = tt.Problem(EP, T, p["x"].reshape(EP * T, D), p["ids"].reshape(EP * T, K).long(),
+                   p["s"].reshape(EP * T, K), p["w13"].view(E, 2, F, D), p["w2"], None)
+    y = tt.block_quant_emulation(P, cfg, backward=False)["y"]
+    return y.view(EP, T, D)[rank].double()
+
+
+def judge(name, y, p, rank, results, precision="bf16"):
+    exact, emul = oracle_y(p, rank, False), emulated_y(p, rank, precision)
     err, tol = relerr(y, exact), max(TOL_FLOOR, 2 * relerr(emul, exact))
     zero = (p["ids"][rank] < 0).all(1)
     guards = all(a.guards_intact() for a in GuardedArena.live)
@@ -113,12 +131,12 @@ def judge(name, y, p, rank, results):
     results.append(dict(case=name, rank=rank, ok=ok, y=err, tol=tol, guards_intact=guards))
 
 
-def run_inference(T, factor, EP, rank, dev, results):
+def run_inference(T, factor, EP, rank, dev, results, precision="bf16"):
     cfg = dm.Config(num_local_input_tokens=T, hidden_dim=D, intermediate_dim=F, top_k=K,
                     num_experts=E_LOCAL * EP, inference=True, num_activation_slots=0,
-                    device_scratch_capacity_factor=factor, backend="cuda")
+                    device_scratch_capacity_factor=factor, backend="cuda", precision=precision)
     sl = slice(rank * E_LOCAL, (rank + 1) * E_LOCAL)
-    tag = f"T{T}_factor{factor:g}"
+    tag = f"{precision}_T{T}_factor{factor:g}"
     with dm.create_context(config=cfg, device=dev) as ctx:
         p = make_problem(EP, T, seed=T + int(10 * factor), device=dev)
         x, ids, s = (p[k][rank].clone() for k in ("x", "ids", "s"))
@@ -126,7 +144,7 @@ def run_inference(T, factor, EP, rank, dev, results):
         with torch.no_grad():
             y = dm.routed_experts(x, ids, s, w13, w2, ctx)
         torch.cuda.synchronize()
-        judge(f"{tag}_eager", y, p, rank, results)
+        judge(f"{tag}_eager", y, p, rank, results, precision)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.no_grad():
@@ -142,14 +160,14 @@ def run_inference(T, factor, EP, rank, dev, results):
         yg.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        judge(f"{tag}_graph_replay", yg, p2, rank, results)
+        judge(f"{tag}_graph_replay", yg, p2, rank, results, precision)
         del graph
 
 
-def run_after_training(T, EP, rank, dev, results):
+def run_after_training(T, EP, rank, dev, results, precision="bf16"):
     cfg = dm.Config(num_local_input_tokens=T, hidden_dim=D, intermediate_dim=F, top_k=K,
                     num_experts=E_LOCAL * EP, activation_slot_capacity_factor=1.0,
-                    backend="cuda")
+                    backend="cuda", precision=precision)
     sl = slice(rank * E_LOCAL, (rank + 1) * E_LOCAL)
     with dm.create_context(config=cfg, device=dev) as ctx:
         p = make_problem(EP, T, seed=99, device=dev)
@@ -163,7 +181,7 @@ def run_after_training(T, EP, rank, dev, results):
             y2 = dm.routed_experts(p2["x"][rank], p2["ids"][rank], p2["s"][rank],
                                    p2["w13"][sl].contiguous(), p2["w2"][sl].contiguous(), ctx)
         torch.cuda.synchronize()
-        judge(f"T{T}_inference_after_training", y2, p2, rank, results)
+        judge(f"{precision}_T{T}_inference_after_training", y2, p2, rank, results, precision)
 
 
 def main():
@@ -171,25 +189,28 @@ def main():
     ap.add_argument("--tokens", default="1,8,64,96,128,512,2048,4096")
     ap.add_argument("--factors", default="1,2")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--precisions", default="bf16,fp8_block")
     args = ap.parse_args()
     rank, EP = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dev = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("nccl", device_id=dev)
     results = []
-    cases = [(int(t), float(f)) for t in args.tokens.split(",") for f in args.factors.split(",")]
-    for T, factor in cases:
+    cases = [(pr, int(t), float(f)) for pr in args.precisions.split(",")
+             for t in args.tokens.split(",") for f in args.factors.split(",")]
+    for precision, T, factor in cases:
         try:
-            run_inference(T, factor, EP, rank, dev, results)
+            run_inference(T, factor, EP, rank, dev, results, precision)
         except Exception as e:
-            results.append(dict(case=f"T{T}_factor{factor:g}", rank=rank, ok=False,
+            results.append(dict(case=f"{precision}_T{T}_factor{factor:g}", rank=rank, ok=False,
                                 error=repr(e), tb=traceback.format_exc()[-2000:]))
         GuardedArena.live.clear()
-    try:
-        run_after_training(512, EP, rank, dev, results)
-    except Exception as e:
-        results.append(dict(case="inference_after_training", rank=rank, ok=False,
-                            error=repr(e), tb=traceback.format_exc()[-2000:]))
+    for precision in args.precisions.split(","):
+        try:
+            run_after_training(512, EP, rank, dev, results, precision)
+        except Exception as e:
+            results.append(dict(case=f"{precision}_inference_after_training", rank=rank,
+                                ok=False, error=repr(e), tb=traceback.format_exc()[-2000:]))
     gathered = [None] * EP
     dist.all_gather_object(gathered, results)
     flat = [r for rs in gathered for r in rs]
