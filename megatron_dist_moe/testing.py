@@ -182,6 +182,18 @@ class Problem:
     w2: torch.Tensor
     grad_y: torch.Tensor
 
+    @classmethod
+    def from_ep(cls, x_EPTD, ids_EPTK, scores_EPTK, w13_E2FD, w2_EDF, grad_y_EPTD=None
+                ) -> "Problem":
+        """A Problem from per-rank stacked tensors ([EP, T, ...], W13 as [E, 2F, D]), as the
+        GPU checks draw them (any device; grad_y may be absent for a forward-only use)."""
+        EP, T, D = x_EPTD.shape
+        K = ids_EPTK.shape[-1]
+        E, F2, _ = w13_E2FD.shape
+        gy = None if grad_y_EPTD is None else grad_y_EPTD.reshape(EP * T, D)
+        return cls(EP, T, x_EPTD.reshape(EP * T, D), ids_EPTK.reshape(EP * T, K).long(),
+                   scores_EPTK.reshape(EP * T, K), w13_E2FD.view(E, 2, F2 // 2, D), w2_EDF, gy)
+
     def tokens(self, rank: int) -> slice:
         return slice(rank * self.T, (rank + 1) * self.T)
 

@@ -199,7 +199,7 @@ def check_fp8_mm_store_and_scatter(device, big=False):
 
 
 def check_fp8_mm_swiglu_bwd(device, big=False):
-    from megatron_dist_moe.kernels.grouped_gemm.fp8 import _config, fp8_grouped_mm
+    from megatron_dist_moe.kernels.grouped_gemm.fp8 import fp8_config, fp8_grouped_mm
     lens, offs, R, E, D, F, x, w13, w2, W = _gemm_problem(device, big)
     g = torch.Generator().manual_seed(9)
     h1 = torch.randn(R, 2 * F, generator=g).to(torch.bfloat16).to(device)
@@ -210,7 +210,7 @@ def check_fp8_mm_swiglu_bwd(device, big=False):
     w2d = Q.dequantize_weight(W.w2, W.w2_s)
     u = _per_expert(offs, lambda e, a, b: Q.dequantize_rows(*g3q)[a:b] @ w2d[e])
     h2f = act.forward(h1d)
-    parts = -(-F // _config(torch.device(device)).block_n)
+    parts = -(-F // fp8_config(torch.device(device)).block_n)
     for scored in (False, True):
         gh1 = torch.full((R, 2 * F), float("nan"), dtype=torch.bfloat16, device=device)
         h2 = torch.full((R, F), float("nan"), dtype=torch.bfloat16, device=device)

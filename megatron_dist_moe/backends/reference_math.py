@@ -20,13 +20,12 @@ from typing import Callable
 import torch
 
 from ..activation import Activation
+from ..layout import BLOCK as PAD   # column bundles pad each expert's rows to this multiple
 from ..layout import padded_rows
 from ..quant import format_of
 from ..quant.fp8_block import FP8_DTYPE, padded_offsets
 
 __all__ = ["Bf16Math", "BlockQuantMath", "make_math"]
-
-PAD = 128     # column bundles pad each expert's rows to this multiple (layout.padded_rows)
 
 Views = Callable[..., torch.Tensor]
 

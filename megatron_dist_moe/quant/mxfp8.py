@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layout import padded_rows
-from .fp8_block import FP8_DTYPE, FP8_MAX, padded_offsets
+from .fp8_block import _amax, _cast, padded_offsets
 
 __all__ = ["BLOCK", "MAX_NORM_RCP", "e8m0_from_amax", "scale_reciprocal", "scale_values",
            "quantize_rows", "dequantize_rows", "quantize_cols", "dequantize_cols",
@@ -64,15 +64,6 @@ def scale_values(e: torch.Tensor) -> torch.Tensor:
     """fp32 dequantization scales 2^(e - 127)."""
     return torch.ldexp(torch.ones(e.shape, dtype=torch.float32, device=e.device),
                        e.to(torch.int32) - 127)
-
-
-def _amax(blocks: torch.Tensor, dim) -> torch.Tensor:
-    a = blocks.abs().to(torch.float32)
-    return torch.where(torch.isnan(a), torch.zeros_like(a), a).amax(dim=dim)
-
-
-def _cast(x: torch.Tensor) -> torch.Tensor:
-    return torch.clamp(x, -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def quantize_rows(x_RK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

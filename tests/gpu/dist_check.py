@@ -83,9 +83,7 @@ def emulation(prob, cfg):
     EP, T, D = prob["x"].shape
     K = prob["ids"].shape[-1]
     E, F2, _ = prob["w13"].shape
-    P = tt.Problem(EP, T, prob["x"].reshape(EP * T, D), prob["ids"].reshape(EP * T, K).long(),
-                   prob["s"].reshape(EP * T, K), prob["w13"].view(E, 2, F2 // 2, D), prob["w2"],
-                   prob["gy"].reshape(EP * T, D))
+    P = tt.Problem.from_ep(prob["x"], prob["ids"], prob["s"], prob["w13"], prob["w2"], prob["gy"])
     em = tt.block_quant_emulation(P, cfg)
     return (em["y"].view(EP, T, D), em["grad_x"].view(EP, T, D),
             em["grad_scores"].view(EP, T, K), em["grad_w13"].view(E, F2, D), em["grad_w2"])

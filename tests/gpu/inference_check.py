@@ -112,12 +112,10 @@ def emulated_y(p, rank, precision):
         return oracle_y(p, rank, True)
     from megatron_dist_moe import testing as tt
     EP, T, _ = p["x"].shape
-    E = p["w13"].shape[0]
     cfg = dm.Config(num_local_input_tokens=T, hidden_dim=D, intermediate_dim=F, top_k=K,
-                    num_experts=E, precision=precision, backend="reference", inference=True,
-                    num_activation_slots=0)
-    P = tt.Problem(EP, T, p["x"].reshape(EP * T, D), p["ids"].reshape(EP * T, K).long(),
-                   p["s"].reshape(EP * T, K), p["w13"].view(E, 2, F, D), p["w2"], None)
+                    num_experts=p["w13"].shape[0], precision=precision, backend="reference",
+                    inference=True, num_activation_slots=0)
+    P = tt.Problem.from_ep(p["x"], p["ids"], p["s"], p["w13"], p["w2"])
     y = tt.block_quant_emulation(P, cfg, backward=False)["y"]
     return y.view(EP, T, D)[rank].double()
 

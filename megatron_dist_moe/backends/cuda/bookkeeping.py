@@ -39,11 +39,6 @@ class ForwardAddresses:
     save_flag: torch.Tensor | None    # int32 [1] 1: keep the full state (combine saves routes)
     x_rows: torch.Tensor | None       # int32 [1] T when x is kept for replay, else 0
 
-    # the bf16 regions by their old names
-    xg = property(lambda self: self.at["x_g"])
-    h1 = property(lambda self: self.at["h1"])
-    h2 = property(lambda self: self.at["h2"])
-
 
 @dataclass
 class BackwardAddresses:
@@ -55,11 +50,6 @@ class BackwardAddresses:
     x_rows: torch.Tensor          # int32 [1] T when replayed, else 0
     replay_offsets: torch.Tensor  # int32 [E+1] expert offsets of the replay (zeros if none)
     replay_rows: torch.Tensor     # int32 [1] R when replayed, else 0
-
-    xg = property(lambda self: self.at["x_g"])
-    h1 = property(lambda self: self.at["h1"])     # grad_h1 is written over it (bf16)
-    h2 = property(lambda self: self.at["h2"])
-    g3 = property(lambda self: self.at["g3"])
 
 
 class TorchBookkeeping:

@@ -177,14 +177,16 @@ class StandardPipeline:
         offs, nrows = tabs.expert_offsets, tabs.num_rows
         out_dtype = wgrad_store_dtype(wgrad_dtype, w13_E2FD.dtype)
         score = None if score_ptrs is None else (score_ptrs, score_grad_delta, part_stride)
-        self._w2_dgrad(tabs, w2_EDF, offs, nrows, gather_ptrs, ba.g3, ba.h1, ba.h2, score)
+        at = ba.at
+        self._w2_dgrad(tabs, w2_EDF, offs, nrows, gather_ptrs, at["g3"], at["h1"], at["h2"],
+                       score)
         grad_w2 = (wgrad_into[1] if wgrad_into is not None
                    else torch.empty(self.E, D, F, dtype=out_dtype, device=self.device))
-        self.k.wgrad(ba.g3, ba.h2, offs, grad_w2)
-        self.k.w13_dgrad_scatter(w13_E2FD, offs, ba.h1, scatter_ptrs)   # grad_h1 is over h1
+        self.k.wgrad(at["g3"], at["h2"], offs, grad_w2)
+        self.k.w13_dgrad_scatter(w13_E2FD, offs, at["h1"], scatter_ptrs)  # grad_h1 is over h1
         grad_w13 = (wgrad_into[0] if wgrad_into is not None
                     else torch.empty(self.E, 2 * F, D, dtype=out_dtype, device=self.device))
-        self.k.wgrad(ba.h1, ba.xg, offs, grad_w13)
+        self.k.wgrad(at["h1"], at["x_g"], offs, grad_w13)
         if wgrad_into is not None:
             return None, None
         return grad_w13, grad_w2
@@ -261,8 +263,8 @@ class TorchPipeline:
         bf = dict(dtype=torch.bfloat16, device=self.device)
         xg = torch.empty(Rm, D, **bf)
         h1 = torch.empty(Rm, 2 * F, **bf)
-        K_rows.copy_rows(ba.xg, K_rows.device_ptr(xg), nrows, D, Rm)
-        K_rows.copy_rows(ba.h1, K_rows.device_ptr(h1), nrows, 2 * F, Rm)
+        K_rows.copy_rows(ba.at["x_g"], K_rows.device_ptr(xg), nrows, D, Rm)
+        K_rows.copy_rows(ba.at["h1"], K_rows.device_ptr(h1), nrows, 2 * F, Rm)
         g3 = torch.empty(Rm, D, **bf)
         self.k.gather(tabs, gather_ptrs, K_rows.device_ptr(g3), nrows,
                       "combine" if score_ptrs is not None else None)
@@ -330,8 +332,10 @@ class Fp8BlockKernels:
         fp8_grouped_wgrad(a, b, offs, out, accumulate=isinstance(out, ExpertOutTable))
 
     def score_parts(self, device) -> int:
-        from ...kernels.grouped_gemm.fp8 import _config
-        return -(-self.cfg.intermediate_dim // _config(torch.device(device)).block_n)
+        """Score-gradient parts per route the FP8 W2 DGRAD writes (its n-tiles over F)."""
+        from ...kernels.grouped_gemm import score_parts_count
+        from ...kernels.grouped_gemm.fp8 import fp8_config
+        return score_parts_count(self.cfg.intermediate_dim, fp8_config(torch.device(device)))
 
 
 class Fp8BlockPipeline:

@@ -28,6 +28,8 @@ fp8 operands are widened to fp32 before the dot, and bf16 rounding uses the inte
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -42,26 +44,28 @@ from .tiles import swizzle, tile_bound, tile_coords
 from .wgrad import ExpertOutTable, _store_wgrad_tile
 
 __all__ = ["fp8_grouped_mm", "fp8_grouped_wgrad", "FP8_EPILOGUES", "Fp8GemmConfig",
-           "FP8_CONFIG", "FP8_INTERPRETER_CONFIG"]
+           "FP8_CONFIG", "FP8_INTERPRETER_CONFIG", "fp8_config"]
 
 FP8_EPILOGUES = ("store", "scatter", "swiglu_bwd")
 _F8 = torch.float8_e4m3fn
 
 
+@dataclass(frozen=True, repr=False)
 class Fp8GemmConfig:
     """Tile and launch parameters (block_k is the 128 of the scaling blocks)."""
 
-    def __init__(self, block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=3,
-                 tma=False):
-        assert block_n <= 128 and 128 % block_n == 0 and block_m % 16 == 0
-        self.block_m, self.block_n, self.group_m = block_m, block_n, group_m
-        self.num_warps, self.num_stages, self.tma = num_warps, num_stages, tma
+    block_m: int = 128
+    block_n: int = 128
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    tma: bool = False
+
+    def __post_init__(self):
+        assert self.block_n <= 128 and 128 % self.block_n == 0 and self.block_m % 16 == 0
 
     def replace(self, **kw) -> "Fp8GemmConfig":
-        d = dict(block_m=self.block_m, block_n=self.block_n, group_m=self.group_m,
-                 num_warps=self.num_warps, num_stages=self.num_stages, tma=self.tma)
-        d.update(kw)
-        return Fp8GemmConfig(**d)
+        return dataclasses.replace(self, **kw)
 
     def __repr__(self):
         return (f"{self.block_m}x{self.block_n}x128 g{self.group_m} w{self.num_warps} "
@@ -74,7 +78,8 @@ FP8_CONFIG = Fp8GemmConfig(128, 128, 8, 8, 3, tma=HAS_TMA)
 FP8_INTERPRETER_CONFIG = Fp8GemmConfig(32, 32, 2, 4, 1, tma=False)
 
 
-def _config(device: torch.device) -> Fp8GemmConfig:
+def fp8_config(device: torch.device) -> Fp8GemmConfig:
+    """The table's config for a launch on `device` (the interpreter's tiny tiles on CPU)."""
     return FP8_CONFIG if device.type == "cuda" and not interpreting() else FP8_INTERPRETER_CONFIG
 
 
@@ -270,7 +275,7 @@ def fp8_grouped_mm(*, a, w: torch.Tensor, w_scales: torch.Tensor, expert_offsets
             check_rows(score_ptrs, "score_ptrs", max_rows, dev)
             out_rows = score_ptrs
     assert score_ptrs is None or epilogue == "swiglu_bwd"
-    config = config or _config(dev)
+    config = config or fp8_config(dev)
     hw = dev.type == "cuda" and not interpreting()
     if config.tma and hw:
         ensure_tma_allocator()
@@ -369,7 +374,7 @@ def fp8_grouped_wgrad(a, b, expert_offsets: torch.Tensor, out, *, accumulate: bo
     assert M % 128 == 0 and N % 128 == 0
     qa, sa = _bundle(a, "a")
     qb, sb = _bundle(b, "b")
-    config = config or _config(dev)
+    config = config or fp8_config(dev)
     hw = dev.type == "cuda" and not interpreting()
     if config.tma and hw:
         ensure_tma_allocator()
