@@ -1,8 +1,9 @@
 """Routed-expert layer benchmark on EP GPUs: our CUDA backend vs the all-to-all baselines.
 
     torchrun --nproc-per-node=2 benchmarks/bench_layer.py --out OUTDIR [--cases guide,dsv3,...]
-             [--paths dist_moe,dist_moe_staged,dist_moe_torchgemm,dist_moe_fp8,a2a,megatron_a2a]
-             [--modes fwd,fwdbwd] [--profile]
+             [--paths dist_moe,dist_moe_staged,dist_moe_torchgemm,dist_moe_fp8,dist_moe_mxfp8,
+                      a2a,megatron_a2a]
+             [--modes fwd,fwdbwd] [--profile] [--profile-paths dist_moe,...]
 
 Paths:
     dist_moe, dist_moe_staged, dist_moe_torchgemm   ours (standard / staged pipeline / torch GEMMs)
@@ -10,6 +11,8 @@ Paths:
                    quantizes the weights inside the graph on every call; the weight quantization
                    alone is timed too and its share named in the row's note (a step with
                    several microbatches, or inference, quantizes once per weight version)
+    dist_moe_mxfp8 ours at precision mxfp8 (standard pipeline), timed as dist_moe_fp8 (its
+                   weight preparation: the bf16 copies of the 32 x 32 tile quantization)
     a2a            baseline (a): NCCL all-to-all + torch._grouped_mm experts (baselines.py)
     megatron_a2a   baseline (b): Megatron-Core's alltoall dispatcher + its experts
                    (TEGroupedMLP with TransformerEngine, else SequentialMLP; the CSV note says
@@ -56,11 +59,21 @@ from megatron_baseline import (  # noqa: E402  (imports megatron.core only when 
     megatron_available,
 )
 
-DEFAULT_PATHS = "dist_moe,dist_moe_staged,dist_moe_torchgemm,dist_moe_fp8,a2a"
-# fp8_block against the bf16 reference: E4M3 with 1x128 / 128x128 scales differs from bf16 by
+DEFAULT_PATHS = "dist_moe,dist_moe_staged,dist_moe_torchgemm,dist_moe_fp8,dist_moe_mxfp8,a2a"
+# block-scaled paths and their precisions
+QUANT_PATHS = {"dist_moe_fp8": "fp8_block", "dist_moe_mxfp8": "mxfp8"}
+# fp8_block / mxfp8 against the bf16 reference: E4M3 with block scales differs from bf16 by
 # ~6-8 % norm-wise on these random inputs (dist_check holds it to 2x the emulated quantization);
 # a wrong row or expert costs far more, and less than 1 % would mean it was not quantized
 FP8_CHECK = (1e-2, 0.15)
+
+
+def weight_preparation(ctx, precision, w13, w2, training):
+    """The call that makes a precision's weight copies (what a graph replay repeats)."""
+    experts = ctx.backend.experts
+    if precision == "fp8_block":
+        return lambda: experts.k.weights(w13, w2, training)
+    return lambda: experts.mx.weights(w13, w2)
 
 CASES = {
     "guide": dict(T=2048, D=7168, F=3072, K=6, E_local=6, imbalance=1.0),
@@ -193,6 +206,8 @@ def main():
                     help="megatron_a2a: Megatron's fused weighted SwiGLU (bias_activation_fusion)")
     ap.add_argument("--modes", default="fwd,fwdbwd")
     ap.add_argument("--profile", action="store_true", help="write per-kernel times of our path")
+    ap.add_argument("--profile-paths", default="dist_moe",
+                    help="with --profile: the paths profiled (comma-separated)")
     ap.add_argument("--no-peak", action="store_true",
                     help="skip timing the dense bf16 mm whose rate gives each row's floor")
     ap.add_argument("--set", default="", dest="overrides",
@@ -282,9 +297,9 @@ def main():
                 cfg = layer_config(c, EP, scratch_factor,
                                    "staged" if path == "dist_moe_staged" else "standard"
                                    ).replace(**overrides)
-                fp8 = path == "dist_moe_fp8"
-                if fp8:
-                    cfg = cfg.replace(precision="fp8_block")
+                quant = QUANT_PATHS.get(path)
+                if quant:
+                    cfg = cfg.replace(precision=quant)
                 if overrides:
                     row_note = f"{note}; set {args.overrides}"
                 ctx = dm.create_context(config=cfg, device=dev, execution_overrides=exe)
@@ -292,20 +307,18 @@ def main():
                 gx, = torch.autograd.grad(y, (x,), gy)
                 y = y.detach()   # drop the autograd graph before any capture
                 if not check_against_reference(path, y, gx, ref_y, ref_gx, rank,
-                                               FP8_CHECK if fp8 else (0.0, 2e-2)):
+                                               FP8_CHECK if quant else (0.0, 2e-2)):
                     failed = True
                     ctx.close()
                     continue
 
                 fwd, fwdbwd = dist_moe_fns(ctx, inp)
                 graph = True
-                if fp8:   # the weight quantization alone, as the graph runs it
-                    k = ctx.backend.experts.k
-                    for transposed, mode in ((False, "fwd"), (True, "fwdbwd")):
-                        tq = time_windows(lambda t=transposed: k.weights(w13.detach(),
-                                                                         w2.detach(), t),
-                                          graph=True)
-                        wq_ms[mode] = tq.median_ms
+                if quant:   # the weight quantization alone, as the graph runs it
+                    for training, mode in ((False, "fwd"), (True, "fwdbwd")):
+                        tq = time_windows(weight_preparation(ctx, quant, w13.detach(),
+                                                             w2.detach(), training), graph=True)
+                        wq_ms[(path, mode)] = tq.median_ms
             for mode in args.modes.split(","):
                 fn = fwd if mode == "fwd" else fwdbwd
                 try:
@@ -321,11 +334,11 @@ def main():
                     floor_ms = useful_flops(T, K, D, F, mode) / (peak_tf * 1e12) * 1e3
                     floor = (f"; floor {floor_ms:.3f} ms at {peak_tf:.0f} TFLOP/s "
                              f"({tf / peak_tf:.0%} of it)")
-                precision = "fp8_block" if path == "dist_moe_fp8" else "bf16"
+                precision = QUANT_PATHS.get(path, "bf16")
                 wq = ""
-                if precision == "fp8_block" and mode in wq_ms:
-                    wq = (f"; weight quantization {wq_ms[mode]:.3f} ms of it (without: "
-                          f"{t.median_ms - wq_ms[mode]:.3f} ms)")
+                if (path, mode) in wq_ms:
+                    wq = (f"; weight quantization {wq_ms[(path, mode)]:.3f} ms of it (without: "
+                          f"{t.median_ms - wq_ms[(path, mode)]:.3f} ms)")
                 rows.append(dict(commit=commit, gpu=gpu, ep=EP, case=case, T=T, D=D, F=F, K=K,
                                  E_local=E_local, imbalance=c["imbalance"], precision=precision,
                                  path=path, mode=mode,
@@ -337,7 +350,8 @@ def main():
                           f"[{t.min_ms:.3f}-{t.max_ms:.3f}]  {tf:7.1f} TFLOP/s"
                           + (f"  {tf / peak_tf:4.0%} of the dense peak" if peak_tf else "")
                           + wq, flush=True)
-            if args.profile and ctx is not None and case == "guide" and path == "dist_moe":
+            if (args.profile and ctx is not None and case == "guide"
+                    and path in args.profile_paths.split(",")):
                 for mode, f in (("fwd", fwd), ("fwdbwd", fwdbwd)):
                     # every rank's profile: the iteration is the slowest rank's, and the
                     # ranks' barrier waits tell which one that is

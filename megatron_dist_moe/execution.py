@@ -39,7 +39,8 @@ __all__ = ["RUNS", "Execution", "runs", "runs_precision", "what_runs", "parse_ov
 RUNS: dict[str, dict[str, tuple[str, ...]]] = {
     "reference": {"bf16": ("standard", "staged"), "fp8_block": ("standard", "staged"),
                   "mxfp8": ("standard", "staged")},
-    "cuda": {"bf16": ("standard", "staged"), "fp8_block": ("standard",)},
+    "cuda": {"bf16": ("standard", "staged"), "fp8_block": ("standard",),
+             "mxfp8": ("standard",)},
 }
 
 OVERRIDES: dict[str, tuple[str, ...]] = {
@@ -167,6 +168,10 @@ class Execution:
                 gemms = ("Triton FP8 block-scaled persistent grouped GEMMs (E4M3, 1x128 "
                          "activation / 128x128 weight scales, fp32 promotion every 128 of K); "
                          "scatter to the owners in the W2 epilogue")
+            elif self.precision == "mxfp8":
+                gemms = ("Triton persistent bf16 grouped GEMMs on the MXFP8 operands' bf16 "
+                         "copies (exact: Hopper has no MXFP8 instruction); scatter to the "
+                         "owners in the W2 epilogue")
             elif self.gemm_engine == "triton":
                 gemms = ("Triton persistent grouped GEMMs (SwiGLU in the W13 epilogue, scatter "
                          "to the owners in the W2 epilogue)")
@@ -183,6 +188,11 @@ class Execution:
                 rows += [("quantization", "x_g rows (and columns, saved) after the gather; "
                           "SwiGLU writes the h2 row bundle (and the saved h1 row bundle); "
                           "weights once per version, both orientations")]
+            if self.precision == "mxfp8":
+                rows += [("quantization", "x_g after the gather (fake rows in place; training: "
+                          "the saved column bundle); SwiGLU writes h2's fake rows (and the "
+                          "saved h1 row bundle); backward: g3 and grad_h1 rows and the WGRAD "
+                          "operands' columns; weights once per version (32 x 32 tiles)")]
             if not self.inference:
                 rows += [("backward", "W2 DGRAD with the SwiGLU backward in its epilogue, "
                           "W2 WGRAD, W13 DGRAD scattering to the owners, W13 WGRAD"

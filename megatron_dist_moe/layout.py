@@ -27,14 +27,26 @@ bf16 (2 bytes per element):
     replay          x_g | h1 | h2 | g3     a layer that kept only its input replays its forward
                                            into scratch first
 
-fp8_block and mxfp8 (quant/; a bundle `b` is its E4M3 data `b` then its scales `b_s`: fp32 per
-128 values, or E8M0 bytes per 32, the same bytes either way):
+fp8_block (quant/fp8_block.py; a bundle `b` is its E4M3 data `b` then its fp32 scales `b_s`,
+one per 128 values):
 
     saved           x_c (x_g column bundle, for the W13 WGRAD) | h1q (h1 row bundle: the SwiGLU
                     input, DeepSeek-V3's choice; h2 is rebuilt from it)
     inference       x_g | xq (x_g row bundle) | h1 (bf16) | h2q (h2 row bundle)
     train_forward   x_g | xq | x_c | h1 | h1q | h2q        (x_c and h1q: slot or scratch)
     backward        g3 | g3q | g3c | gh1 (grad_h1, bf16) | gh1q | gh1c | h2 (bf16) | h2c
+    replay          the train_forward regions, then the backward ones
+
+mxfp8 (quant/mxfp8.py; bundles hold E8M0 bytes per 32 values: the same bytes as fp8_block's).
+The GEMMs run in bf16 on the dequantized MXFP8 values, which bf16 holds exactly, so the GEMM
+operands are bf16 regions holding quantized-then-dequantized values ("fake" below): rows in
+place of the bf16 rows they quantize, the WGRAD operands (columns) token-major (`*_wg`):
+
+    saved           x_c (column bundle) | h1q (row bundle), as fp8_block
+    inference       x_g (fake rows after the quantization) | h1 | h2q (h2's fake rows, bf16)
+    train_forward   x_g | x_c | h1 | h1q | h2q
+    backward        g3 (fake rows) | g3_wg | gh1 (h1 from h1q, then grad_h1, then its fake rows)
+                    | gh1_wg | h2 | h2_wg | x_wg (from x_c)
     replay          the train_forward regions, then the backward ones
 
 Within one mode every region is live at the same time, so regions never overlap. Who uses it:
@@ -106,9 +118,19 @@ def _fp8_block_specs(D: int, F: int) -> dict:
         backward=bwd, replay=fwd + bwd))
 
 
-# mxfp8's bundles take the same bytes as fp8_block's: one uint8 scale per 32 values is one fp32
-# scale per 128 (quant/mxfp8.py)
-_SPECS = {"bf16": _bf16_specs, "fp8_block": _fp8_block_specs, "mxfp8": _fp8_block_specs}
+def _mxfp8_specs(D: int, F: int) -> dict:
+    # a bundle's E8M0 bytes (one per 32 values) take the bytes of fp8_block's fp32 scales (one
+    # per 128), so _rows / _cols count both
+    fwd = (_bf16("x_g", D) + _cols("x_c", D) + _bf16("h1", 2 * F) + _rows("h1q", 2 * F)
+           + _bf16("h2q", F))
+    bwd = (_bf16("g3", D) + _bf16("g3_wg", D) + _bf16("gh1", 2 * F) + _bf16("gh1_wg", 2 * F)
+           + _bf16("h2", F) + _bf16("h2_wg", F) + _bf16("x_wg", D))
+    return dict(saved=_cols("x_c", D) + _rows("h1q", 2 * F), modes=dict(
+        inference=_bf16("x_g", D) + _bf16("h1", 2 * F) + _bf16("h2q", F), train_forward=fwd,
+        backward=bwd, replay=fwd + bwd))
+
+
+_SPECS = {"bf16": _bf16_specs, "fp8_block": _fp8_block_specs, "mxfp8": _mxfp8_specs}
 PRECISIONS_WITH_LAYOUT = tuple(_SPECS)
 
 

@@ -320,7 +320,8 @@ def block_quant_emulation(problem: Problem, cfg, backward: bool = True
         Rp = -(-max(n, 1) // 128) * 128
         return fmt.deq_cols(*fmt.cols(x, torch.tensor([0, n]), Rp))[:n]
 
-    x, gy, ids = problem.x.to(bf), problem.grad_y.to(bf), problem.ids
+    x, ids = problem.x.to(bf), problem.ids
+    gy = problem.grad_y.to(bf) if backward else None
     scores = problem.scores.to(torch.float32)
     N, K = ids.shape
     dev = dict(device=x.device)

@@ -7,8 +7,11 @@ activation slot for saved regions of a full-save layer, else the call's scratch)
 
     Bf16Math        operands in the storage dtype, fp32 accumulation (fp64 for fp64 inputs)
     BlockQuantMath  a block-scaled format's quantizers at every GEMM operand (fp8_block:
-                    quant/fp8_block.py; mxfp8: quant/mxfp8.py), fp32 accumulation of the
-                    dequantized values; the same quantization points as the CUDA kernels
+                    quant/fp8_block.py), fp32 accumulation of the dequantized values; the same
+                    quantization points as the CUDA kernels
+    Mxfp8Math       the same quantization points with quant/mxfp8.py's quantizers, the
+                    dequantized operands held in bf16 regions (exact), as the CUDA backend
+                    computes mxfp8
 
 Segments: `segs` lists (expert, first row, row end) of the expert-major rows.
 """
@@ -25,7 +28,7 @@ from ..layout import padded_rows
 from ..quant import format_of
 from ..quant.fp8_block import FP8_DTYPE, padded_offsets
 
-__all__ = ["Bf16Math", "BlockQuantMath", "make_math"]
+__all__ = ["Bf16Math", "BlockQuantMath", "Mxfp8Math", "make_math"]
 
 Views = Callable[..., torch.Tensor]
 
@@ -197,12 +200,115 @@ class BlockQuantMath:
         return grad_xg, grad_w13, grad_w2, grad_s
 
 
+class Mxfp8Math:
+    """mxfp8 at the regions of layout.py's mxfp8 layout: every GEMM operand is the bf16 copy of
+    its MXFP8 quantization (quant/mxfp8.py `fake_*`, exact), the quantization points those of
+    BlockQuantMath, so testing.block_quant_emulation gives the same values.
+
+    forward   x_c = cols(x_g) (training); x_g = fake_rows(x_g); h1 = round(x_g W13f^T);
+              h1q = rows(h1) (training); h2q = fake_rows(round(act(h1))); h3 = round(h2q W2f^T)
+    backward  gh1 = deq(h1q); g3_wg = fake_cols(g3); g3 = fake_rows(g3); u = g3 W2f (fp32);
+              [s_rows: grad_s = <u, round(act(gh1))>, u = s u]; h2 = round(s act(gh1));
+              gh1 = round(act'(gh1) round(u)); h2_wg = fake_cols(h2); gh1_wg = fake_cols(gh1);
+              gh1 = fake_rows(gh1); x_wg = deq(x_c); grad_W2 = g3_wg^T h2_wg,
+              grad_xg = round(gh1 W13f), grad_W13 = gh1_wg^T x_wg
+    W13f, W2f: the 32 x 32 tile quantization of the passed bf16 weights, dequantized."""
+
+    precision = "mxfp8"
+
+    def __init__(self, act: Activation, D: int, F: int, num_local_experts: int):
+        self.act, self.D, self.F, self.E = act, D, F, num_local_experts
+
+    @staticmethod
+    def _offsets(segs, R, device):
+        return BlockQuantMath._offsets(segs, R, device)
+
+    @staticmethod
+    def _weights(w13_END, w2_EDF):
+        from ..quant.mxfp8 import fake_weight
+        return fake_weight(w13_END).float(), fake_weight(w2_EDF).float()
+
+    def forward(self, views: Views, x_g, w13_END, w2_EDF, segs, with_w2, training):
+        from ..quant import mxfp8 as MX
+        R, D, F, dt = x_g.shape[0], self.D, self.F, x_g.dtype
+        segs = list(segs)
+        w13, w2 = self._weights(w13_END, w2_EDF)
+        if training:
+            q, e = MX.quantize_cols(x_g, self._offsets(segs, R, x_g.device),
+                                    padded_rows(R, self.E))
+            views("x_c", q.shape, q.dtype).copy_(q)
+            views("x_c_s", e.shape, e.dtype).copy_(e)
+        x_g.copy_(MX.fake_rows(x_g))
+        h1 = views("h1", (R, 2 * F), dt)
+        for e_, a, b in segs:
+            h1[a:b].copy_(x_g[a:b].float() @ w13[e_].T)
+        if training:
+            q, e = MX.quantize_rows(h1)
+            views("h1q", q.shape, q.dtype).copy_(q)
+            views("h1q_s", e.shape, e.dtype).copy_(e)
+        h2q = views("h2q", (R, F), dt)
+        h2q.copy_(MX.fake_rows(self.act.forward(h1.float()).to(dt)))
+        if not with_w2:
+            return None
+        h3 = torch.empty(R, D, dtype=dt, device=x_g.device)
+        for e_, a, b in segs:
+            h3[a:b].copy_(h2q[a:b].float() @ w2[e_].T)
+        return h3
+
+    def backward(self, views: Views, g3, s_rows, w13_END, w2_EDF, segs):
+        from ..quant import mxfp8 as MX
+        R, D, F, dt, dev = g3.shape[0], self.D, self.F, g3.dtype, g3.device
+        segs = list(segs)
+        offsets = self._offsets(segs, R, dev)
+        w13, w2 = self._weights(w13_END, w2_EDF)
+        gh1 = views("gh1", (R, 2 * F), dt)
+        h1q = views("h1q", (R, 2 * F), FP8_DTYPE)
+        gh1.copy_(MX.dequantize_rows(h1q, views("h1q_s", (R, 2 * F // MX.BLOCK), torch.uint8)))
+        views("g3_wg", (R, D), dt).copy_(MX.fake_cols(g3, offsets))
+        g3.copy_(MX.fake_rows(g3))
+        u = torch.zeros(R, F, dtype=torch.float32, device=dev)
+        for e_, a, b in segs:
+            u[a:b] = g3[a:b].float() @ w2[e_]
+        h1 = gh1.float()
+        h2f = self.act.forward(h1)
+        h2 = h2f.to(dt)
+        grad_s = None
+        if s_rows is not None:
+            grad_s = (u * h2.float()).sum(dim=-1, keepdim=True)
+            u = s_rows * u
+            h2 = (s_rows * h2f).to(dt)
+        gh1.copy_(self.act.backward(h1, u.to(dt).float()))
+        views("h2", (R, F), dt).copy_(h2)
+        h2_wg = views("h2_wg", (R, F), dt)
+        h2_wg.copy_(MX.fake_cols(h2, offsets))
+        gh1_wg = views("gh1_wg", (R, 2 * F), dt)
+        gh1_wg.copy_(MX.fake_cols(gh1, offsets))
+        gh1.copy_(MX.fake_rows(gh1))
+        Rp = padded_rows(R, self.E)
+        x_c = MX.dequantize_cols(views("x_c", (D, Rp), FP8_DTYPE),
+                                 views("x_c_s", (Rp // MX.BLOCK, D), torch.uint8))
+        x_wg = views("x_wg", (R, D), dt)
+        g3_wg = views("g3_wg", (R, D), dt)
+        poffs = padded_offsets(offsets).tolist()
+        grad_w2 = torch.zeros(self.E, D, F, dtype=torch.float32, device=dev)
+        grad_w13 = torch.zeros(self.E, 2 * F, D, dtype=torch.float32, device=dev)
+        grad_xg = torch.empty(R, D, dtype=dt, device=dev)
+        for (e_, a, b), p in zip(segs, poffs):
+            x_wg[a:b].copy_(x_c[p:p + b - a])
+            grad_w2[e_] = g3_wg[a:b].float().T @ h2_wg[a:b].float()
+            grad_w13[e_] = gh1_wg[a:b].float().T @ x_wg[a:b].float()
+            grad_xg[a:b].copy_(gh1[a:b].float() @ w13[e_])
+        return grad_xg, grad_w13, grad_w2, grad_s
+
+
 def make_math(config, num_local_experts: int):
     act = Activation.of(config)
     D, F = config.hidden_dim, config.intermediate_dim
     if config.precision == "bf16":
         return Bf16Math(act, D, F, num_local_experts)
-    if config.precision in ("fp8_block", "mxfp8"):
+    if config.precision == "mxfp8":
+        return Mxfp8Math(act, D, F, num_local_experts)
+    if config.precision == "fp8_block":
         return BlockQuantMath(act, D, F, num_local_experts, format_of(config))
     raise ValueError(f"the reference backend has no expert math for precision "
                      f"{config.precision!r}")

@@ -17,9 +17,16 @@ layout.py counts both alike):
     rows      q [R, K], s [R, K/32]
     columns   q [K, Rp] (tokens contiguous, each expert's rows padded to a multiple of 128),
               s [Rp/32, K]
-    weights   q [E, N, K] with one scale per 32 x 32 tile, s [E, N/32, K/32], and both
-              transposed (the design's grouped 32 x 32 weight quantization: FPROP and DGRAD
-              share one quantization)
+    weights   q [E, N, K] with one scale per 32 x 32 tile, s [E, N/32, K/32] (the design's
+              grouped 32 x 32 weight quantization: FPROP and DGRAD share one quantization)
+
+Hopper has no MXFP8 tensor-core instruction. An MXFP8 value q * 2^(e - 127) has at most four
+significant bits, so it is a bf16 value (exactly, for every block scale 2^(e - 127) >= 2^-124,
+i.e. e >= 3: only blocks whose amax is below ~2^-116 round to bf16's subnormal grid), and a
+bf16 GEMM over the dequantized operands multiplies exactly what the MXFP8 operands hold, with
+fp32 accumulation. The CUDA backend computes so: `fake_rows`, `fake_cols` and `fake_weight`
+give those bf16 operands (the quantize-then-dequantize of one kernel pass; twins of
+kernels/quant_mxfp8.py).
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ from .fp8_block import _amax, _cast, padded_offsets
 
 __all__ = ["BLOCK", "MAX_NORM_RCP", "e8m0_from_amax", "scale_reciprocal", "scale_values",
            "quantize_rows", "dequantize_rows", "quantize_cols", "dequantize_cols",
-           "quantize_weight", "dequantize_weight", "Mxfp8Format", "padded_rows"]
+           "quantize_weight", "dequantize_weight", "fake_rows", "fake_cols", "fake_weight",
+           "Mxfp8Format", "padded_rows"]
 
 BLOCK = 32
 MAX_NORM_RCP = torch.tensor(1.0 / 448.0, dtype=torch.float32)   # TE: float(1.0 / max_norm)
@@ -119,6 +127,31 @@ def dequantize_weight(q_ENK: torch.Tensor, e_ENB: torch.Tensor) -> torch.Tensor:
     E, N, K = q_ENK.shape
     tiles = q_ENK.to(torch.float32).view(E, N // BLOCK, BLOCK, K // BLOCK, BLOCK)
     return (tiles * scale_values(e_ENB)[:, :, None, :, None]).view(E, N, K)
+
+
+def fake_rows(x_RK: torch.Tensor) -> torch.Tensor:
+    """bf16 [R, K]: the MXFP8 row quantization of x, dequantized (exact in bf16, see above)."""
+    return dequantize_rows(*quantize_rows(x_RK)).to(torch.bfloat16)
+
+
+def fake_cols(x_RK: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """bf16 [R, K], token-major: the MXFP8 column quantization of x (32 x 1 blocks along each
+    expert's rows, from the segment's first row; offsets int [E+1]), dequantized. The same
+    values as the column bundle of `quantize_cols`, without its padding rows."""
+    R, K = x_RK.shape
+    out = torch.empty(R, K, dtype=torch.bfloat16, device=x_RK.device)
+    for i in range(offsets.numel() - 1):
+        a, b = int(offsets[i]), int(offsets[i + 1])
+        if b > a:
+            Rp = -(-(b - a) // 128) * 128
+            seg = torch.tensor([0, b - a], device=x_RK.device)
+            out[a:b] = dequantize_cols(*quantize_cols(x_RK[a:b], seg, Rp))[:b - a].to(out.dtype)
+    return out
+
+
+def fake_weight(w_ENK: torch.Tensor) -> torch.Tensor:
+    """bf16 [E, N, K]: the 32 x 32 tile quantization of w, dequantized."""
+    return dequantize_weight(*quantize_weight(w_ENK)).to(torch.bfloat16)
 
 
 @dataclass(frozen=True)

@@ -6,15 +6,17 @@
 #   kernels    tests/gpu kernel tests (grouped GEMMs, fp8_block kernels, routing; not the
 #              CUTLASS units)
 #   fp8kernels the fp8_block kernel tests alone (quantizers bit-exact, GEMMs vs their twins)
+#   mxkernels  the mxfp8 kernel tests alone (every output bit-exact vs quant/mxfp8.py)
 #   check      dist_check on 1 GPU (and 2 when present): every gradient vs the fp64 oracle,
 #              graph replay, no host sync, bitwise repeats, inference
 #   packing    ten layers in one slot inside one CUDA graph
 #   inference  inference at the guide's expert shapes, T = 1..4096, eager and graph, guarded arena,
-#              bf16 and fp8_block (INFERENCE_ARGS, e.g. "--precisions fp8_block")
+#              bf16, fp8_block and mxfp8 (INFERENCE_ARGS, e.g. "--precisions mxfp8")
 #   traps      the device traps that end a job with a message (1 GPU: overflow, bad id, layout)
 #   layer      bench_layer (LAYER_ARGS, e.g. "--cases guide --paths dist_moe,a2a")
 #   baseline   the same bench_layer run on the tree in $BASE_TREE (a copy of an older commit, e.g.
 #              made by `git archive cfa8b72 | tar -x -C _base`), for a same-session comparison
+#              (BASE_LAYER_ARGS instead of LAYER_ARGS where the old tree takes other arguments)
 #   bench      bench_grouped_gemm (BENCH_ARGS)
 #   fp8gemm    bench_fp8_gemm: the fp8_block kernels beside bf16 and torch._scaled_mm (FP8_ARGS)
 #   claimsweep claim-mode variants of the staged pipeline's GEMMs
@@ -59,6 +61,7 @@ for s in $sections; do case $s in
   check) LIMIT=300 run check1 torchrun --nproc-per-node=1 tests/gpu/dist_check.py ${CHECK_ARGS:-}
          [ "$NGPU" -ge 2 ] && LIMIT=300 run check2 torchrun --nproc-per-node=2 tests/gpu/dist_check.py ${CHECK_ARGS:-} ;;
   fp8kernels) LIMIT=300 run fp8kernels python3 -m pytest -q tests/gpu/test_fp8_kernels_gpu.py -m gpu ;;
+  mxkernels) LIMIT=240 run mxkernels python3 -m pytest -q tests/gpu/test_mxfp8_kernels_gpu.py -m gpu ;;
   packing) LIMIT=240 run packing torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py ${PACKING_ARGS:-} ;;
   inference) LIMIT=480 run inference torchrun --nproc-per-node="$NGPU" tests/gpu/inference_check.py \
                  --json "$OUT/inference.json" ${INFERENCE_ARGS:-} ;;
@@ -67,7 +70,7 @@ for s in $sections; do case $s in
   baseline) [ -d "${BASE_TREE:-_base}" ] || { echo "baseline: no tree at ${BASE_TREE:-_base}"; continue; }
             (cd "${BASE_TREE:-_base}" && GIT_COMMIT=${BASE_COMMIT:-base} DIST_MOE_COMMIT=${BASE_COMMIT:-base} \
              PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} LIMIT=300 \
-             run baseline torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py --out "$OUT/baseline" ${LAYER_ARGS:-}) ;;
+             run baseline torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py --out "$OUT/baseline" ${BASE_LAYER_ARGS:-${LAYER_ARGS:-}}) ;;
   bench) LIMIT=400 run bench_gemm python3 benchmarks/bench_grouped_gemm.py --csv "$OUT/bench_gemm.csv" ${BENCH_ARGS:-} ;;
   fp8gemm) LIMIT=300 run fp8_gemm python3 benchmarks/bench_fp8_gemm.py --out "$OUT" ${FP8_ARGS:-} ;;
   claimsweep) run claimsweep python3 benchmarks/bench_grouped_gemm.py --kernels fwd_swiglu_claim,dgrad_w2_claim \

@@ -36,8 +36,9 @@ NAMES = ["torch_gemm", "torch_gemm,torch_routing,torch_bookkeeping,saved_routes"
          "expert_score_grads,triton_gemm,standard,clamped",
          "expert_score_grads,torch_gemm", "wgrad_into,triton_gemm,standard",
          "wgrad_into,torch_gemm", "offset_weight_views,triton_gemm,staged"]
-FP8_NAMES = ["fp8_block,standard", "fp8_block,clamped,saved_routes,torch_tables",
-             "fp8_block,wgrad_into,fp32_scales"]
+QUANT_NAMES = ["fp8_block,standard", "fp8_block,clamped,saved_routes,torch_tables",
+               "fp8_block,wgrad_into,fp32_scales", "mxfp8,standard",
+               "mxfp8,clamped,saved_routes,torch_tables", "mxfp8,wgrad_into"]
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +47,12 @@ def results():
     return tt.run_child_checks([CHILD], timeout_s=900, paths=(HERE,))[0]
 
 
-@pytest.mark.parametrize("name", FP8_NAMES)
-def test_fp8_block_within_twice_the_emulated_quantization_error(results, name):
-    """fp8_block: every output and gradient within 2x of the error that the same quantization
-    emulated in plain torch makes against the fp64 oracle (testing.block_quant_emulation); and
-    quantized for real (E4M3 errors are several %, far above bf16's)."""
+@pytest.mark.parametrize("name", QUANT_NAMES)
+def test_block_scaled_within_twice_the_emulated_quantization_error(results, name):
+    """fp8_block, mxfp8: every output and gradient within 2x of the error that the same
+    quantization emulated in plain torch makes against the fp64 oracle
+    (testing.block_quant_emulation); and quantized for real (E4M3 errors are percents, far above
+    bf16's)."""
     r = results.get(name)
     assert r is not None, f"{name}: no result"
     assert r["ok"], f"{name}: {r['error']}\n{r['trace']}"

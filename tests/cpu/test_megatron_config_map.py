@@ -53,13 +53,18 @@ def test_shape_and_policy_mapping():
     assert cfg.backend == "auto" and cfg.wgrad_dtype == "fp32"
 
 
-def test_mxfp8_recipe_maps_to_mxfp8_and_is_refused_where_it_does_not_run():
-    """--fp8-recipe mxfp8 is precision mxfp8; a backend that does not run it (cuda: see
-    dm.RUNS) is refused at model construction, naming the field and what runs."""
+def test_mxfp8_recipe_runs_mxfp8_on_every_backend():
+    """--fp8-recipe mxfp8 is precision mxfp8, which the reference and the CUDA backend run
+    (dm.RUNS); the hybrid format (E5M2 gradients) is refused, naming the flag."""
     t = like(fp8="e4m3", fp8_recipe="mxfp8", moe_ffn_hidden_size=128)
     assert dist_moe_config(t, num_local_input_tokens=128).precision == "mxfp8"
-    with pytest.raises(UnsupportedMegatronConfig, match="precision.*what runs"):
-        dist_moe_config(t, num_local_input_tokens=128, options=DistMoEOptions(backend="cuda"))
+    for backend in ("reference", "cuda"):
+        cfg = dist_moe_config(t, num_local_input_tokens=128,
+                              options=DistMoEOptions(backend=backend))
+        assert cfg.precision == "mxfp8" and cfg.backend == backend
+    with pytest.raises(UnsupportedMegatronConfig, match="fp8-format"):
+        dist_moe_config(like(fp8="hybrid", fp8_recipe="mxfp8", moe_ffn_hidden_size=128),
+                        num_local_input_tokens=128)
 
 
 def test_blockwise_recipe_runs_fp8_block_with_te_settings():

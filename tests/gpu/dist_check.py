@@ -345,7 +345,7 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--engines", default="triton,torch")
     ap.add_argument("--pipelines", default="standard,staged")
-    ap.add_argument("--precisions", default="bf16,fp8_block")
+    ap.add_argument("--precisions", default="bf16,fp8_block,mxfp8")
     ap.add_argument("--save-route-outputs", default="0", choices=["0", "1"],
                     help="Config.save_route_outputs (0: score gradients on the expert side)")
     args = ap.parse_args()

@@ -187,7 +187,7 @@ def main():
     ap.add_argument("--tokens", default="1,8,64,96,128,512,2048,4096")
     ap.add_argument("--factors", default="1,2")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--precisions", default="bf16,fp8_block")
+    ap.add_argument("--precisions", default="bf16,fp8_block,mxfp8")
     args = ap.parse_args()
     rank, EP = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))

@@ -53,7 +53,7 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--save-route-outputs", default="0", choices=["0", "1"],
                     help="Config.save_route_outputs (0: score gradients on the expert side)")
-    ap.add_argument("--precisions", default="bf16,fp8_block")
+    ap.add_argument("--precisions", default="bf16,fp8_block,mxfp8")
     args = ap.parse_args()
     rank, EP = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))

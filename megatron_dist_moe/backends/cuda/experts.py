@@ -16,6 +16,9 @@ Two layers:
                           mode: the programs that reach an m-tile copy it once, in slices)
         TorchPipeline     torch._grouped_mm with separate gather / SwiGLU / scatter kernels:
                           the GEMM oracle and a baseline
+        Fp8BlockPipeline  fp8_block: quantization kernels and the FP8 block-scaled GEMMs
+        Mxfp8Pipeline     mxfp8: quantization kernels around StandardPipeline's bf16 GEMMs,
+                          which read bf16 copies of the MXFP8 operands (exact)
 Device predicates (replay or not) zero the expert offsets and row counts, so the launch sequence
 is the same either way.
 """
@@ -29,8 +32,9 @@ from ...execution import Execution
 from ...kernels import rows as K_rows
 from .routing import RoutingTables
 
-__all__ = ["Bf16Kernels", "Fp8BlockKernels", "StandardPipeline", "StagedPipeline",
-           "TorchPipeline", "Fp8BlockPipeline", "make_expert_pipeline", "wgrad_store_dtype"]
+__all__ = ["Bf16Kernels", "Fp8BlockKernels", "Mxfp8Kernels", "StandardPipeline",
+           "StagedPipeline", "TorchPipeline", "Fp8BlockPipeline", "Mxfp8Pipeline", "WeightCache",
+           "make_expert_pipeline", "wgrad_store_dtype"]
 
 
 def wgrad_store_dtype(wgrad_dtype: str, weight_dtype: torch.dtype) -> torch.dtype:
@@ -292,6 +296,39 @@ class TorchPipeline:
         return None, None
 
 
+class WeightCache:
+    """What a precision makes of a weight pair, kept per weight version.
+
+    Outside CUDA-graph capture the results for the last `size` weight pairs are kept (least
+    recently used first out) and reused while the weights' version counter (`tensor._version`,
+    shared by views, bumped by every in-place update such as an optimizer step) is unchanged.
+    An entry holds its weights too, so their memory cannot be reused by another tensor at the
+    same address while cached. A capture recomputes inside the graph, so every replay reads
+    the weights of that moment."""
+
+    def __init__(self, size: int, device: torch.device):
+        from collections import OrderedDict
+        self.size, self.device = size, torch.device(device)
+        self._entries: OrderedDict = OrderedDict()
+
+    def get(self, w13_E2FD, w2_EDF, training: bool, make):
+        key = tuple((w.data_ptr(), tuple(w.shape), w.stride()) for w in (w13_E2FD, w2_EDF))
+        key += (training,)
+        version = (w13_E2FD._version, w2_EDF._version)
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        hit = self._entries.get(key)
+        if hit is not None and hit[0] == version and not capturing:
+            self._entries.move_to_end(key)
+            return hit[1]
+        made = make()
+        if not capturing:
+            self._entries[key] = (version, made, (w13_E2FD, w2_EDF))
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+        return made
+
+
 class Fp8BlockKernels:
     """The fp8_block steps (Triton): block quantization of rows and columns, the FP8
     block-scaled grouped GEMMs with their epilogues, the SwiGLU with the quantization of its
@@ -346,13 +383,8 @@ class Fp8BlockPipeline:
     bundle, + score-gradient parts) -> grad_h1 and h2 (bf16), quantize grad_h1 (rows, columns)
     and h2 (columns), W2 WGRAD, W13 DGRAD + scatter, W13 WGRAD.
 
-    Weights are quantized once per version (`prepare`): outside CUDA-graph capture the
-    quantized copies of the last WEIGHT_CACHE weight pairs are kept (both orientations, one byte
-    per element each; least recently used first out) and reused while the weights' version
-    counter (`tensor._version`, shared by views, bumped by every in-place update such as an
-    optimizer step) is unchanged. An entry holds its bf16 weights too, so their memory cannot
-    be reused by another tensor at the same address while cached. A capture quantizes inside
-    the graph, so every replay reads the weights of that moment."""
+    Weights are quantized once per version (`prepare`, a WeightCache of WEIGHT_CACHE pairs:
+    both orientations, one byte per element each)."""
 
     WEIGHT_CACHE = 16
 
@@ -365,26 +397,12 @@ class Fp8BlockPipeline:
         self.k = Fp8BlockKernels(cfg, num_local_experts, max_rows)
         self.bf = Bf16Kernels(cfg, num_local_experts, max_rows, execution.wait_timeout_s, rank)
         self.score_parts = self.k.score_parts(device)
-        from collections import OrderedDict
-        self._cache: OrderedDict = OrderedDict()
+        self._cache = WeightCache(self.WEIGHT_CACHE, device)
 
     def prepare(self, w13_E2FD, w2_EDF, training: bool):
         """The Fp8Weights of this weight version (see the class docstring)."""
-        key = tuple((w.data_ptr(), tuple(w.shape), w.stride()) for w in (w13_E2FD, w2_EDF))
-        key += (training,)
-        version = (w13_E2FD._version, w2_EDF._version)
-        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        hit = self._cache.get(key)
-        if hit is not None and hit[0] == version and not capturing:
-            self._cache.move_to_end(key)
-            return hit[1]
-        w = self.k.weights(w13_E2FD, w2_EDF, transposed=training)
-        if not capturing:
-            self._cache[key] = (version, w, (w13_E2FD, w2_EDF))
-            self._cache.move_to_end(key)
-            while len(self._cache) > self.WEIGHT_CACHE:
-                self._cache.popitem(last=False)
-        return w
+        return self._cache.get(w13_E2FD, w2_EDF, training, lambda: self.k.weights(
+            w13_E2FD, w2_EDF, transposed=training))
 
     def forward(self, tabs: RoutingTables, w13_E2FD, w2_EDF, scatter_ptrs, at: dict,
                 rows=None, prepared=None, training: bool = True) -> None:
@@ -435,10 +453,116 @@ class Fp8BlockPipeline:
         return grad_w13, grad_w2
 
 
+class Mxfp8Kernels:
+    """The mxfp8 steps (Triton, kernels/quant_mxfp8.py): the quantizations that write the bf16
+    copies of MXFP8 operands the bf16 GEMMs read (exact: quant/mxfp8.py), the saved bundles,
+    and the dequantization of saved bundles."""
+
+    def __init__(self, cfg: Config, max_rows: int):
+        self.cfg, self.max_rows = cfg, max_rows
+        self.act = dict(activation=cfg.activation, swiglu_alpha=cfg.swiglu_alpha,
+                        swiglu_limit=cfg.swiglu_limit)
+
+    def quantize(self, x, offs, K: int, rows_fake=None, cols=None, cols_fake=None):
+        from ...kernels.quant_mxfp8 import quantize
+        quantize(x, offs, self.max_rows, K, rows_fake=rows_fake, cols=cols, cols_fake=cols_fake)
+
+    def swiglu_quant(self, h1, nrows, h2_fake, h1q=None):
+        from ...kernels.quant_mxfp8 import swiglu_quant
+        swiglu_quant(h1, nrows, self.max_rows, self.cfg.intermediate_dim, h2_fake=h2_fake,
+                     h1q=h1q, **self.act)
+
+    def dequantize_rows(self, q, e, nrows, K: int, out):
+        from ...kernels.quant_mxfp8 import dequantize_rows
+        dequantize_rows(q, e, nrows, self.max_rows, K, out=out)
+
+    def dequantize_cols(self, q, e, offs, K: int, out):
+        from ...kernels.quant_mxfp8 import dequantize_cols
+        dequantize_cols(q, e, offs, self.max_rows, K, out=out)
+
+    @staticmethod
+    def weights(w13_E2FD, w2_EDF):
+        """(W13, W2) as bf16 copies of their 32 x 32 tile quantization (one serves FPROP and
+        DGRAD, as the guide's grouped 32 x 32 weight quantization intends)."""
+        from ...kernels.quant_mxfp8 import fake_weight
+        return fake_weight(w13_E2FD.contiguous()), fake_weight(w2_EDF.contiguous())
+
+
+class Mxfp8Pipeline(StandardPipeline):
+    """mxfp8, standard order, with the bf16 GEMMs of StandardPipeline on MXFP8 operands (their
+    bf16 copies, exact). Forward: gather x_g, quantize it (x_g's fake rows in place; training:
+    the saved column bundle x_c), W13 -> h1, SwiGLU + quantization (h2q: fake rows of h2;
+    training: the saved h1 row bundle), W2 + scatter. Backward: gather g3, quantize it (fake
+    columns g3_wg, then fake rows in place), h1 from the saved bundle into gh1, W2 DGRAD with
+    the SwiGLU backward over gh1 (+ h2, + score parts), fake columns of h2 and grad_h1 and grad_h1's
+    fake rows in place, W2 WGRAD, W13 DGRAD + scatter, x_wg from x_c, W13 WGRAD. Weights: bf16
+    copies of their quantization, once per version (WeightCache)."""
+
+    WEIGHT_CACHE = 16
+    name = "standard"
+
+    def __init__(self, cfg, execution, num_local_experts, max_rows, device, rank):
+        super().__init__(cfg, execution, num_local_experts, max_rows, device, rank)
+        self.mx = Mxfp8Kernels(cfg, max_rows)
+        self._cache = WeightCache(self.WEIGHT_CACHE, device)
+
+    def prepare(self, w13_E2FD, w2_EDF, training: bool):
+        # one copy serves both directions: the training flag is not part of what is made
+        return self._cache.get(w13_E2FD, w2_EDF, False,
+                               lambda: self.mx.weights(w13_E2FD, w2_EDF))
+
+    def forward(self, tabs: RoutingTables, w13_E2FD, w2_EDF, scatter_ptrs, at: dict,
+                rows=None, prepared=None, training: bool = True) -> None:
+        from ...kernels.grouped_gemm import grouped_mm_fwd
+        D = self.cfg.hidden_dim
+        offs, nrows = rows if rows is not None else (tabs.expert_offsets, tabs.num_rows)
+        w13, w2 = prepared if prepared is not None else self.prepare(w13_E2FD, w2_EDF, training)
+        self.k.gather(tabs, tabs.fwd_gather_ptrs, at["x_g"], nrows, "dispatch")
+        self.mx.quantize(at["x_g"], offs, D, rows_fake=at["x_g"],
+                         cols=(at["x_c"], at["x_c_s"]) if training else None)
+        grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=self.max_rows, a=at["x_g"],
+                       epilogue="store", out=at["h1"])
+        self.mx.swiglu_quant(at["h1"], nrows, at["h2q"],
+                             (at["h1q"], at["h1q_s"]) if training else None)
+        if scatter_ptrs is not None:
+            self.k.w2_scatter(w2, offs, at["h2q"], scatter_ptrs)
+
+    def backward(self, tabs: RoutingTables, w13_E2FD, w2_EDF, gather_ptrs, scatter_ptrs, ba,
+                 wgrad_dtype: str, score_ptrs=None, score_grad_delta: int = 0,
+                 part_stride: int = 0, wgrad_into=None, prepared=None):
+        """As StandardPipeline.backward; `prepared`: the forward's weight copies."""
+        D, F = self.cfg.hidden_dim, self.cfg.intermediate_dim
+        offs, nrows = tabs.expert_offsets, tabs.num_rows
+        at = ba.at
+        w13, w2 = prepared if prepared is not None else self.prepare(w13_E2FD, w2_EDF, True)
+        out_dtype = wgrad_store_dtype(wgrad_dtype, w13_E2FD.dtype)
+        score = None if score_ptrs is None else (score_ptrs, score_grad_delta, part_stride)
+        self.k.gather(tabs, gather_ptrs, at["g3"], nrows,
+                      "combine" if score is not None else None)
+        self.mx.quantize(at["g3"], offs, D, rows_fake=at["g3"], cols_fake=at["g3_wg"])
+        self.mx.dequantize_rows(at["h1q"], at["h1q_s"], nrows, 2 * F, out=at["gh1"])
+        self.k.w2_dgrad_swiglu_bwd(w2, offs, at["g3"], at["gh1"], at["h2"], score)
+        self.mx.quantize(at["gh1"], offs, 2 * F, rows_fake=at["gh1"], cols_fake=at["gh1_wg"])
+        self.mx.quantize(at["h2"], offs, F, cols_fake=at["h2_wg"])
+        grad_w2 = (wgrad_into[1] if wgrad_into is not None
+                   else torch.empty(self.E, D, F, dtype=out_dtype, device=self.device))
+        self.k.wgrad(at["g3_wg"], at["h2_wg"], offs, grad_w2)
+        self.k.w13_dgrad_scatter(w13, offs, at["gh1"], scatter_ptrs)
+        self.mx.dequantize_cols(at["x_c"], at["x_c_s"], offs, D, out=at["x_wg"])
+        grad_w13 = (wgrad_into[0] if wgrad_into is not None
+                    else torch.empty(self.E, 2 * F, D, dtype=out_dtype, device=self.device))
+        self.k.wgrad(at["gh1_wg"], at["x_wg"], offs, grad_w13)
+        if wgrad_into is not None:
+            return None, None
+        return grad_w13, grad_w2
+
+
 def make_expert_pipeline(cfg: Config, execution: Execution, num_local_experts: int,
                          max_rows: int, device: torch.device, rank: int):
     if execution.precision == "fp8_block":
         cls = Fp8BlockPipeline
+    elif execution.precision == "mxfp8":
+        cls = Mxfp8Pipeline
     elif execution.gemm_engine == "torch":
         cls = TorchPipeline
     else:

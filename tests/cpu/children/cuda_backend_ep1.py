@@ -40,7 +40,7 @@ def run(variant, seed):
     be.close()
     errs = [tt.rank_errors(o, orc, p, 0) for o, orc, p in zip(out["results"], oracles, problems)]
     extra = {}
-    if cfg.precision == "fp8_block":
+    if cfg.precision in ("fp8_block", "mxfp8"):
         # the same quantization emulated in plain torch: what the errors are judged by
         ems = [tt.block_quant_emulation(p, cfg) for p in problems]
         extra = dict(vs_emulation=[tt.rank_errors(o, em, p, 0)
@@ -92,6 +92,13 @@ VARIANTS = {
     "fp8_block,wgrad_into,fp32_scales": dict(
         overrides={}, pipeline="standard", wgrad_into=True,
         cfg=dict(precision="fp8_block", fp8_power_2_scales=False)),
+    # mxfp8: quantization kernels around the bf16 GEMMs (exact on the MXFP8 values)
+    "mxfp8,standard": dict(overrides={}, pipeline="standard", cfg=dict(precision="mxfp8")),
+    "mxfp8,clamped,saved_routes,torch_tables": dict(
+        overrides=dict(TORCH_TABLES), pipeline="standard", activation="swiglu_clamped",
+        cfg=dict(precision="mxfp8", save_route_outputs=True)),
+    "mxfp8,wgrad_into": dict(overrides={}, pipeline="standard", wgrad_into=True,
+                             cfg=dict(precision="mxfp8")),
     # weights as views at a storage offset (the Megatron plugin's packed weights)
     "offset_weight_views,triton_gemm,staged": dict(overrides=dict(TRITON), pipeline="staged",
                                                    offset_views=True),
