@@ -9,7 +9,14 @@ in a status word `(code, a, b)` instead; the tests read it.
     trap_on_code(code, a, b)      print the message of `code` with its numbers, then trap
     device_check(codes, a, b)     one launch: trap on the first codes[i] != 0
     wait_until_at_least(...)      spin (acquire) until a counter reaches a value, giving up
-                                  after a bounded number of ~1 us polls with CHECK_WAIT_TIMEOUT
+                                  after a bounded number of ~1 us polls; the verdict
+                                  (CHECK_WAIT_TIMEOUT) goes to a status word
+    check_status(status)          one launch after a kernel that waits: trap with the message
+                                  of a status word's code
+
+A kernel that waits does not trap itself: the printf and trap code in a GEMM's loop cost it
+~0.3 ms at the guide's shapes (the claimed W13 and W2 DGRAD, docs/decisions.md), so it records
+the timeout and ends, and `check_status`, stream-ordered after it, traps.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ import triton.language as tl
 __all__ = ["CHECK_UNEQUAL_T", "CHECK_SCRATCH_OVERFLOW", "CHECK_BAD_EXPERT_ID",
            "CHECK_INACTIVE_SCORE", "CHECK_PEER_REJECTED", "CHECK_LAYOUT_OUTSIDE_ARENA",
            "CHECK_WAIT_TIMEOUT", "WAIT_CLAIM_SLICES", "MESSAGES", "trap_on_code",
-           "device_check", "wait_until_at_least", "max_polls", "trap"]
+           "device_check", "wait_until_at_least", "max_polls", "trap", "check_status",
+           "STATUS_WORDS"]
 
 CHECK_UNEQUAL_T = 1
 CHECK_SCRATCH_OVERFLOW = 2
@@ -113,18 +121,20 @@ def device_check(codes: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     _device_check_kernel[(1,)](codes, a, b, codes.numel(), num_warps=1)
 
 
+STATUS_WORDS = 4   # (code, what, rank, polls)
+
+
 @triton.jit
-def wait_until_at_least(ptr, target, polls_max, what, rank, status_ptr,
-                        SLEEP: tl.constexpr, TRAP: tl.constexpr):
+def wait_until_at_least(ptr, target, polls_max, what, rank, status_ptr, SLEEP: tl.constexpr):
     """Spin with acquire loads until *ptr >= target; returns the value seen.
 
     After BUSY_POLLS polls a waiting program sleeps about a microsecond between polls (SLEEP, on
     the GPU), and it gives up after polls_max polls (`max_polls(timeout_s)`). The decision
     depends only on the poll count and the loaded value, the same in every thread of the
-    program (a per-thread clock read could differ between threads and split the loop). With
-    TRAP it then traps with CHECK_WAIT_TIMEOUT naming `what`, `rank` and the polls; without
-    (the interpreter) it records (code, what, rank) in status_ptr [3] int64 and returns, so the
-    caller goes on with whatever it has and the verdict is in the status word."""
+    program (a per-thread clock read could differ between threads and split the loop). A wait
+    that gives up records (CHECK_WAIT_TIMEOUT, what, rank, polls) in status_ptr [STATUS_WORDS]
+    int64 and returns, so the kernel ends with whatever it has; `check_status` after it traps
+    (on the GPU) or the caller reads the word (the interpreter)."""
     v = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
     polls = tl.full((), 0, tl.int64)
     while (v < target) & (polls < polls_max):
@@ -133,10 +143,21 @@ def wait_until_at_least(ptr, target, polls_max, what, rank, status_ptr,
         v = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
         polls += 1
     if v < target:
-        if TRAP:
-            trap_on_code(7, what, rank, polls)
-        else:
-            tl.store(status_ptr + 0, tl.full((), 7, tl.int64))
-            tl.store(status_ptr + 1, what.to(tl.int64))
-            tl.store(status_ptr + 2, rank.to(tl.int64))
+        tl.store(status_ptr + 1, what.to(tl.int64))
+        tl.store(status_ptr + 2, rank.to(tl.int64))
+        tl.store(status_ptr + 3, polls)
+        tl.atomic_xchg(status_ptr + 0, tl.full((), 7, tl.int64), sem="release", scope="gpu")
     return v
+
+
+@triton.jit
+def _check_status_kernel(status_ptr):
+    code = tl.atomic_add(status_ptr + 0, 0, sem="acquire", scope="gpu")
+    trap_on_code(code, tl.load(status_ptr + 1), tl.load(status_ptr + 2), tl.load(status_ptr + 3))
+
+
+def check_status(status: torch.Tensor) -> None:
+    """Trap with the message of status[0] (a check code; 0: nothing) and its numbers
+    status[1:4]. GPU only (the interpreter cannot trap: read the word instead). No host sync."""
+    assert status.numel() >= STATUS_WORDS and status.dtype == torch.int64
+    _check_status_kernel[(1,)](status, num_warps=1)

@@ -366,7 +366,7 @@ def _claim_case(flags, *, lens, d, f, dt, progs, tma, ahead, seed_rows, n_src=50
                    swiglu_alpha=1.702, swiglu_limit=1.5, config=cfg, num_programs=progs)
     tag = f"lens={lens} progs={progs} tma={tma} ahead={ahead} slice_k={eff_k} {dt}"
     assert int(flags.epoch) == ep, f"{tag}: the launcher must advance the epoch once"
-    assert flags.status.tolist() == [0, 0, 0], f"{tag}: a wait timed out: {flags.status}"
+    assert flags.status.tolist() == [0, 0, 0, 0], f"{tag}: a wait timed out: {flags.status}"
     assert torch.equal(copy[:r], x), f"{tag}: a_copy_out must hold the gathered rows"
     _untouched(f"{tag}: a_copy_out rows past R", copy[r:])
     r1, r2 = grouped_mm_fwd_swiglu_ref(x, w13, offs, activation="swiglu_clamped", swiglu_alpha=1.702,
@@ -453,9 +453,10 @@ def check_claim_wait_gives_up():
                    a_row_ptrs=_row_ptrs(src, torch.arange(r), d), a_copy_out=device_ptr(copy),
                    claim_flags=flags, epilogue="swiglu", h2=h2, num_programs=2, timeout_s=0.002,
                    rank=5)
-    code, what, rank = flags.status.tolist()
+    code, what, rank, polls = flags.status.tolist()
     assert code == CHECK_WAIT_TIMEOUT, f"status {flags.status.tolist()}: the wait did not give up"
     assert what == (WAIT_CLAIM_SLICES << 32) + 1 and rank == 5, flags.status.tolist()
+    assert polls >= 256, flags.status.tolist()
     assert time.time() - t0 < 120, "the wait took far longer than its timeout"
 
 

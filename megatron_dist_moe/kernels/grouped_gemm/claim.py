@@ -19,10 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..checks import wait_until_at_least
+from ..checks import STATUS_WORDS, wait_until_at_least
 from .config import MIN_BLOCK_M
 
-__all__ = ["ClaimFlags", "claim_slices_phase", "fence_proxy_async"]
+__all__ = ["ClaimFlags", "claim_slices_phase", "claim_ahead_phase", "fence_proxy_async"]
 
 
 class ClaimFlags:
@@ -35,8 +35,9 @@ class ClaimFlags:
                      uses).
     epoch            int64 [1], advanced on the device by `next_epoch()` (a tensor op: no host
                      sync; a captured CUDA graph advances it on every replay).
-    status           int64 [3]: where a wait that timed out records (code, what, rank) when the
-                     kernel cannot trap (the CPU interpreter); zeros otherwise.
+    status           int64 [4]: where a wait that timed out records (code, what, rank, polls);
+                     zeros otherwise. On the GPU the launcher traps on it after the kernel
+                     (checks.check_status); in the CPU interpreter the caller reads it.
     Launches that may run concurrently (different streams) need separate ClaimFlags; launches
     ordered on one stream may share one (e.g. the W13 forward and the W2 DGRAD of every layer).
     """
@@ -52,7 +53,7 @@ class ClaimFlags:
         self.claimed = torch.zeros(self.capacity, dtype=torch.int64, device=device)
         self.copied = torch.zeros(self.capacity, dtype=torch.int64, device=device)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
-        self.status = torch.zeros(3, dtype=torch.int64, device=device)
+        self.status = torch.zeros(STATUS_WORDS, dtype=torch.int64, device=device)
 
     def next_epoch(self) -> None:
         """Advance the epoch on the device (stream-ordered before the next launch)."""
@@ -136,21 +137,19 @@ def _copy_claimed_slices(claimed_ptr, copied_ptr, base, num_slices, max_slices, 
 
 @triton.jit
 def claim_slices_phase(row0, row_end, m_index, claimed_ptr, copied_ptr, base, a_rows_ptr,
-                       a_copy_base, Kd, polls_max, rank, status_ptr, ahead_ok, ahead_row0, ahead_row_end,
-                       ahead_m_index, HAS_AHEAD: tl.constexpr, DT: tl.constexpr,
-                       BLOCK_M: tl.constexpr, COPY_K: tl.constexpr, SLICE_K: tl.constexpr, AHEAD_SLICES: tl.constexpr,
-                       PROXY_FENCE: tl.constexpr, SLEEP: tl.constexpr, TRAP: tl.constexpr):
+                       a_copy_base, Kd, polls_max, rank, status_ptr, DT: tl.constexpr,
+                       BLOCK_M: tl.constexpr, COPY_K: tl.constexpr, SLICE_K: tl.constexpr,
+                       PROXY_FENCE: tl.constexpr, SLEEP: tl.constexpr):
     """Make rows [row0, row0 + BLOCK_M) of a_copy_out valid before this tile reads them.
 
     The m-tile is cut into S = Kd / SLICE_K column slices. Every program that reaches it
-    1. (HAS_AHEAD, and ahead_ok: there is such a tile) claims and copies up to AHEAD_SLICES
-       slices of the m-tile of the tile it processes next (`ahead_*`, found by the caller): the
-       programs that will read that m-tile share its copy, a few slices each, a wave before
-       they need it;
+    1. (before this, `claim_ahead_phase`: a few slices of the m-tile of the tile it processes
+       next, so the programs that will read that m-tile share its copy a wave before they need
+       it)
     2. claims and copies slices of its own m-tile until none is left (helping any straggler);
     3. waits (acquire) until all S slices are counted as copied, giving up after polls_max
-       polls of about a microsecond (checks.wait_until_at_least: a trap naming the m-tile and
-       the rank).
+       polls of about a microsecond (checks.wait_until_at_least: the status word names the
+       m-tile and the rank, and the launcher traps on it after the kernel).
 
     NOTE deadlock freedom: a program waits only in step 3, after every slice it claimed is copied
     and counted, and only once every slice of that m-tile has been claimed, i.e. is being copied
@@ -174,16 +173,25 @@ def claim_slices_phase(row0, row_end, m_index, claimed_ptr, copied_ptr, base, a_
     which may be mid-copy: those rows only feed accumulator rows that the epilogue masks off.
     """
     num_slices = Kd // SLICE_K
-    if HAS_AHEAD:
-        if ahead_ok:
-            _copy_claimed_slices(claimed_ptr + ahead_m_index, copied_ptr + ahead_m_index, base,
-                                 num_slices, AHEAD_SLICES, a_rows_ptr, a_copy_base, ahead_row0,
-                                 ahead_row_end, Kd, SLICE_K, DT, BLOCK_M, COPY_K, PROXY_FENCE)
     _copy_claimed_slices(claimed_ptr + m_index, copied_ptr + m_index, base, num_slices,
                          num_slices, a_rows_ptr, a_copy_base, row0, row_end, Kd, SLICE_K, DT,
                          BLOCK_M, COPY_K, PROXY_FENCE)
     what = tl.full((), 1, tl.int64) * 4294967296 + m_index   # checks.WAIT_CLAIM_SLICES
     wait_until_at_least(copied_ptr + m_index, base + num_slices, polls_max, what, rank,
-                        status_ptr, SLEEP, TRAP)
+                        status_ptr, SLEEP)
     if PROXY_FENCE:
         fence_proxy_async()  # the acquire above, before this tile's TMA reads of the rows
+
+
+@triton.jit
+def claim_ahead_phase(row0, row_end, m_index, claimed_ptr, copied_ptr, base, a_rows_ptr,
+                      a_copy_base, Kd, DT: tl.constexpr, BLOCK_M: tl.constexpr,
+                      COPY_K: tl.constexpr, SLICE_K: tl.constexpr, AHEAD_SLICES: tl.constexpr,
+                      PROXY_FENCE: tl.constexpr):
+    """Claim and copy up to AHEAD_SLICES slices of the m-tile at rows [row0, row0 + BLOCK_M)
+    that this program reads in a later tile (no wait). The caller finds that tile only when
+    there is one: computing its coordinates unconditionally costs the claimed W13 ~0.09 ms at
+    the guide's shapes (docs/decisions.md)."""
+    _copy_claimed_slices(claimed_ptr + m_index, copied_ptr + m_index, base, Kd // SLICE_K,
+                         AHEAD_SLICES, a_rows_ptr, a_copy_base, row0, row_end, Kd, SLICE_K, DT,
+                         BLOCK_M, COPY_K, PROXY_FENCE)

@@ -34,7 +34,8 @@ from ..common import (as_device_ptr, check_offsets, check_rows, default_num_prog
                       ensure_tma_allocator, interpreting, load_ptr)
 from ...memory_plan import SCORE_PART_COLS
 from ..rows import swiglu_grad
-from .claim import ClaimFlags, claim_slices_phase
+from ..checks import check_status
+from .claim import ClaimFlags, claim_ahead_phase, claim_slices_phase
 from .config import GroupedGemmConfig, select_config
 from .tiles import tile_bound, tile_coords
 
@@ -263,16 +264,18 @@ def _grouped_mm_kernel(
             t, e_idx, cum, tiles, starts, ends, m_tiles, num_n, GROUP_M)
         row0 = row_start + pid_m * BLOCK_M
         if A_CLAIM:
-            t2 = t + CLAIM_AHEAD * nprog
-            ahead_ok = t2 < total
-            _e2, row_start2, row_end2, m_first2, pid_m2, _n2 = tile_coords(
-                tl.minimum(t2, total - 1), e_idx, cum, tiles, starts, ends, m_tiles, num_n,
-                GROUP_M)
+            if CLAIM_AHEAD > 0:
+                t2 = t + CLAIM_AHEAD * nprog
+                if t2 < total:
+                    _e2, row_start2, row_end2, m_first2, pid_m2, _n2 = tile_coords(
+                        t2, e_idx, cum, tiles, starts, ends, m_tiles, num_n, GROUP_M)
+                    claim_ahead_phase(row_start2 + pid_m2 * BLOCK_M, row_end2,
+                                      m_first2 + pid_m2, claimed_ptr, copied_ptr, slice_base,
+                                      a_rows_ptr, a_base, Kd, DT, BLOCK_M, COPY_K, SLICE_K,
+                                      AHEAD_SLICES, PROXY_FENCE)
             claim_slices_phase(row0, row_end, m_first + pid_m, claimed_ptr, copied_ptr,
                                slice_base, a_rows_ptr, a_base, Kd, polls_max, rank, status_ptr,
-                               ahead_ok, row_start2 + pid_m2 * BLOCK_M, row_end2,
-                               m_first2 + pid_m2, CLAIM_AHEAD > 0, DT, BLOCK_M, COPY_K,
-                               SLICE_K, AHEAD_SLICES, PROXY_FENCE, ON_GPU, ON_GPU)
+                               DT, BLOCK_M, COPY_K, SLICE_K, PROXY_FENCE, ON_GPU)
         rows = row0 + tl.arange(0, BLOCK_M)
         row_ok = rows < row_end
         cols = pid_n * BN + tl.arange(0, BN)
@@ -461,6 +464,8 @@ def _launch_mm(args: _MMArgs, config: GroupedGemmConfig, num_programs: Optional[
         SLICE_K=slice_k, AHEAD_SLICES=config.claim_ahead_slices, SCORE_GRADS=args.score_grads,
         ON_GPU=on_gpu,
         num_warps=config.num_warps, num_stages=config.num_stages)
+    if args.claim is not None and on_gpu:
+        check_status(args.claim.status)   # a wait that timed out traps here, with its numbers
 
 
 def grouped_mm_fwd(

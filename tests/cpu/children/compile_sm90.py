@@ -213,7 +213,23 @@ VARIANTS["fp8_quant_rows_cols"] = lambda: KQ.quantize_rows_cols(p, offs, R, D, r
 VARIANTS["fp8_swiglu_quant"] = lambda: KQ.swiglu_quant(p, offs[-1:], R, F, h2q=(p, p),
                                                        h1q=(p, p))
 VARIANTS["fp8_quant_weight"] = lambda: KQ.quantize_weight(torch.empty(E, 2 * F, D, dtype=bf))
+# mxfp8: quantization kernels around the bf16 GEMMs
+from megatron_dist_moe.kernels import quant_mxfp8 as KM  # noqa: E402
+VARIANTS["mxfp8_quantize_all"] = lambda: KM.quantize(p, offs, R, D, rows_fake=p, cols=(p, p),
+                                                     cols_fake=p)
+VARIANTS["mxfp8_swiglu_quant"] = lambda: KM.swiglu_quant(p, offs[-1:], R, F, h2_fake=p,
+                                                         h1q=(p, p))
+VARIANTS["mxfp8_dequantize_rows"] = lambda: KM.dequantize_rows(p, p, offs[-1:], R, 2 * F, out=p)
+VARIANTS["mxfp8_dequantize_cols"] = lambda: KM.dequantize_cols(p, p, offs, R, D, out=p)
+VARIANTS["mxfp8_fake_weight"] = lambda: KM.fake_weight(torch.empty(E, 2 * F, D, dtype=bf))
+VARIANTS["claim_status_check"] = lambda: K_checks.check_status(torch.zeros(4, dtype=torch.int64))
 JIT = {"rows_device_check": (K_checks, "_device_check_kernel"),
+       "claim_status_check": (K_checks, "_check_status_kernel"),
+       "mxfp8_quantize_all": (KM, "_quant_kernel"),
+       "mxfp8_swiglu_quant": (KM, "_swiglu_quant_kernel"),
+       "mxfp8_dequantize_rows": (KM, "_deq_rows_kernel"),
+       "mxfp8_dequantize_cols": (KM, "_deq_cols_kernel"),
+       "mxfp8_fake_weight": (KM, "_fake_weight_kernel"),
        "fp8_mm": (G8, "_fp8_mm_kernel"), "fp8_wgrad": (G8, "_fp8_wgrad_kernel"),
        "fp8_quant_rows_cols": (KQ, "_quant_rows_cols_kernel"),
        "fp8_swiglu_quant": (KQ, "_swiglu_quant_kernel"),
@@ -244,7 +260,7 @@ for name in names:
         if jit_name == "_grouped_mm_kernel":   # as on the GPU: sleeping, trapping waits, fences
             kw = dict(kw, ON_GPU=True,
                       PROXY_FENCE=bool(kw.get("A_CLAIM")) and bool(kw.get("USE_TMA")))
-        if module in (G8, KQ):   # as on the GPU: TMA, fp8 tensor cores, hardware conversions
+        if module in (G8, KQ, KM):   # as on the GPU: TMA, fp8 tensor cores, hardware conversions
             kw = dict(kw, HW=True)
             if "IEEE" in kw:
                 kw.update(IEEE=False, USE_TMA=True)
