@@ -7,10 +7,9 @@
 
 Paths:
     dist_moe, dist_moe_staged, dist_moe_torchgemm   ours (standard / staged pipeline / torch GEMMs)
-    dist_moe_fp8   ours at precision fp8_block (standard pipeline). Timed as a CUDA graph, which
-                   quantizes the weights inside the graph on every call; the weight quantization
-                   alone is timed too and its share named in the row's note (a step with
-                   several microbatches, or inference, quantizes once per weight version)
+    dist_moe_fp8   ours at precision fp8_block (standard pipeline). Every forward quantizes the
+                   weights (inside the timed graph too); the weight quantization alone is timed
+                   as well and its share named in the row's note
     dist_moe_mxfp8 ours at precision mxfp8 (standard pipeline), timed as dist_moe_fp8 (its
                    weight preparation: the bf16 copies of the 32 x 32 tile quantization)
     a2a            baseline (a): NCCL all-to-all + torch._grouped_mm experts (baselines.py)

@@ -32,7 +32,7 @@ PARTS = [
     ("grouped GEMMs (FPROP, DGRAD)",
      r"^_grouped_mm_kernel|^_fp8_mm_kernel|^(void\s+)?cutlass::device_kernel|fill_group_args"),
     ("grouped WGRAD", r"^_grouped_mm_wgrad_(persistent_)?kernel|^_fp8_wgrad_kernel"),
-    ("weight quantization (per weight version)", r"^_(quant_weight|fake_weight)_kernel"),
+    ("weight quantization (every forward)", r"^_(quant_weight|fake_weight)_kernel"),
     ("activation quantization (fp8_block, mxfp8)",
      r"^_(quant_rows_cols|swiglu_quant|quant|deq_rows|deq_cols)_kernel"),
     ("row gathers and scatters", r"^_(gather|scatter|fanout)_rows_kernel"),

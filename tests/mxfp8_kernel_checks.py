@@ -49,11 +49,13 @@ def adversarial(R, K, seed=0, device="cpu"):
     x[7, 32:64] = torch.linspace(-1, 1, 32) * 2.0 ** -3    # E4M3 subnormals after scaling
     x[8, 96:128] = 3 * 2.0 ** -12
     x[9, 5] = float("nan")
+    x[10, 7] = float("inf")                                # a block with inf: E8M0 254, NaN
+    x[11, 40] = -float("inf")
     return x.to(BF).to(device)
 
 
 def _segments(big, device):
-    lens = [900, 0, 2048, 1, 1800, 77] if big else [40, 0, 70, 5, 33]
+    lens = [900, 0, 2048, 1, 1800, 77] if big else [40, 0, 200, 5, 33]   # 200: two 128-blocks
     offs = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
                         device=device)
     return lens, offs, sum(lens)
@@ -77,9 +79,22 @@ def check_quantize(device, big=False):
         _bits_equal(f"cols K={K}", qc[:, :used], tq[:, :used])
         _bits_equal(f"col exponents K={K}", ec[:used // 32], te[:used // 32])
         _bits_equal(f"fake cols K={K}", cf, MX.fake_cols(x, offs.long().cpu()))
-        y = x.clone()                                       # in place, rows only
+        # in place, as the pipeline calls it: rows alone, rows + column bundle (x_g),
+        # rows + fake columns (g3, grad_h1)
+        y = x.clone()
         quantize(y, offs, R, K, rows_fake=y)
         _bits_equal(f"fake rows in place K={K}", y, MX.fake_rows(x))
+        y = x.clone()
+        qc2 = torch.empty_like(qc)
+        ec2 = torch.empty_like(ec)
+        quantize(y, offs, R, K, rows_fake=y, cols=(qc2, ec2))
+        _bits_equal(f"fake rows in place + cols K={K}", y, MX.fake_rows(x))
+        _bits_equal(f"cols beside in-place rows K={K}", qc2[:, :used], tq[:, :used])
+        y = x.clone()
+        cf2 = torch.full_like(cf, float("nan"))
+        quantize(y, offs, R, K, rows_fake=y, cols_fake=cf2)
+        _bits_equal(f"fake rows in place + fake cols K={K}", y, MX.fake_rows(x))
+        _bits_equal(f"fake cols beside in-place rows K={K}", cf2, MX.fake_cols(x, offs.long().cpu()))
 
 
 def check_swiglu_quant(device, big=False):

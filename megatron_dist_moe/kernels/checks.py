@@ -4,7 +4,8 @@ What the host cannot check without a synchronisation (routing values, the per-ca
 peer that never arrives) is checked on the device. A failed check prints its cause and the
 numbers and then traps, which ends the CUDA context (and the job) with that message instead of
 a wrong result or a hang. In the CPU interpreter, which cannot trap, kernels leave the verdict
-in a status word `(code, a, b)` instead; the tests read it.
+in a status word instead (`(code, a, b)`; a wait's: `(code, what, rank, polls)`); the tests
+read it.
 
     trap_on_code(code, a, b)      print the message of `code` with its numbers, then trap
     device_check(codes, a, b)     one launch: trap on the first codes[i] != 0
@@ -15,8 +16,10 @@ in a status word `(code, a, b)` instead; the tests read it.
                                   of a status word's code
 
 A kernel that waits does not trap itself: the printf and trap code in a GEMM's loop cost it
-~0.3 ms at the guide's shapes (the claimed W13 and W2 DGRAD, docs/decisions.md), so it records
-the timeout and ends, and `check_status`, stream-ordered after it, traps.
+~0.23 ms at the guide's shapes (the claimed W13 and W2 DGRAD, docs/decisions.md), so it records
+the timeout and ends, and `check_status`, stream-ordered after it, traps. Giving up is sticky:
+once any program recorded a timeout, a wait that is past its busy polls stops too, so a
+systemic fault ends the kernel in about one timeout, not one per tile.
 """
 
 from __future__ import annotations
@@ -131,7 +134,8 @@ def wait_until_at_least(ptr, target, polls_max, what, rank, status_ptr, SLEEP: t
     After BUSY_POLLS polls a waiting program sleeps about a microsecond between polls (SLEEP, on
     the GPU), and it gives up after polls_max polls (`max_polls(timeout_s)`). The decision
     depends only on the poll count and the loaded value, the same in every thread of the
-    program (a per-thread clock read could differ between threads and split the loop). A wait
+    program (a per-thread clock read could differ between threads and split the loop). Past
+    its busy polls a wait also stops when the status word already holds a verdict. A wait
     that gives up records (CHECK_WAIT_TIMEOUT, what, rank, polls) in status_ptr [STATUS_WORDS]
     int64 and returns, so the kernel ends with whatever it has; `check_status` after it traps
     (on the GPU) or the caller reads the word (the interpreter)."""
@@ -140,6 +144,8 @@ def wait_until_at_least(ptr, target, polls_max, what, rank, status_ptr, SLEEP: t
     while (v < target) & (polls < polls_max):
         if polls >= 256:   # BUSY_POLLS
             _nanosleep(SLEEP)
+            if tl.load(status_ptr, volatile=True) != 0:   # another wait gave up: so does this
+                polls = polls - polls + (polls_max - 1)      # stays int64
         v = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
         polls += 1
     if v < target:

@@ -65,8 +65,9 @@ def e8m0_value(e):
 @triton.jit
 def _fake(x, e, HW: tl.constexpr):
     """fp32 x with its block exponents e (broadcast to x) -> bf16 of deq(e4m3(x * r))."""
-    q = to_e4m3(x * e8m0_reciprocal(e), HW).to(tl.float32)
-    v = tl.where(x != x, x, q * e8m0_value(e))     # the interpreter widens E4M3 NaN wrongly
+    s = x * e8m0_reciprocal(e)                     # NaN for NaN x, and for inf x (times 0)
+    q = to_e4m3(s, HW).to(tl.float32)
+    v = tl.where(s != s, s, q * e8m0_value(e))     # the interpreter widens E4M3 NaN wrongly
     return round_bf16(v, HW).to(tl.bfloat16)
 
 
@@ -122,6 +123,9 @@ def _quant_kernel(x_addr, offsets_ptr, rf_addr, cq_addr, ce_addr, cf_addr, K, E,
             cf_base = load_ptr(cf_addr, tl.bfloat16)
             tl.store(cf_base + rows3 * K + c3, _fake(xc, ec3, HW), mask=ok3)
     if ROWS_FAKE:
+        if COLS or COLS_FAKE:
+            # rows_fake may be x itself: every thread's column-view loads before any row store
+            tl.debug_barrier()
         i = tl.arange(0, 128)
         local = p0 - pstart + i
         ok = (local < n)[:, None, None]
@@ -143,7 +147,8 @@ def quantize(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows_fake=None,
     rows_fake  bf16 [>= R, K] (may be x itself): quant/mxfp8.fake_rows(x)
     cols       (q_t, e_t): the column bundle, q_t [K, Rp] e4m3 and e_t [Rp/32, K] uint8 with
                Rp = layout.padded_rows(R, E) (zeros in each segment's padding;
-               quant/mxfp8.quantize_cols)
+               quant/mxfp8.quantize_cols; the rows past the last padded segment, which
+               nothing reads, are not written)
     cols_fake  bf16 [>= R, K]: quant/mxfp8.fake_cols(x, offsets)
     max_rows: host bound on R (the grid)."""
     assert rows_fake is not None or cols is not None or cols_fake is not None

@@ -287,12 +287,32 @@ def fp8_block_scaling(recipe: Any = None) -> dict:
     return dict(fp8_power_2_scales=pow2, fp8_amax_epsilon=eps)
 
 
+def mxfp8_scaling(recipe: Any = None) -> dict:
+    """Config fields of --fp8-recipe mxfp8 (none: dist_moe's MXFP8 has no knob), after checking
+    TransformerEngine's `MXFP8BlockScaling` recipe object (`recipe`, or a default one when
+    TransformerEngine is importable) asks for what dist_moe implements: E4M3 everywhere (its
+    `fp8_format`; HYBRID's E5M2 gradients are not implemented)."""
+    if recipe is None:
+        try:
+            from transformer_engine.common.recipe import MXFP8BlockScaling
+        except Exception:   # no TransformerEngine: its default, E4M3
+            return {}
+        recipe = MXFP8BlockScaling()
+    fmt = getattr(recipe, "fp8_format", None)
+    name = str(getattr(fmt, "name", fmt)).upper()
+    if name not in ("E4M3", "NONE"):
+        raise UnsupportedMegatronConfig([
+            f"MXFP8BlockScaling(fp8_format={name}): dist_moe's mxfp8 quantizes activations, "
+            "weights and gradients in E4M3 (TransformerEngine's default); use Format.E4M3"])
+    return {}
+
+
 def dist_moe_config(tc: Any, *, num_local_input_tokens: int, options: DistMoEOptions | None = None,
                     num_activation_slots: int = 1, max_moe_layers_per_activation_slot: int = 1,
                     inference: bool = False, fp8_recipe: Any = None) -> Config:
     """The dm.Config of tc's MoE layers (validated; errors name the Megatron flag to change).
     fp8_recipe: TransformerEngine's recipe object of the run, if the caller has it
-    (`fp8_block_scaling`)."""
+    (`fp8_block_scaling`, `mxfp8_scaling`)."""
     options = options or DistMoEOptions()
     check_supported(tc, options)
     capacity = options.activation_slot_capacity_factor
@@ -301,7 +321,8 @@ def dist_moe_config(tc: Any, *, num_local_input_tokens: int, options: DistMoEOpt
                          and "moe" in _names(getattr(tc, "recompute_modules", None)))
         capacity = 0.0 if recompute_moe else 1.0
     precision = precision_from_transformer_config(tc)
-    scaling = fp8_block_scaling(fp8_recipe) if precision == "fp8_block" else {}
+    scaling = (fp8_block_scaling(fp8_recipe) if precision == "fp8_block"
+               else mxfp8_scaling(fp8_recipe) if precision == "mxfp8" else {})
     try:
         return Config(
             num_local_input_tokens=num_local_input_tokens,

@@ -67,6 +67,20 @@ def test_mxfp8_recipe_runs_mxfp8_on_every_backend():
                         num_local_input_tokens=128)
 
 
+def test_mxfp8_recipe_object_is_checked():
+    """A stand-in for TransformerEngine's MXFP8BlockScaling: E4M3 runs, HYBRID (E5M2
+    gradients) is refused naming the setting."""
+    from types import SimpleNamespace as NS
+    from megatron_dist_moe.megatron.config_map import mxfp8_scaling
+    t = like(fp8="e4m3", fp8_recipe="mxfp8", moe_ffn_hidden_size=128)
+    fmt = lambda name: NS(name=name)  # noqa: E731  (an Enum member's .name)
+    cfg = dist_moe_config(t, num_local_input_tokens=128, fp8_recipe=NS(fp8_format=fmt("E4M3")))
+    assert cfg.precision == "mxfp8"
+    assert mxfp8_scaling(None) == {}   # no TransformerEngine here: its default, E4M3
+    with pytest.raises(UnsupportedMegatronConfig, match="fp8_format=HYBRID"):
+        dist_moe_config(t, num_local_input_tokens=128, fp8_recipe=NS(fp8_format=fmt("HYBRID")))
+
+
 def test_blockwise_recipe_runs_fp8_block_with_te_settings():
     """--fp8-format e4m3 --fp8-recipe blockwise: precision fp8_block, with the scaling settings
     of TransformerEngine's Float8BlockScaling (its defaults without TE, or a recipe object)."""

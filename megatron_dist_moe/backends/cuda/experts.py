@@ -33,7 +33,7 @@ from ...kernels import rows as K_rows
 from .routing import RoutingTables
 
 __all__ = ["Bf16Kernels", "Fp8BlockKernels", "Mxfp8Kernels", "StandardPipeline",
-           "StagedPipeline", "TorchPipeline", "Fp8BlockPipeline", "Mxfp8Pipeline", "WeightCache",
+           "StagedPipeline", "TorchPipeline", "Fp8BlockPipeline", "Mxfp8Pipeline",
            "make_expert_pipeline", "wgrad_store_dtype"]
 
 
@@ -296,39 +296,6 @@ class TorchPipeline:
         return None, None
 
 
-class WeightCache:
-    """What a precision makes of a weight pair, kept per weight version.
-
-    Outside CUDA-graph capture the results for the last `size` weight pairs are kept (least
-    recently used first out) and reused while the weights' version counter (`tensor._version`,
-    shared by views, bumped by every in-place update such as an optimizer step) is unchanged.
-    An entry holds its weights too, so their memory cannot be reused by another tensor at the
-    same address while cached. A capture recomputes inside the graph, so every replay reads
-    the weights of that moment."""
-
-    def __init__(self, size: int, device: torch.device):
-        from collections import OrderedDict
-        self.size, self.device = size, torch.device(device)
-        self._entries: OrderedDict = OrderedDict()
-
-    def get(self, w13_E2FD, w2_EDF, training: bool, make):
-        key = tuple((w.data_ptr(), tuple(w.shape), w.stride()) for w in (w13_E2FD, w2_EDF))
-        key += (training,)
-        version = (w13_E2FD._version, w2_EDF._version)
-        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        hit = self._entries.get(key)
-        if hit is not None and hit[0] == version and not capturing:
-            self._entries.move_to_end(key)
-            return hit[1]
-        made = make()
-        if not capturing:
-            self._entries[key] = (version, made, (w13_E2FD, w2_EDF))
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.size:
-                self._entries.popitem(last=False)
-        return made
-
-
 class Fp8BlockKernels:
     """The fp8_block steps (Triton): block quantization of rows and columns, the FP8
     block-scaled grouped GEMMs with their epilogues, the SwiGLU with the quantization of its
@@ -383,10 +350,10 @@ class Fp8BlockPipeline:
     bundle, + score-gradient parts) -> grad_h1 and h2 (bf16), quantize grad_h1 (rows, columns)
     and h2 (columns), W2 WGRAD, W13 DGRAD + scatter, W13 WGRAD.
 
-    Weights are quantized once per version (`prepare`, a WeightCache of WEIGHT_CACHE pairs:
-    both orientations, one byte per element each)."""
-
-    WEIGHT_CACHE = 16
+    Weights are quantized by every forward (`prepare`: both orientations, one byte per element
+    each); its backward reuses that forward's copies. No copy is kept across calls: a weight's
+    version counter does not see Megatron's optimizer, which writes the weights through
+    `.data`, so a cache keyed by it served stale weights (docs/decisions.md)."""
 
     name = "standard"
     uses_fanout = True
@@ -397,12 +364,10 @@ class Fp8BlockPipeline:
         self.k = Fp8BlockKernels(cfg, num_local_experts, max_rows)
         self.bf = Bf16Kernels(cfg, num_local_experts, max_rows, execution.wait_timeout_s, rank)
         self.score_parts = self.k.score_parts(device)
-        self._cache = WeightCache(self.WEIGHT_CACHE, device)
 
     def prepare(self, w13_E2FD, w2_EDF, training: bool):
-        """The Fp8Weights of this weight version (see the class docstring)."""
-        return self._cache.get(w13_E2FD, w2_EDF, training, lambda: self.k.weights(
-            w13_E2FD, w2_EDF, transposed=training))
+        """The Fp8Weights of these weights (see the class docstring)."""
+        return self.k.weights(w13_E2FD, w2_EDF, transposed=training)
 
     def forward(self, tabs: RoutingTables, w13_E2FD, w2_EDF, scatter_ptrs, at: dict,
                 rows=None, prepared=None, training: bool = True) -> None:
@@ -496,20 +461,15 @@ class Mxfp8Pipeline(StandardPipeline):
     columns g3_wg, then fake rows in place), h1 from the saved bundle into gh1, W2 DGRAD with
     the SwiGLU backward over gh1 (+ h2, + score parts), fake columns of h2 and grad_h1 and grad_h1's
     fake rows in place, W2 WGRAD, W13 DGRAD + scatter, x_wg from x_c, W13 WGRAD. Weights: bf16
-    copies of their quantization, once per version (WeightCache)."""
-
-    WEIGHT_CACHE = 16
-    name = "standard"
+    copies of their quantization, made by every forward (as Fp8BlockPipeline's) and reused by
+    its backward."""
 
     def __init__(self, cfg, execution, num_local_experts, max_rows, device, rank):
         super().__init__(cfg, execution, num_local_experts, max_rows, device, rank)
         self.mx = Mxfp8Kernels(cfg, max_rows)
-        self._cache = WeightCache(self.WEIGHT_CACHE, device)
 
     def prepare(self, w13_E2FD, w2_EDF, training: bool):
-        # one copy serves both directions: the training flag is not part of what is made
-        return self._cache.get(w13_E2FD, w2_EDF, False,
-                               lambda: self.mx.weights(w13_E2FD, w2_EDF))
+        return self.mx.weights(w13_E2FD, w2_EDF)    # one copy serves both directions
 
     def forward(self, tabs: RoutingTables, w13_E2FD, w2_EDF, scatter_ptrs, at: dict,
                 rows=None, prepared=None, training: bool = True) -> None:
