@@ -16,6 +16,7 @@ from .errors import ConfigError, RoutedExpertsInputError
 from .execution import RUNS, Execution
 from .memory_plan import MemoryPlan, plan_memory
 from .ops import routed_experts
+from .prepared import PreparedExperts, PreparedWeight, prepare_expert_weights
 
 __all__ = [
     "ACTIVATIONS",
@@ -27,12 +28,15 @@ __all__ = [
     "MemoryPlan",
     "PIPELINES",
     "PRECISIONS",
+    "PreparedExperts",
+    "PreparedWeight",
     "RUNS",
     "RoutedExpertsInputError",
     "WGRAD_DTYPES",
     "create_context",
     "load_config",
     "plan_memory",
+    "prepare_expert_weights",
     "routed_experts",
 ]
 

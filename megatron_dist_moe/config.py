@@ -72,9 +72,10 @@ class Config:
                       recipe, TransformerEngine's Float8BlockScaling; quant/fp8_block.py; bf16
                       inputs and weights, D and F multiples of 128) | "mxfp8" (E4M3 with one
                       E8M0 scale per 32 values, weights per 32 x 32 tile: OCP MX as
-                      TransformerEngine's MXFP8BlockScaling computes it; quant/mxfp8.py; the
-                      reference backend runs it). "nvfp4" is named so that asking for it gets a
-                      clear error while no backend runs it: execution.RUNS lists what runs.
+                      TransformerEngine's MXFP8BlockScaling computes it; quant/mxfp8.py) |
+                      "nvfp4" (inference only, on prepared weights: E2M1 values, E4M3 scales per
+                      16, fp32 global scales; quant/nvfp4.py, prepared.py). execution.RUNS lists
+                      which backend runs which precision.
         fp8_power_2_scales  fp8_block: scales rounded down to powers of two (TE's default).
         fp8_amax_epsilon    fp8_block: floor of a block's amax before its scale (TE's default 0).
         pipeline      "standard" | "staged" (CUDA kernel sequence; the reference backend runs

@@ -38,7 +38,7 @@ __all__ = ["RUNS", "Execution", "runs", "runs_precision", "what_runs", "parse_ov
 # one algorithm for every pipeline)
 RUNS: dict[str, dict[str, tuple[str, ...]]] = {
     "reference": {"bf16": ("standard", "staged"), "fp8_block": ("standard", "staged"),
-                  "mxfp8": ("standard", "staged")},
+                  "mxfp8": ("standard", "staged"), "nvfp4": ("standard", "staged")},
     "cuda": {"bf16": ("standard", "staged"), "fp8_block": ("standard",),
              "mxfp8": ("standard",)},
 }
@@ -187,12 +187,13 @@ class Execution:
             if self.precision == "fp8_block":
                 rows += [("quantization", "x_g rows (and columns, saved) after the gather; "
                           "SwiGLU writes the h2 row bundle (and the saved h1 row bundle); "
-                          "weights once per version, both orientations")]
+                          "weights by every forward (both orientations), reused by its backward")]
             if self.precision == "mxfp8":
                 rows += [("quantization", "x_g after the gather (fake rows in place; training: "
                           "the saved column bundle); SwiGLU writes h2's fake rows (and the "
                           "saved h1 row bundle); backward: g3 and grad_h1 rows and the WGRAD "
-                          "operands' columns; weights once per version (32 x 32 tiles)")]
+                          "operands' columns; weights (32 x 32 tiles) by every forward, reused by its "
+                          "backward")]
             if not self.inference:
                 rows += [("backward", "W2 DGRAD with the SwiGLU backward in its epilogue, "
                           "W2 WGRAD, W13 DGRAD scattering to the owners, W13 WGRAD"

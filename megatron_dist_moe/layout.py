@@ -49,6 +49,12 @@ place of the bf16 rows they quantize, the WGRAD operands (columns) token-major (
                     | gh1_wg | h2 | h2_wg | x_wg (from x_c)
     replay          the train_forward regions, then the backward ones
 
+nvfp4 (inference only; quant/nvfp4.py): a row of K values is one byte row of
+`nvfp4_row_bytes(K)` = align16(K/2 packed E2M1 bytes | K/16 E4M3 block scales | the row's fp32
+inverse global scale), the form the source rank publishes and the experts read:
+
+    inference       x_g (nvfp4 rows) | h1 (bf16) | h2q (nvfp4 rows of h2)
+
 Within one mode every region is live at the same time, so regions never overlap. Who uses it:
 `memory_plan.plan_memory` sizes the scratch as the largest layout over the modes a context
 runs at its row bound (`scratch_bytes`) and the full state from `saved_regions`; the reference
@@ -67,7 +73,8 @@ from typing import Any
 
 __all__ = ["MODES", "TRAINING_MODES", "INFERENCE_MODES", "RegionSpec", "Region", "CallLayout",
            "call_layout", "scratch_bytes", "modes_of", "region_specs", "saved_regions",
-           "saved_offsets", "saved_bytes", "padded_rows", "PRECISIONS_WITH_LAYOUT"]
+           "saved_offsets", "saved_bytes", "padded_rows", "nvfp4_row_bytes", "precision_modes",
+           "PRECISIONS_WITH_LAYOUT"]
 
 MODES = ("inference", "train_forward", "backward", "replay")
 TRAINING_MODES = ("train_forward", "backward", "replay")
@@ -130,7 +137,20 @@ def _mxfp8_specs(D: int, F: int) -> dict:
         backward=bwd, replay=fwd + bwd))
 
 
-_SPECS = {"bf16": _bf16_specs, "fp8_block": _fp8_block_specs, "mxfp8": _mxfp8_specs}
+def nvfp4_row_bytes(K: int) -> int:
+    """Bytes of one NVFP4 row of K values: packed values, block scales, inverse global scale,
+    padded to 16 (rows stay 16-byte aligned for vector loads)."""
+    return -(-(K // 2 + K // 16 + 4) // 16) * 16
+
+
+def _nvfp4_specs(D: int, F: int) -> dict:
+    return dict(saved=(), modes=dict(inference=(
+        RegionSpec("x_g", nvfp4_row_bytes(D)),) + _bf16("h1", 2 * F) + (
+        RegionSpec("h2q", nvfp4_row_bytes(F)),)))
+
+
+_SPECS = {"bf16": _bf16_specs, "fp8_block": _fp8_block_specs, "mxfp8": _mxfp8_specs,
+          "nvfp4": _nvfp4_specs}
 PRECISIONS_WITH_LAYOUT = tuple(_SPECS)
 
 
@@ -156,11 +176,17 @@ def _specs(precision: str, D: int, F: int) -> dict:
     return _SPECS[precision](D, F)
 
 
+def precision_modes(precision: str) -> tuple[str, ...]:
+    """The modes `precision` has a layout for (an inference-only precision: inference)."""
+    return tuple(m for m in MODES if m in _specs(precision, 128, 128)["modes"])
+
+
 def region_specs(mode: str, D: int, F: int, precision: str = "bf16") -> tuple[RegionSpec, ...]:
     """The regions of `mode`, in address order."""
     modes = _specs(precision, D, F)["modes"]
     if mode not in modes:
-        raise ValueError(f"unknown layout mode {mode!r}; expected one of {MODES}")
+        raise ValueError(f"no layout mode {mode!r} for precision {precision!r}; it has "
+                         f"{tuple(modes)} (all modes: {MODES})")
     return modes[mode]
 
 

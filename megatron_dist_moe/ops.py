@@ -12,6 +12,7 @@ import torch
 from . import library
 from .context import Context
 from .errors import ARG_NAMES, RoutedExpertsInputError  # noqa: F401  (re-exported)
+from .prepared import PREPARED_PRECISIONS, PreparedWeight
 
 __all__ = ["routed_experts", "RoutedExpertsInputError", "validate_inputs", "validate_wgrad_into"]
 
@@ -47,9 +48,21 @@ def validate_inputs(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: 
         if t.device != ctx.device:
             raise RoutedExpertsInputError(name, f"is on {t.device}, the context is on {ctx.device}")
 
-    for name, t in (("x", x_TD), ("expert_ids", expert_ids_TK), ("scores", scores_TK),
-                    ("w13", w13), ("w2", w2_EDF)):
+    prepared = cfg.precision in PREPARED_PRECISIONS
+    for name, t in (("x", x_TD), ("expert_ids", expert_ids_TK), ("scores", scores_TK)):
         tensor(name, t)
+    for name, w in (("w13", w13), ("w2", w2_EDF)):
+        if prepared and not isinstance(w, PreparedWeight):
+            raise RoutedExpertsInputError(
+                name, f"precision={cfg.precision!r} reads prepared weights: pass "
+                f"dm.prepare_expert_weights(w13, w2, precision={cfg.precision!r}).{name}, got "
+                f"{type(w).__name__}")
+        if not prepared and isinstance(w, PreparedWeight):
+            raise RoutedExpertsInputError(
+                name, f"prepared {w.precision} weights need an inference context with "
+                f"precision={w.precision!r}; this context runs {cfg.precision!r}")
+        if not prepared:
+            tensor(name, w)
     if x_TD.dim() != 2 or x_TD.shape[1] != D:
         raise RoutedExpertsInputError("x", f"expected shape [T, D={D}], got {list(x_TD.shape)}")
     T = x_TD.shape[0]
@@ -69,7 +82,13 @@ def validate_inputs(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: 
     if scores_TK.dtype not in (torch.float32, torch.bfloat16) and not (
             scores_TK.dtype == torch.float64 and x_TD.dtype == torch.float64):
         raise RoutedExpertsInputError("scores", f"expected float32 or bfloat16, got {scores_TK.dtype}")
-    if w13.dim() == 4:
+    if prepared:
+        w13.check("w13", (E_local, 2 * F, D), cfg.precision, ctx.device)
+        w2_EDF.check("w2", (E_local, D, F), cfg.precision, ctx.device)
+        if x_TD.dtype != torch.bfloat16:
+            raise RoutedExpertsInputError("x", f"dtype {x_TD.dtype}: precision "
+                                          f"{cfg.precision!r} takes bfloat16 rows")
+    elif w13.dim() == 4:
         if tuple(w13.shape) != (E_local, 2, F, D):
             raise RoutedExpertsInputError("w13", f"expected [E_local={E_local}, 2, F={F}, D={D}] or "
                                           f"[E_local, 2F={2 * F}, D], got {list(w13.shape)}")
@@ -77,10 +96,10 @@ def validate_inputs(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: 
     elif tuple(w13.shape) != (E_local, 2 * F, D):
         raise RoutedExpertsInputError("w13", f"expected [E_local={E_local}, 2F={2 * F}, D={D}] or "
                                       f"[E_local, 2, F, D], got {list(w13.shape)}")
-    if tuple(w2_EDF.shape) != (E_local, D, F):
+    if not prepared and tuple(w2_EDF.shape) != (E_local, D, F):
         raise RoutedExpertsInputError("w2", f"expected [E_local={E_local}, D={D}, F={F}], got "
                                       f"{list(w2_EDF.shape)}")
-    for name, w in (("w13", w13), ("w2", w2_EDF)):
+    for name, w in () if prepared else (("w13", w13), ("w2", w2_EDF)):
         if w.dtype != x_TD.dtype:
             raise RoutedExpertsInputError(name, f"dtype {w.dtype} differs from x's {x_TD.dtype}")
         if not w.is_contiguous():
@@ -157,8 +176,10 @@ def routed_experts(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: t
         expert_ids_TK: [T, K] int16/int32/int64 global expert IDs in [0, E); -1 disables a route.
         scores_TK:     [T, K] fp32 or bf16 route scores; must be 0 on inactive routes.
         w13:           [E_local, 2, F, D] or [E_local, 2F, D] gate rows then up rows of this
-                       rank's experts (global expert id = rank * E_local + local index).
-        w2_EDF:        [E_local, D, F] down projections.
+                       rank's experts (global expert id = rank * E_local + local index); on
+                       an inference context with precision="nvfp4", the `PreparedWeight`
+                       `dm.prepare_expert_weights(w13, w2, precision="nvfp4").w13` instead.
+        w2_EDF:        [E_local, D, F] down projections (nvfp4: the prepared `.w2`).
         ctx:           a Context from create_context() on the EP group.
         wgrad_into:    optional (w13 accumulators, w2 accumulators): E_local fp32 tensors each,
                        [2F, D] (or [2, F, D]) and [D, F], e.g. Megatron's per-expert main_grad.
@@ -207,6 +228,15 @@ def routed_experts(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: t
             ctx.backend.check_collective(x_TD, local_error)
     if local_error is not None:
         raise local_error
+    if isinstance(w13, PreparedWeight):
+        # inference on prepared weights: nothing to differentiate, so no registered op pair
+        if torch.is_grad_enabled() and x_TD.requires_grad:
+            raise RoutedExpertsInputError(
+                "x", f"precision={ctx.config.precision!r} runs inference only: call under "
+                "torch.no_grad() (or detach x)")
+        y_TD, _ = ctx.backend.forward(x_TD, expert_ids_TK, scores_TK, w13, w2_EDF,
+                                      training=False)
+        return y_TD
     if w13.dim() == 4:       # [E_local, 2, F, D] -> [E_local, 2F, D], a view (traced)
         w13 = w13.reshape(w13.shape[0], -1, w13.shape[-1])
     training = torch.is_grad_enabled() and any(

@@ -9,7 +9,8 @@ Nothing here runs at import time; torch.distributed is only touched inside spawn
                 oracle_results(problem, cfg) / rank_errors(...)
                 block_quant_emulation(problem, cfg): the same quantization (fp8_block, mxfp8)
                 in plain torch, per expert over all ranks' tokens (what a quantized run's
-                errors are judged by)
+                errors are judged by); nvfp4_emulation(problem, cfg) and
+                nvfp4_oracle_y(problem, cfg) for nvfp4 inference on prepared weights
     processes   spawn(fn, world_size, args) runs fn(rank, world_size, *args) on gloo/NCCL ranks
                 rendezvousing through a FileStore in a fresh temporary directory (no ports).
                 run_child_checks(argv) runs checks in a fresh Python (e.g. Triton's
@@ -31,6 +32,8 @@ __all__ = [
     "routed_experts_oracle", "random_routing", "imbalanced_routing", "make_weights",
     "relative_error", "Problem", "make_problem", "run_rank", "oracle_results", "rank_errors",
     "block_quant_emulation",
+    "nvfp4_emulation",
+    "nvfp4_oracle_y",
     "spawn", "SpawnedRankDied", "run_child_checks", "RESULT_NAMES",
 ]
 
@@ -297,7 +300,8 @@ def oracle_results(problem: Problem, cfg, *, compute_dtype: torch.dtype | None =
 def block_quant_emulation(problem: Problem, cfg, backward: bool = True
                           ) -> dict[str, torch.Tensor]:
     """y and every gradient of `problem` with cfg.precision's block quantization (fp8_block,
-    mxfp8) at the points the kernels quantize (reference_math.BlockQuantMath documents them),
+    mxfp8) at the points the kernels quantize (reference_math.BlockQuantMath and Mxfp8Math
+    document them),
     computed per expert over every rank's tokens in plain torch: an implementation independent
     of the backends' row movement, arenas and planner. Global tensors (fp32), shaped like
     `oracle_results` (backward=False: y only; problem.grad_y is not read)."""
@@ -364,6 +368,42 @@ def block_quant_emulation(problem: Problem, cfg, backward: bool = True
     # weight gradients are returned in the weights' dtype (bf16)
     return dict(y=y, grad_x=grad_routes.sum(1).to(bf).float(), grad_scores=grad_s,
                 grad_w13=grad_w13.view(E, 2, F, D).to(bf).float(), grad_w2=grad_w2.to(bf).float())
+
+
+def nvfp4_oracle_y(problem: Problem, cfg) -> torch.Tensor:
+    """The fp64 oracle's y on the prepared (dequantized) NVFP4 weights and unquantized x: the
+    quantization of the weights is the model; what a run is judged on is the rest."""
+    from .prepared import prepare_expert_weights
+    p = prepare_expert_weights(problem.w13.to(torch.bfloat16), problem.w2.to(torch.bfloat16))
+    return routed_experts_oracle(problem.x, problem.ids, problem.scores, p.w13.dequantize(),
+                                 p.w2.dequantize(), activation=cfg.activation,
+                                 swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit)
+
+
+def nvfp4_emulation(problem: Problem, cfg) -> torch.Tensor:
+    """y (fp32, global) of nvfp4 inference at its quantization points in plain torch, per expert
+    over every rank's tokens (reference_math.Nvfp4Math documents them)."""
+    from .activation import Activation
+    from .prepared import prepare_expert_weights
+    from .quant import nvfp4
+
+    bf = torch.bfloat16
+    act = Activation.of(cfg)
+    D, F = cfg.hidden_dim, cfg.intermediate_dim
+    p = prepare_expert_weights(problem.w13.to(bf), problem.w2.to(bf))
+    w13d, w2d = p.w13.dequantize(), p.w2.dequantize()
+    xd = nvfp4.dequantize_row_bytes(nvfp4.quantize_row_bytes(problem.x.to(bf)), D)
+    N, K = problem.ids.shape
+    routes = torch.zeros(N, K, D)
+    for e in range(w13d.shape[0]):
+        t, k = (problem.ids == e).nonzero(as_tuple=True)
+        if t.numel() == 0:
+            continue
+        h1 = (xd[t] @ w13d[e].T).to(bf)
+        h2 = act.forward(h1.float()).to(bf)
+        h2d = nvfp4.dequantize_row_bytes(nvfp4.quantize_row_bytes(h2), F)
+        routes[t, k] = (h2d @ w2d[e].T).to(bf).float()
+    return (problem.scores.float().unsqueeze(-1) * routes).sum(1).to(bf).float()
 
 
 def rank_errors(results: dict[str, torch.Tensor], oracle: dict[str, torch.Tensor],

@@ -239,8 +239,14 @@ class ReferenceBackend:
         regions, and routes_TKD [T, K, D] (None: stop before the W2 GEMM, as a backward replay
         without saved route outputs does)."""
         K, D = self.ctx.config.top_k, self.ctx.config.hidden_dim
-        x_g = views("x_g", (routes.rows, D))
-        self._dispatch(x_TD[routes.send_flat_idx // K], routes, x_g)
+        source_rows = getattr(self.math, "source_rows", None)
+        if source_rows is None:           # the rows themselves
+            x_g = views("x_g", (routes.rows, D))
+            self._dispatch(x_TD[routes.send_flat_idx // K], routes, x_g)
+        else:                             # what the source rank publishes (nvfp4: byte rows)
+            rows_T = source_rows(x_TD)
+            x_g = views("x_g", (routes.rows, rows_T.shape[1]), rows_T.dtype)
+            self._dispatch(rows_T[routes.send_flat_idx // K], routes, x_g)
         h3 = self.math.forward(views, x_g, w13_END, w2_EDF, self._segments(routes),
                                with_w2=routes_TKD is not None, training=training)
         if routes_TKD is None:

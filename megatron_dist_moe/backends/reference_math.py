@@ -12,6 +12,8 @@ activation slot for saved regions of a full-save layer, else the call's scratch)
     Mxfp8Math       the same quantization points with quant/mxfp8.py's quantizers, the
                     dequantized operands held in bf16 regions (exact), as the CUDA backend
                     computes mxfp8
+    Nvfp4Math       inference on prepared NVFP4 weights (prepared.py): x arrives as NVFP4
+                    rows quantized on the source rank, h2 is quantized to NVFP4 rows before W2
 
 Segments: `segs` lists (expert, first row, row end) of the expert-major rows.
 """
@@ -28,7 +30,7 @@ from ..layout import padded_rows
 from ..quant import format_of
 from ..quant.fp8_block import FP8_DTYPE, padded_offsets
 
-__all__ = ["Bf16Math", "BlockQuantMath", "Mxfp8Math", "make_math"]
+__all__ = ["Bf16Math", "BlockQuantMath", "Mxfp8Math", "Nvfp4Math", "make_math"]
 
 Views = Callable[..., torch.Tensor]
 
@@ -91,7 +93,7 @@ class Bf16Math:
 
 
 class BlockQuantMath:
-    """A block-scaled precision: every GEMM operand quantized by `fmt` (fp8_block, mxfp8).
+    """A block-scaled precision: every GEMM operand quantized by `fmt` (fp8_block).
 
     forward   xq = rows(x_g) [, x_c = cols(x_g)], h1 = round(xq W13q^T) (bf16),
               [h1q = rows(h1) (saved)], h2 = round(act(h1)), h2q = rows(h2),
@@ -301,6 +303,51 @@ class Mxfp8Math:
         return grad_xg, grad_w13, grad_w2, grad_s
 
 
+class Nvfp4Math:
+    """nvfp4 inference: every GEMM operand is NVFP4 (quant/nvfp4.py), products of the
+    dequantized values accumulated in fp32.
+
+    source    xq = rows(x) per token (the dispatched byte rows: layout.nvfp4_row_bytes)
+    forward   h1 = round(deq(xq) W13d^T); h2 = round(act(h1)); h2q = rows(h2);
+              h3 = round(deq(h2q) W2d^T)
+    rows(.): one global scale per row (its amax), E4M3 scales per 16 values; W13d, W2d: the
+    prepared weights, dequantized (one global scale per expert matrix)."""
+
+    precision = "nvfp4"
+
+    def __init__(self, act: Activation, D: int, F: int, num_local_experts: int):
+        self.act, self.D, self.F, self.E = act, D, F, num_local_experts
+
+    def source_rows(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """What the source rank publishes per token: its NVFP4 byte row."""
+        from ..quant import nvfp4
+        return nvfp4.quantize_row_bytes(x_TD)
+
+    def forward(self, views: Views, x_g, w13, w2, segs, with_w2, training):
+        from ..quant import nvfp4
+        assert not training, "nvfp4 runs inference only"
+        R, D, F = x_g.shape[0], self.D, self.F
+        segs = list(segs)
+        xd = nvfp4.dequantize_row_bytes(x_g, D)
+        w13d, w2d = w13.dequantize(), w2.dequantize()
+        h1 = views("h1", (R, 2 * F), torch.bfloat16)
+        for e, a, b in segs:
+            h1[a:b].copy_(xd[a:b] @ w13d[e].T)
+        h2 = self.act.forward(h1.float()).to(torch.bfloat16)
+        h2q = views("h2q", (R, nvfp4.row_bytes(F)), torch.uint8)
+        h2q.copy_(nvfp4.quantize_row_bytes(h2))
+        if not with_w2:
+            return None
+        h2d = nvfp4.dequantize_row_bytes(h2q, F)
+        h3 = torch.empty(R, D, dtype=torch.bfloat16, device=x_g.device)
+        for e, a, b in segs:
+            h3[a:b].copy_(h2d[a:b] @ w2d[e].T)
+        return h3
+
+    def backward(self, *args, **kwargs):
+        raise RuntimeError("nvfp4 runs inference only (Config refuses nvfp4 training)")
+
+
 def make_math(config, num_local_experts: int):
     act = Activation.of(config)
     D, F = config.hidden_dim, config.intermediate_dim
@@ -308,6 +355,8 @@ def make_math(config, num_local_experts: int):
         return Bf16Math(act, D, F, num_local_experts)
     if config.precision == "mxfp8":
         return Mxfp8Math(act, D, F, num_local_experts)
+    if config.precision == "nvfp4":
+        return Nvfp4Math(act, D, F, num_local_experts)
     if config.precision == "fp8_block":
         return BlockQuantMath(act, D, F, num_local_experts, format_of(config))
     raise ValueError(f"the reference backend has no expert math for precision "

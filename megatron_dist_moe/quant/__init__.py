@@ -9,9 +9,9 @@
 their dequantizers), shared by the reference backend and testing's emulation.
 """
 
-from . import fp8_block, mxfp8
+from . import fp8_block, mxfp8, nvfp4
 
-__all__ = ["fp8_block", "mxfp8", "format_of", "QUANTIZED"]
+__all__ = ["fp8_block", "mxfp8", "nvfp4", "format_of", "QUANTIZED"]
 
 QUANTIZED = ("fp8_block", "mxfp8")
 

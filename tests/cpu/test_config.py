@@ -55,7 +55,7 @@ BAD = [
     ("wait_timeout_s", dict(wait_timeout_s="10")),
     # what no backend runs is refused when the Config is built, naming the field
     ("pipeline", dict(precision="mxfp8", backend="cuda", pipeline="staged")),
-    ("precision", dict(precision="nvfp4", inference=True, num_activation_slots=0)),
+    ("precision", dict(precision="nvfp4", inference=True, num_activation_slots=0, backend="cuda")),
     ("fp8_power_2_scales", dict(precision="fp8_block", fp8_power_2_scales=1)),
     ("fp8_amax_epsilon", dict(precision="fp8_block", fp8_amax_epsilon=-1e-3)),
     ("pipeline", dict(pipeline="mega")),

@@ -21,7 +21,7 @@ def twin():
         rows = torch.tensor([0, 1, 127, 128, 129] + [rng.randint(0, 60000) for _ in range(5)],
                             dtype=torch.int64)
         for precision in L.PRECISIONS_WITH_LAYOUT:
-            for mode in L.MODES:
+            for mode in L.precision_modes(precision):
                 specs = L.region_specs(mode, D, F, precision)
                 n = len(specs)
                 out = torch.zeros(rows.numel(), n + 1, dtype=torch.int64)
