@@ -394,7 +394,7 @@ def nvfp4_emulation(problem: Problem, cfg) -> torch.Tensor:
     w13d, w2d = p.w13.dequantize(), p.w2.dequantize()
     xd = nvfp4.dequantize_row_bytes(nvfp4.quantize_row_bytes(problem.x.to(bf)), D)
     N, K = problem.ids.shape
-    routes = torch.zeros(N, K, D)
+    routes = torch.zeros(N, K, D, device=problem.x.device)
     for e in range(w13d.shape[0]):
         t, k = (problem.ids == e).nonzero(as_tuple=True)
         if t.numel() == 0:

@@ -7,6 +7,7 @@
 #              CUTLASS units)
 #   fp8kernels the fp8_block kernel tests alone (quantizers bit-exact, GEMMs vs their twins)
 #   mxkernels  the mxfp8 kernel tests alone (every output bit-exact vs quant/mxfp8.py)
+#   nvkernels  the nvfp4 kernel tests alone (byte rows bit-exact, the NVFP4 GEMM vs its twin)
 #   check      dist_check on 1 GPU (and 2 when present): every gradient vs the fp64 oracle,
 #              graph replay, no host sync, bitwise repeats, inference
 #   packing    ten layers in one slot inside one CUDA graph
@@ -26,6 +27,7 @@
 #   floor      the layer's six GEMMs alone (ours, torch's) next to the dense mm, settled
 #   weights    the Megatron plugin's weight plumbing per layer call
 #   packbench  bench_packing (PACK_ARGS)
+#   decode     bench_decode: the forward at T = 1..2048 next to its weight-read floor (DECODE_ARGS)
 #   megatron   tiny GPT, dist_moe vs alltoall (SEEDS, STEPS, MB, MOE_BACKEND, PERTURB,
 #              MEGATRON_ARGS)
 #   pack       fold everything under $OUT into one archive (the device tool brings back few files)
@@ -62,6 +64,7 @@ for s in $sections; do case $s in
          [ "$NGPU" -ge 2 ] && LIMIT=300 run check2 torchrun --nproc-per-node=2 tests/gpu/dist_check.py ${CHECK_ARGS:-} ;;
   fp8kernels) LIMIT=300 run fp8kernels python3 -m pytest -q tests/gpu/test_fp8_kernels_gpu.py -m gpu ;;
   mxkernels) LIMIT=240 run mxkernels python3 -m pytest -q tests/gpu/test_mxfp8_kernels_gpu.py -m gpu ;;
+  nvkernels) LIMIT=240 run nvkernels python3 -m pytest -q tests/gpu/test_nvfp4_kernels_gpu.py -m gpu ;;
   packing) LIMIT=240 run packing torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py ${PACKING_ARGS:-} ;;
   inference) LIMIT=480 run inference torchrun --nproc-per-node="$NGPU" tests/gpu/inference_check.py \
                  --json "$OUT/inference.json" ${INFERENCE_ARGS:-} ;;
@@ -83,6 +86,7 @@ for s in $sections; do case $s in
              --out "$OUT/floor" --seconds 3 --idle-s 2 \
              --workloads dense_mm,gemms_triton,gemms_torch,dist_moe_fwd,dist_moe_fwdbwd ;;
   weights) LIMIT=120 run weights python3 benchmarks/bench_expert_weights.py --out "$OUT/weights" ;;
+  decode) LIMIT=300 run decode torchrun --nproc-per-node="$NGPU" benchmarks/bench_decode.py --out "$OUT" ${DECODE_ARGS:-} ;;
   packbench) run packbench torchrun --nproc-per-node="$NGPU" benchmarks/bench_packing.py --out "$OUT" ${PACK_ARGS:-} ;;
   megatron) # ~0.3 s per step per model at 2 microbatches; 3 models (alltoall twice: the noise band)
             for seed in ${SEEDS:-1234}; do

@@ -32,8 +32,10 @@ VARIANTS = ["fwd_swiglu_tma", "fwd_swiglu_claim_sliced", "fwd_w2_scatter_clamped
             "fp8_mm_store", "fp8_mm_scatter", "fp8_mm_swiglu_bwd_scored",
             "fp8_mm_swiglu_bwd_clamped", "fp8_wgrad_bf16", "fp8_wgrad_table",
             "fp8_quant_rows_cols", "fp8_swiglu_quant", "fp8_quant_weight",
-            "mxfp8_quantize_all", "mxfp8_swiglu_quant", "mxfp8_dequantize_rows",
-            "mxfp8_dequantize_cols", "mxfp8_fake_weight"]
+            "mxfp8_quantize_all", "mxfp8_quantize_x", "mxfp8_quantize_grad",
+            "mxfp8_quantize_cols_fake", "mxfp8_swiglu_quant", "mxfp8_dequantize_rows",
+            "mxfp8_dequantize_cols", "mxfp8_fake_weight", "nvfp4_quantize_rows",
+            "nvfp4_swiglu_quant", "nvfp4_mm_store", "nvfp4_mm_scatter_decode"]
 
 MAX_SPILL_BYTES = 256
 

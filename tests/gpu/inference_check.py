@@ -106,22 +106,40 @@ def relerr(a, b):
     return float((a.double() - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def emulated_y(p, rank, precision):
-    """y of rank's tokens at the precision's rounding points."""
-    if precision == "bf16":
-        return oracle_y(p, rank, True)
+def _problem_cfg(p, precision):
     from megatron_dist_moe import testing as tt
     EP, T, _ = p["x"].shape
     cfg = dm.Config(num_local_input_tokens=T, hidden_dim=D, intermediate_dim=F, top_k=K,
                     num_experts=p["w13"].shape[0], precision=precision, backend="reference",
                     inference=True, num_activation_slots=0)
-    P = tt.Problem.from_ep(p["x"], p["ids"], p["s"], p["w13"], p["w2"])
-    y = tt.block_quant_emulation(P, cfg, backward=False)["y"]
+    return tt.Problem.from_ep(p["x"], p["ids"], p["s"], p["w13"], p["w2"]), cfg, EP, T
+
+
+def emulated_y(p, rank, precision):
+    """y of rank's tokens at the precision's rounding points."""
+    if precision == "bf16":
+        return oracle_y(p, rank, True)
+    from megatron_dist_moe import testing as tt
+    P, cfg, EP, T = _problem_cfg(p, precision)
+    if precision == "nvfp4":
+        y = tt.nvfp4_emulation(P, cfg)
+    else:
+        y = tt.block_quant_emulation(P, cfg, backward=False)["y"]
     return y.view(EP, T, D)[rank].double()
 
 
+def exact_y(p, rank, precision):
+    """The fp64 oracle's y of rank's tokens (nvfp4: on the dequantized prepared weights, which
+    are the model)."""
+    if precision != "nvfp4":
+        return oracle_y(p, rank, False)
+    from megatron_dist_moe import testing as tt
+    P, cfg, EP, T = _problem_cfg(p, precision)
+    return tt.nvfp4_oracle_y(P, cfg).view(EP, T, D)[rank].double()
+
+
 def judge(name, y, p, rank, results, precision="bf16"):
-    exact, emul = oracle_y(p, rank, False), emulated_y(p, rank, precision)
+    exact, emul = exact_y(p, rank, precision), emulated_y(p, rank, precision)
     err, tol = relerr(y, exact), max(TOL_FLOOR, 2 * relerr(emul, exact))
     zero = (p["ids"][rank] < 0).all(1)
     guards = all(a.guards_intact() for a in GuardedArena.live)
@@ -139,6 +157,9 @@ def run_inference(T, factor, EP, rank, dev, results, precision="bf16"):
         p = make_problem(EP, T, seed=T + int(10 * factor), device=dev)
         x, ids, s = (p[k][rank].clone() for k in ("x", "ids", "s"))
         w13, w2 = p["w13"][sl].clone(), p["w2"][sl].clone()
+        if precision == "nvfp4":       # prepared weights (graph replays read their tensors)
+            prep = dm.prepare_expert_weights(w13, w2, precision="nvfp4")
+            w13, w2 = prep.w13, prep.w2
         with torch.no_grad():
             y = dm.routed_experts(x, ids, s, w13, w2, ctx)
         torch.cuda.synchronize()
@@ -154,7 +175,14 @@ def run_inference(T, factor, EP, rank, dev, results, precision="bf16"):
             yg = dm.routed_experts(x, ids, s, w13, w2, ctx)
         p2 = make_problem(EP, T, seed=T + 7, device=dev)
         x.copy_(p2["x"][rank]); ids.copy_(p2["ids"][rank]); s.copy_(p2["s"][rank])
-        w13.copy_(p2["w13"][sl]); w2.copy_(p2["w2"][sl])
+        if precision == "nvfp4":
+            new = dm.prepare_expert_weights(p2["w13"][sl].contiguous(), p2["w2"][sl].contiguous())
+            for old_w, new_w in ((w13, new.w13), (w2, new.w2)):
+                for a, b in ((old_w.packed, new_w.packed), (old_w.scales, new_w.scales),
+                             (old_w.global_scale, new_w.global_scale)):
+                    a.copy_(b)
+        else:
+            w13.copy_(p2["w13"][sl]); w2.copy_(p2["w2"][sl])
         yg.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
@@ -187,14 +215,19 @@ def main():
     ap.add_argument("--tokens", default="1,8,64,96,128,512,2048,4096")
     ap.add_argument("--factors", default="1,2")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--precisions", default="bf16,fp8_block,mxfp8")
+    ap.add_argument("--precisions", default="bf16,fp8_block,mxfp8,nvfp4")
     args = ap.parse_args()
     rank, EP = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dev = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("nccl", device_id=dev)
     results = []
-    cases = [(pr, int(t), float(f)) for pr in args.precisions.split(",")
+    from megatron_dist_moe.execution import runs
+    precisions = [pr for pr in args.precisions.split(",") if runs("cuda", pr, "standard")]
+    if rank == 0 and len(precisions) < len(args.precisions.split(",")):
+        print(f"SKIP the precisions the CUDA backend does not run: "
+              f"{sorted(set(args.precisions.split(',')) - set(precisions))}", flush=True)
+    cases = [(pr, int(t), float(f)) for pr in precisions
              for t in args.tokens.split(",") for f in args.factors.split(",")]
     for precision, T, factor in cases:
         try:
@@ -203,7 +236,7 @@ def main():
             results.append(dict(case=f"{precision}_T{T}_factor{factor:g}", rank=rank, ok=False,
                                 error=repr(e), tb=traceback.format_exc()[-2000:]))
         GuardedArena.live.clear()
-    for precision in args.precisions.split(","):
+    for precision in (pr for pr in precisions if pr != "nvfp4"):   # nvfp4: inference only
         try:
             run_after_training(512, EP, rank, dev, results, precision)
         except Exception as e:

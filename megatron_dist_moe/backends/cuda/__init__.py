@@ -118,7 +118,11 @@ class CudaBackend:
         T, D = x_TD.shape
         self.sym.header.fill_(T)
         self.sym.ids_TK[:T].copy_(ids_TK)
-        self.sym.dispatch[: T * D].view(T, D).copy_(x_TD)
+        publish = getattr(self.experts, "publish", None)
+        if publish is not None:       # the precision's own row form (nvfp4: quantized rows)
+            publish(x_TD, self.sym.dispatch)
+        else:
+            self.sym.dispatch[: T * D].view(T, D).copy_(x_TD)
 
     def _routing(self, T: int, scores_TK: torch.Tensor | None) -> RoutingTables:
         fanout = self.experts.uses_fanout   # the fan-out table only where the gathers use it

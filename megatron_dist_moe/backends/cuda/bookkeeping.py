@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels.common import interpreting
-from ...layout import MODES, call_layout, region_specs, saved_regions
+from ...layout import call_layout, precision_modes, region_specs, saved_regions
 from ...memory_plan import MemoryPlan
 from ...planner import LayerRecord, PlannerState, plan_backward, plan_forward, saved_layout
 from .routing import RoutingTables
@@ -129,10 +129,11 @@ class TritonBookkeeping(TorchBookkeeping):
         D, F, prec = self.D, self.F, self.precision
         saved = saved_regions(D, F, prec)
         self._saved_names = [r.name for r in saved]
-        self._names = {m: [r.name for r in region_specs(m, D, F, prec)] for m in MODES}
-        bw_names = self._names["backward"]
+        modes = precision_modes(prec)      # an inference-only precision: inference
+        self._names = {m: [r.name for r in region_specs(m, D, F, prec)] for m in modes}
+        bw_names = self._names.get("backward", [])
         self._tabs = {m: region_table(region_specs(m, D, F, prec), self._saved_names, bw_names,
-                                      dev) for m in MODES}
+                                      dev) for m in modes}
         self._saved_tab = region_table(saved, device=dev)
         self._addr_len = ADDR_FIXED + max(len(v) for v in self._names.values())
 

@@ -19,6 +19,8 @@ Two layers:
         Fp8BlockPipeline  fp8_block: quantization kernels and the FP8 block-scaled GEMMs
         Mxfp8Pipeline     mxfp8: quantization kernels around StandardPipeline's bf16 GEMMs,
                           which read bf16 copies of the MXFP8 operands (exact)
+        Nvfp4Pipeline     nvfp4 inference on prepared weights: the source rank publishes NVFP4
+                          rows, NVFP4 GEMMs decode both operands to bf16 in registers
 Device predicates (replay or not) zero the expert offsets and row counts, so the launch sequence
 is the same either way.
 """
@@ -33,7 +35,7 @@ from ...kernels import rows as K_rows
 from .routing import RoutingTables
 
 __all__ = ["Bf16Kernels", "Fp8BlockKernels", "Mxfp8Kernels", "StandardPipeline",
-           "StagedPipeline", "TorchPipeline", "Fp8BlockPipeline", "Mxfp8Pipeline",
+           "StagedPipeline", "TorchPipeline", "Fp8BlockPipeline", "Mxfp8Pipeline", "Nvfp4Pipeline",
            "make_expert_pipeline", "wgrad_store_dtype"]
 
 
@@ -517,12 +519,66 @@ class Mxfp8Pipeline(StandardPipeline):
         return grad_w13, grad_w2
 
 
+class Nvfp4Pipeline:
+    """nvfp4 inference (prepared.PreparedWeight weights). The source rank quantizes its token
+    rows into its dispatch buffer (`publish`: one NVFP4 byte row per token in each bf16 row
+    slot, so the routing tables' addresses hold); the experts' owner gathers them (fan-out,
+    layout.nvfp4_row_bytes(D) bytes per row) into x_g, W13 -> h1 (bf16), SwiGLU + quantization
+    -> h2q (NVFP4 rows), W2 + scatter to the owners' combine rows in bf16
+    (kernels/quant_nvfp4.py, kernels/grouped_gemm/nvfp4.py)."""
+
+    name = "standard"
+    uses_fanout = True
+    score_parts = 0      # no backward
+
+    def __init__(self, cfg: Config, execution: Execution, num_local_experts: int, max_rows: int,
+                 device: torch.device, rank: int):
+        self.cfg, self.E, self.max_rows, self.device = cfg, num_local_experts, max_rows, device
+        self.act = dict(activation=cfg.activation, swiglu_alpha=cfg.swiglu_alpha,
+                        swiglu_limit=cfg.swiglu_limit)
+        self._T = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def publish(self, x_TD: torch.Tensor, dispatch: torch.Tensor) -> None:
+        """Quantize this rank's token rows into its dispatch buffer (row slots 2D bytes apart)."""
+        from ...kernels.quant_nvfp4 import quantize_rows
+        T, D = x_TD.shape
+        self._T.fill_(T)
+        quantize_rows(x_TD, self._T, T, D, out=dispatch, out_stride=2 * D)
+
+    def prepare(self, w13, w2, training: bool):
+        assert not training, "nvfp4 runs inference only"
+        return w13, w2
+
+    def forward(self, tabs: RoutingTables, w13, w2, scatter_ptrs, at: dict, rows=None,
+                prepared=None, training: bool = False) -> None:
+        from ...kernels.grouped_gemm.nvfp4 import nvfp4_grouped_mm
+        from ...kernels.quant_nvfp4 import swiglu_quant
+        from ...layout import nvfp4_row_bytes
+        D, F = self.cfg.hidden_dim, self.cfg.intermediate_dim
+        offs, nrows = rows if rows is not None else (tabs.expert_offsets, tabs.num_rows)
+        fan = tabs.fanout
+        K_rows.fanout_rows(fan.dispatch_base_EP, 2 * D, fan.dest_rows, fan.T, fan.K, at["x_g"],
+                           nrows, nvfp4_row_bytes(D) // 2, torch.bfloat16)
+        nvfp4_grouped_mm(a=at["x_g"], weight=w13, expert_offsets=offs, max_rows=self.max_rows,
+                         epilogue="store", out=at["h1"])
+        swiglu_quant(at["h1"], nrows, self.max_rows, F, out=at["h2q"], **self.act)
+        if scatter_ptrs is not None:
+            nvfp4_grouped_mm(a=at["h2q"], weight=w2, expert_offsets=offs,
+                             max_rows=self.max_rows, epilogue="scatter",
+                             out_row_ptrs=scatter_ptrs)
+
+    def backward(self, *args, **kwargs):
+        raise RuntimeError("nvfp4 runs inference only (Config refuses nvfp4 training)")
+
+
 def make_expert_pipeline(cfg: Config, execution: Execution, num_local_experts: int,
                          max_rows: int, device: torch.device, rank: int):
     if execution.precision == "fp8_block":
         cls = Fp8BlockPipeline
     elif execution.precision == "mxfp8":
         cls = Mxfp8Pipeline
+    elif execution.precision == "nvfp4":
+        cls = Nvfp4Pipeline
     elif execution.gemm_engine == "torch":
         cls = TorchPipeline
     else:

@@ -217,15 +217,41 @@ VARIANTS["fp8_quant_weight"] = lambda: KQ.quantize_weight(torch.empty(E, 2 * F, 
 from megatron_dist_moe.kernels import quant_mxfp8 as KM  # noqa: E402
 VARIANTS["mxfp8_quantize_all"] = lambda: KM.quantize(p, offs, R, D, rows_fake=p, cols=(p, p),
                                                      cols_fake=p)
+# the combinations the pipeline launches: x_g (rows in place + column bundle), g3 and grad_h1
+# (rows in place + fake columns), h2 (fake columns)
+VARIANTS["mxfp8_quantize_x"] = lambda: KM.quantize(p, offs, R, D, rows_fake=p, cols=(p, p))
+VARIANTS["mxfp8_quantize_grad"] = lambda: KM.quantize(p, offs, R, D, rows_fake=p, cols_fake=p)
+VARIANTS["mxfp8_quantize_cols_fake"] = lambda: KM.quantize(p, offs, R, F, cols_fake=p)
 VARIANTS["mxfp8_swiglu_quant"] = lambda: KM.swiglu_quant(p, offs[-1:], R, F, h2_fake=p,
                                                          h1q=(p, p))
 VARIANTS["mxfp8_dequantize_rows"] = lambda: KM.dequantize_rows(p, p, offs[-1:], R, 2 * F, out=p)
 VARIANTS["mxfp8_dequantize_cols"] = lambda: KM.dequantize_cols(p, p, offs, R, D, out=p)
 VARIANTS["mxfp8_fake_weight"] = lambda: KM.fake_weight(torch.empty(E, 2 * F, D, dtype=bf))
 VARIANTS["claim_status_check"] = lambda: K_checks.check_status(torch.zeros(4, dtype=torch.int64))
+# nvfp4: the source rank's row quantization and the SwiGLU + h2 quantization
+from megatron_dist_moe.kernels import quant_nvfp4 as KN  # noqa: E402
+VARIANTS["nvfp4_quantize_rows"] = lambda: KN.quantize_rows(p, offs[-1:], R, D, out=p)
+VARIANTS["nvfp4_swiglu_quant"] = lambda: KN.swiglu_quant(p, offs[-1:], R, F, out=p,
+                                                         activation="swiglu_clamped")
+from megatron_dist_moe.kernels.grouped_gemm import nvfp4 as GN  # noqa: E402
+from megatron_dist_moe.prepared import PreparedWeight  # noqa: E402
+_W4 = PreparedWeight(torch.empty(E, 2 * F, D // 2, dtype=torch.uint8),
+                     torch.empty(E, 2 * F // 16, D // 16, dtype=torch.float8_e4m3fn),
+                     torch.ones(E), (E, 2 * F, D))
+VARIANTS["nvfp4_mm_store"] = lambda: GN.nvfp4_grouped_mm(a=p, weight=_W4, expert_offsets=offs,
+                                                         max_rows=R, epilogue="store", out=p)
+VARIANTS["nvfp4_mm_scatter_decode"] = lambda: GN.nvfp4_grouped_mm(
+    a=p, weight=_W4, expert_offsets=offs, max_rows=48, epilogue="scatter", out_row_ptrs=rows_tab)
 JIT = {"rows_device_check": (K_checks, "_device_check_kernel"),
+       "nvfp4_mm_store": (GN, "_nvfp4_mm_kernel"),
+       "nvfp4_mm_scatter_decode": (GN, "_nvfp4_mm_kernel"),
+       "nvfp4_quantize_rows": (KN, "_quant_rows_kernel"),
+       "nvfp4_swiglu_quant": (KN, "_quant_rows_kernel"),
        "claim_status_check": (K_checks, "_check_status_kernel"),
        "mxfp8_quantize_all": (KM, "_quant_kernel"),
+       "mxfp8_quantize_x": (KM, "_quant_kernel"),
+       "mxfp8_quantize_grad": (KM, "_quant_kernel"),
+       "mxfp8_quantize_cols_fake": (KM, "_quant_kernel"),
        "mxfp8_swiglu_quant": (KM, "_swiglu_quant_kernel"),
        "mxfp8_dequantize_rows": (KM, "_deq_rows_kernel"),
        "mxfp8_dequantize_cols": (KM, "_deq_cols_kernel"),
@@ -260,7 +286,7 @@ for name in names:
         if jit_name == "_grouped_mm_kernel":   # as on the GPU: sleeping, trapping waits, fences
             kw = dict(kw, ON_GPU=True,
                       PROXY_FENCE=bool(kw.get("A_CLAIM")) and bool(kw.get("USE_TMA")))
-        if module in (G8, KQ, KM):   # as on the GPU: TMA, fp8 tensor cores, hardware conversions
+        if module in (G8, KQ, KM, KN, GN):   # as on the GPU: TMA, fp8 tensor cores, hardware conversions
             kw = dict(kw, HW=True)
             if "IEEE" in kw:
                 kw.update(IEEE=False, USE_TMA=True)

@@ -37,6 +37,8 @@ def run(variant, seed):
                        offset_views=variant.get("offset_views", False))
     y_inf, none = be.forward(*H.rank_inputs(problems[0], 0), training=False)
     guard = be.bk.status.tolist() if hasattr(be.bk, "status") else [0, 0, 0]
+    claim = getattr(be.experts, "claim", None)      # the staged pipeline's claimed waits
+    claim_status = claim.status.tolist() if claim is not None else [0, 0, 0, 0]
     be.close()
     errs = [tt.rank_errors(o, orc, p, 0) for o, orc, p in zip(out["results"], oracles, problems)]
     extra = {}
@@ -50,7 +52,30 @@ def run(variant, seed):
                      inference_emulation_error=tt.relative_error(ems[0]["y"], oracles[0]["y"]))
     return dict(errors=errs, inference_error=tt.relative_error(y_inf, oracles[0]["y"]), **extra,
                 saved_none=none is None, needs=out["needs"], cursors_back=out["cursors_back"],
-                layout_guard=guard)
+                layout_guard=guard, claim_status=claim_status)
+
+
+def run_nvfp4(seed):
+    """nvfp4 inference on prepared weights: the source rank's quantization into the dispatch
+    buffer, the byte-row fan-out, both NVFP4 GEMMs and the SwiGLU + h2 quantization."""
+    out = {}
+    for act in ("swiglu", "swiglu_clamped"):
+        cfg = dm.Config(num_local_input_tokens=24, hidden_dim=128, intermediate_dim=256, top_k=2,
+                        num_experts=4, backend="reference", precision="nvfp4", inference=True,
+                        num_activation_slots=0, activation=act, swiglu_limit=1.5)
+        p = tt.make_problem(cfg, 1, seed=seed, dtype=torch.bfloat16, routing="hot_expert")
+        be = H.make_backend(cfg, H.ThreadGroup(0, H.new_shared(1)), {})
+        x, ids, s, w13, w2 = H.rank_inputs(p, 0)
+        prepared = dm.prepare_expert_weights(w13, w2)
+        y, none = be.forward(x, ids, s, prepared.w13, prepared.w2, training=False)
+        y2, _ = be.forward(x, ids, s, prepared.w13, prepared.w2, training=False)
+        guard = be.bk.status.tolist() if hasattr(be.bk, "status") else [0, 0, 0]
+        be.close()
+        em, orc = tt.nvfp4_emulation(p, cfg), tt.nvfp4_oracle_y(p, cfg)
+        out[act] = dict(err=tt.relative_error(y, orc), emul=tt.relative_error(em, orc),
+                        vs_emulation=tt.relative_error(y, em), saved_none=none is None,
+                        repeat_equal=bool(torch.equal(y, y2)), layout_guard=guard)
+    return out
 
 
 TORCH = {"gemm_engine": "torch"}
@@ -105,6 +130,13 @@ VARIANTS = {
 }
 
 if __name__ == "__main__":
+    try:
+        print("RESULT " + json.dumps(dict(name="nvfp4_inference", ok=True, **run_nvfp4(7))),
+              flush=True)
+    except Exception as ex:
+        print("RESULT " + json.dumps(dict(name="nvfp4_inference", ok=False,
+                                          error=f"{type(ex).__name__}: {ex}",
+                                          trace=traceback.format_exc()[-3000:])), flush=True)
     for v, (name, variant) in enumerate(VARIANTS.items()):
         try:
             out = dict(name=name, ok=True, **run(variant, 50 + 10 * v))

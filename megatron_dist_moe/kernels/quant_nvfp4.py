@@ -1,0 +1,128 @@
+"""NVFP4 row quantization kernels (Triton): the twins of quant/nvfp4.py's byte rows, bit-equal.
+
+    quantize_rows   bf16 rows [R, K] -> NVFP4 byte rows (layout.nvfp4_row_bytes(K) each: packed
+                    E2M1 | E4M3 scales per 16 | the row's fp32 S_dec), each row its own tensor
+                    (its amax sets its global scale): what a source rank publishes
+    swiglu_quant    h1 [R, 2F] -> the byte rows of h2 = round(act(h1)) (the W2 operand)
+
+One program per row: a first pass finds the row's amax, a second (from L2) quantizes. R is a
+device value (num_rows); the grid is the host bound. Conversions that must round exactly use
+IEEE divisions (div_rn) and, in the interpreter, quant_fp8's integer E4M3 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..layout import nvfp4_row_bytes
+from .common import as_device_ptr, load_ptr
+from .quant_fp8 import _hw, abs_nan0, round_bf16, to_e4m3
+from .rows import _act_fwd
+
+__all__ = ["quantize_rows", "swiglu_quant", "e2m1_code"]
+
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)
+_RCP_E2M1_MAX = tl.constexpr(1.0 / 6.0)       # fp32(1/6), TE's fp4_max_inv
+
+
+@triton.jit
+def e2m1_code(x):
+    """int32 E2M1 codes (0..15) of fp32 x: round to nearest even, saturating at +-6, the sign
+    kept for results that round to zero, NaN -> 7 (quant/nvfp4.e2m1_codes)."""
+    a = tl.abs(x)
+    mag = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+           + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+           + (a > 5.0).to(tl.int32))
+    sign = (x.to(tl.int32, bitcast=True) >> 31) & 1
+    return tl.where(x != x, 7, mag | (sign << 3))
+
+
+@triton.jit
+def _load_values(src, r, c, K, F, ACT: tl.constexpr, CLAMPED: tl.constexpr, alpha, limit,
+                 HW: tl.constexpr):
+    """fp32 values c of row r: x[r, c] (ACT False, row stride K) or round_bf16(act(g, u)) of
+    h1 = [g | u] (row stride 2F)."""
+    if ACT:
+        g = tl.load(src + r * (2 * F) + c).to(tl.float32)
+        u = tl.load(src + r * (2 * F) + F + c).to(tl.float32)
+        return round_bf16(_act_fwd(g, u, CLAMPED, alpha, limit), HW)
+    return tl.load(src + r * K + c).to(tl.float32)
+
+
+@triton.jit
+def _quant_rows_kernel(src_addr, num_rows_ptr, out_addr, K, out_stride, alpha, limit,
+                       ACT: tl.constexpr, CLAMPED: tl.constexpr, CHUNK: tl.constexpr,
+                       PAD: tl.constexpr, HW: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    if r >= tl.load(num_rows_ptr):
+        return
+    src = load_ptr(src_addr, tl.bfloat16)
+    F = K      # ACT: the row is h2 [F] from h1 [2F]
+    amax = tl.zeros((), tl.float32)
+    for k0 in range(0, K, CHUNK):
+        v = _load_values(src, r, k0 + tl.arange(0, CHUNK), K, F, ACT, CLAMPED, alpha, limit, HW)
+        amax = tl.maximum(amax, tl.max(abs_nan0(v), 0))
+    # S_enc = fminf(2688 / amax, FLT_MAX), 1 for amax 0 or inf; S_dec = fp32(1.0 / S_enc) in
+    # double (quant/nvfp4.global_scale / global_decode_scale)
+    s_enc = tl.minimum(tl.math.div_rn(tl.full((), 2688.0, tl.float32), amax), _FLT_MAX)
+    s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
+    s_dec = (tl.full((), 1.0, tl.float64) / s_enc.to(tl.float64)).to(tl.float32)   # div.rn.f64
+    mult = s_enc * _RCP_E2M1_MAX
+    out = load_ptr(out_addr, tl.uint8) + r * out_stride
+    NB: tl.constexpr = CHUNK // 16
+    for k0 in range(0, K, CHUNK):
+        v = _load_values(src, r, k0 + tl.arange(0, CHUNK), K, F, ACT, CLAMPED, alpha, limit, HW)
+        v2 = tl.reshape(v, (NB, 16))
+        s = tl.minimum(tl.max(abs_nan0(v2), 1) * mult, _FLT_MAX)
+        s8 = to_e4m3(s, HW)                                           # satfinite, RNE
+        rcp = tl.minimum(tl.math.div_rn(tl.full((NB,), 1.0, tl.float32),
+                                        s8.to(tl.float32) * s_dec), _FLT_MAX)
+        codes = e2m1_code(v2 * rcp[:, None])                          # [NB, 16]
+        lo, hi = tl.split(tl.reshape(codes, (CHUNK // 2, 2)))
+        tl.store(out + k0 // 2 + tl.arange(0, CHUNK // 2), (lo | (hi << 4)).to(tl.uint8))
+        tl.store(out + K // 2 + k0 // 16 + tl.arange(0, NB), s8.to(tl.uint8, bitcast=True))
+    tail = K // 2 + K // 16
+    tl.store((out + tail).to(tl.pointer_type(tl.float32)), s_dec)
+    if PAD > 0:
+        p = tl.arange(0, 16)
+        tl.store(out + tail + 4 + p, tl.zeros((16,), tl.uint8), mask=p < PAD)
+
+
+def _chunk(K: int) -> int:
+    c = 512
+    while K % c:
+        c //= 2
+    assert c >= 32, f"K={K} must be a multiple of 32"
+    return c
+
+
+def _launch(src, num_rows, max_rows, K, out, act, alpha, limit, clamped, out_stride=None):
+    W = nvfp4_row_bytes(K)
+    out_stride = W if out_stride is None else out_stride
+    assert out_stride >= W and out_stride % 16 == 0, f"out_stride={out_stride}: >= {W}, % 16"
+    pad = W - (K // 2 + K // 16 + 4)
+    _quant_rows_kernel[(max(1, max_rows),)](
+        as_device_ptr(src, "src", torch.bfloat16), num_rows, as_device_ptr(out, "out"), K,
+        out_stride,
+        float(alpha), float(limit), ACT=act, CLAMPED=clamped, CHUNK=_chunk(K), PAD=pad,
+        HW=_hw(num_rows), num_warps=4)
+
+
+def quantize_rows(x, num_rows: torch.Tensor, max_rows: int, K: int, *, out,
+                  out_stride: int | None = None) -> None:
+    """out [>= R, nvfp4_row_bytes(K)] uint8 = quant/nvfp4.quantize_row_bytes(x [R, K] bf16)
+    (tensors or device pointers; R = num_rows[0] on the device, max_rows its host bound);
+    out_stride: bytes between out's rows (default the row size; a source rank writes its rows
+    into the dispatch buffer's bf16 row slots, 2K bytes apart)."""
+    _launch(x, num_rows, max_rows, K, out, False, 1.702, 7.0, False, out_stride)
+
+
+def swiglu_quant(h1, num_rows: torch.Tensor, max_rows: int, F: int, *, out,
+                 activation: str = "swiglu", swiglu_alpha: float = 1.702,
+                 swiglu_limit: float = 7.0) -> None:
+    """out [>= R, nvfp4_row_bytes(F)] uint8: the byte rows of h2 = round(act(h1)) from bf16 h1
+    [R, 2F] = [g | u]."""
+    _launch(h1, num_rows, max_rows, F, out, True, swiglu_alpha, swiglu_limit,
+            activation == "swiglu_clamped")

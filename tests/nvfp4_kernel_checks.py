@@ -1,0 +1,117 @@
+"""Checks of the nvfp4 kernels (kernels/quant_nvfp4.py) against their torch twins
+(quant/nvfp4.py), on any device: byte rows bit-equal, on rows with 40 binades of spread, zero
+rows, E2M1 ties, NaN and inf. Shared by tests/cpu/test_kernels_nvfp4_interp.py (Triton's
+interpreter) and tests/gpu/test_nvfp4_kernels_gpu.py (sm_90). Each check_* takes (device, big).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_dist_moe.activation import Activation
+from megatron_dist_moe.layout import nvfp4_row_bytes
+from megatron_dist_moe.quant import nvfp4 as NV
+
+BF = torch.bfloat16
+
+
+def _bits_equal(name, got, want, K):
+    got, want = got.cpu(), want.cpu()
+    if not torch.equal(got, want):
+        bad = (got != want).nonzero()
+        r, c = (int(v) for v in bad[0])
+        part = "packed" if c < K // 2 else "scales" if c < K // 2 + K // 16 else "S_dec/pad"
+        raise AssertionError(f"{name}: {bad.shape[0]} bytes differ from the twin (first: row "
+                             f"{r}, byte {c}, {part}: {int(got[r, c])} vs {int(want[r, c])})")
+
+
+def rows_of(R, K, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(R, K, generator=g)
+    x = x * torch.exp2(torch.randint(-20, 21, (R, K), generator=g).float())
+    x[1] = 0                                               # a zero row
+    x[2, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0] * 2) * 100
+    x[3, 5] = float("nan")
+    x[4, 9] = float("inf")
+    x[5] *= 2.0 ** -40
+    return x.to(BF).to(device)
+
+
+def check_quantize_rows(device, big=False):
+    from megatron_dist_moe.kernels.quant_nvfp4 import quantize_rows
+    for K in ((7168, 3072) if big else (256, 96)):
+        R = 300 if big else 23
+        x = rows_of(R, K, seed=K, device=device)
+        out = torch.full((R + 2, nvfp4_row_bytes(K)), 0xAB, dtype=torch.uint8, device=device)
+        quantize_rows(x, torch.tensor([R], dtype=torch.int32, device=device), R + 2, K, out=out)
+        _bits_equal(f"rows K={K}", out[:R], NV.quantize_row_bytes(x.cpu()), K)
+        assert (out[R:] == 0xAB).all(), "rows past num_rows written"
+
+
+def check_swiglu_quant(device, big=False):
+    from megatron_dist_moe.kernels.quant_nvfp4 import swiglu_quant
+    R, F = (600, 3072) if big else (21, 128)
+    for act in ("swiglu", "swiglu_clamped"):
+        a = Activation(act, 1.702, 7.0 if act == "swiglu" else 1.5)
+        g = torch.Generator().manual_seed(len(act))
+        h1 = (torch.randn(R, 2 * F, generator=g) * 3).to(BF).to(device)
+        out = torch.zeros(R, nvfp4_row_bytes(F), dtype=torch.uint8, device=device)
+        swiglu_quant(h1, torch.tensor([R], dtype=torch.int32, device=device), R, F, out=out,
+                     activation=act, swiglu_alpha=a.alpha, swiglu_limit=a.limit)
+        want = NV.quantize_row_bytes(a.forward(h1.cpu().float()).to(BF))
+        # the kernel's exp may differ from torch's in the last fp32 bit, which can flip a bf16
+        # rounding of h2 and so one E2M1 code or a row's scale: the dequantized rows must agree
+        # within one E2M1 step of each block, and flips must be rare
+        got_v = NV.dequantize_row_bytes(out.cpu(), F)
+        want_v = NV.dequantize_row_bytes(want, F)
+        _, s, s_dec = NV.split_row_bytes(want, F)
+        step = (s.float() * s_dec[:, None]).repeat_interleave(16, 1) * 2   # the top E2M1 step
+        assert bool(((got_v - want_v).abs() <= step + 1e-30).all()), f"{act}: h2 rows off"
+        flips = (out.cpu() != want).float().mean().item()
+        assert flips < 2e-3, f"{act}: {flips:.2e} of the bytes differ from the twin"
+
+
+def _close(name, got, want, tol):
+    g, w = got.double().cpu(), want.double().cpu()
+    assert not torch.isnan(g).any(), f"{name}: NaN (unwritten?)"
+    err = ((g - w).abs().max() / w.abs().max().clamp(min=1e-30)).item()
+    assert err <= tol, f"{name}: max error {err:.3e} x max|ref| > {tol:.1e}"
+
+
+def check_nvfp4_mm(device, big=False):
+    """Both epilogues against the twin math (dequantized fp32 operands): one bf16 unit of the
+    stored output (2^-8 of max|ref|, the kernel applies the global scales after the sum)."""
+    import megatron_dist_moe as dm
+    from megatron_dist_moe.kernels.grouped_gemm.nvfp4 import nvfp4_grouped_mm
+    lens = [8, 0, 1, 13, 5, 7] if not big else [8, 0, 1, 13, 500, 2048]
+    E = len(lens)
+    N, K = (6144, 7168) if big else (96, 256)
+    offs = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
+                        device=device)
+    R = sum(lens)
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(R, K, generator=g) * torch.logspace(-2, 2, R)[:, None]).to(BF).to(device)
+    w = (torch.randn(E, N, K, generator=g) / K ** 0.5).to(BF).to(device)
+    prepared = dm.prepare_expert_weights(w, torch.zeros(E, K, N // 2, dtype=BF, device=device))
+    W = prepared.w13
+    a = NV.quantize_row_bytes(x)
+    xd, wd = NV.dequantize_row_bytes(a, K), W.dequantize()
+    o = offs.tolist()
+    ref = torch.cat([xd[o[e]:o[e + 1]] @ wd[e].T for e in range(E)])
+    out = torch.full((R, N), float("nan"), dtype=BF, device=device)
+    nvfp4_grouped_mm(a=a, weight=W, expert_offsets=offs, max_rows=R + 3, epilogue="store",
+                     out=out)
+    _close("nvfp4 store", out.float(), ref, 8e-3)
+    dst = torch.full((R + 2, N), float("nan"), dtype=BF, device=device)
+    perm = torch.randperm(R + 2, generator=torch.Generator().manual_seed(2))[:R].to(device)
+    ptrs = dst.data_ptr() + perm.long() * N * 2
+    ptrs[3] = 0
+    nvfp4_grouped_mm(a=a, weight=W, expert_offsets=offs, max_rows=R, epilogue="scatter",
+                     out_row_ptrs=ptrs)
+    keep = torch.arange(R, device=device) != 3
+    _close("nvfp4 scatter", dst[perm][keep].float(), ref[keep], 8e-3)
+    assert torch.isnan(dst[perm[3]].float()).all(), "row with address 0 was written"
+
+
+CHECKS = {f.__name__[len("check_"):]: f for f in (check_quantize_rows, check_swiglu_quant,
+                                                  check_nvfp4_mm)}
