@@ -244,6 +244,8 @@ def _demo_worker(rank: int, world_size: int, spec: dict) -> dict:
                               inactive_fraction=0.05, num_inactive_rows=1)
     say = (lambda msg: print(f"[demo rank {rank}] {msg}", flush=True)) if rank == 0 else (
         lambda msg: None)
+    if cfg.precision == "nvfp4":
+        return _demo_nvfp4(rank, cfg, problem, device, say)
     with create_context(config=cfg, device=device) as ctx:
         say(f"context ready: {ctx!r}")
         t0 = time.perf_counter()
@@ -265,6 +267,38 @@ def _demo_worker(rank: int, world_size: int, spec: dict) -> dict:
     E_local = cfg.num_experts // world_size
     rows = int(((problem.ids // E_local == rank) & (problem.ids >= 0)).sum())
     return dict(errors=errors, baseline=baseline, backend=backend, rows=rows, seconds=elapsed)
+
+
+def _demo_nvfp4(rank, cfg, problem, device, say) -> dict:
+    """nvfp4: inference on prepared weights; y against the fp64 oracle on the dequantized
+    weights, next to the same quantization emulated in plain torch."""
+    import torch
+
+    from . import testing as tt
+    from .context import create_context
+    from .ops import routed_experts
+    from .prepared import prepare_expert_weights
+
+    tok, exp = problem.tokens(rank), problem.experts(rank)
+    w13 = problem.w13[exp].reshape(-1, 2 * cfg.intermediate_dim, cfg.hidden_dim).contiguous()
+    prepared = prepare_expert_weights(w13.to(device), problem.w2[exp].contiguous().to(device),
+                                      precision="nvfp4")
+    with create_context(config=cfg, device=device) as ctx:
+        say(f"context ready: {ctx!r}")
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            y = routed_experts(problem.x[tok].to(device), problem.ids[tok].to(device),
+                               problem.scores[tok].to(device), prepared.w13, prepared.w2, ctx)
+        elapsed = time.perf_counter() - t0
+        backend = ctx.backend.name
+    say(f"forward (inference) done in {elapsed:.2f} s; computing the fp64 oracle")
+    oracle = tt.nvfp4_oracle_y(problem, cfg)[tok]
+    emul = tt.nvfp4_emulation(problem, cfg)[tok]
+    E_local = cfg.num_experts // problem.ep_size
+    rows = int(((problem.ids // E_local == rank) & (problem.ids >= 0)).sum())
+    return dict(errors=dict(y=tt.relative_error(y.cpu(), oracle)),
+                baseline=dict(y=tt.relative_error(emul, oracle)), backend=backend, rows=rows,
+                seconds=elapsed)
 
 
 def cmd_demo(args) -> int:
@@ -296,6 +330,13 @@ def cmd_demo(args) -> int:
             base[key] = val
     if args.experts is None and base["num_experts"] % ranks:
         base["num_experts"] = 4 * ranks
+    if base.get("precision") == "nvfp4":    # inference only, on prepared weights
+        base.update(inference=True, num_activation_slots=0)
+        base.pop("activation_slot_capacity_factor", None)
+        from .execution import runs
+        if backend == "auto" and not runs("cuda", "nvfp4", base.get("pipeline", "standard")):
+            backend = "reference"
+            where += "; nvfp4 on the reference backend (the CUDA backend does not run it yet)"
     base["backend"] = backend
     cfg = Config(**base)
     E_local = cfg.num_local_experts(ranks)
@@ -316,7 +357,8 @@ def cmd_demo(args) -> int:
     plan = plan_memory(cfg, ep_size=ranks)
     print(f"[demo] {where}")
     print(plan.explain(), flush=True)
-    print(f"[demo] spawning {ranks} rank(s): forward + backward of one routed-experts layer "
+    passes = "forward (inference)" if cfg.inference else "forward + backward"
+    print(f"[demo] spawning {ranks} rank(s): {passes} of one routed-experts layer "
           f"({args.routing} routing, seed {args.seed})", flush=True)
     t0 = time.perf_counter()
     spec = dict(config=cfg.to_dict(), gpu=bool(gpus), seed=args.seed, routing=args.routing)
@@ -399,9 +441,10 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--experts", type=_positive_int, help="E (global)")
     pd.add_argument("--topk", type=_positive_int, help="K")
     pd.add_argument("--activation", choices=("swiglu", "swiglu_clamped"))
-    pd.add_argument("--precision", choices=("bf16", "fp8_block", "mxfp8"),
+    pd.add_argument("--precision", choices=("bf16", "fp8_block", "mxfp8", "nvfp4"),
                     help="fp8_block: E4M3 with 1x128 / 128x128 scales; mxfp8: E4M3 with E8M0 "
-                    "scales per 32 (both: D, F multiples of 128)")
+                    "scales per 32; nvfp4: inference on prepared E2M1 weights (D, F multiples "
+                    "of 128 for all three)")
     pd.add_argument("--routing", default="random",
                     choices=("random", "hot_expert", "zipf", "one_rank"))
     pd.add_argument("--seed", type=int, default=0)

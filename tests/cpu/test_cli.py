@@ -101,7 +101,7 @@ def test_demo_end_to_end():
     assert 1e-4 < worst < 2e-2
 
 
-@pytest.mark.parametrize("precision", ["fp8_block", "mxfp8"])
+@pytest.mark.parametrize("precision", ["fp8_block", "mxfp8", "nvfp4"])
 def test_demo_block_scaled(precision):
     """--precision: judged entry by entry against the emulated quantization's error."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
@@ -111,7 +111,7 @@ def test_demo_block_scaled(precision):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"{precision} quantization emulated" in proc.stdout and "PASS" in proc.stdout
     worst = float(proc.stdout.split("max relative error")[1].split()[0])
-    assert 2e-2 < worst < 0.2     # E4M3's error, far above bf16's
+    assert 2e-2 < worst < 0.25    # E4M3 (E2M1 for nvfp4) errors, far above bf16's
 
 
 BAD_ARGS = [
