@@ -98,7 +98,7 @@ class Execution:
 
     backend: str                 # "reference" | "cuda"
     precision: str
-    pipeline: str                # "standard" | "staged"
+    pipeline: str                # "standard" | "staged" | "mega"
     inference: bool
     save_route_outputs: bool
     wait_timeout_s: float
@@ -172,6 +172,10 @@ class Execution:
                 gemms = ("Triton persistent bf16 grouped GEMMs on the MXFP8 operands' bf16 "
                          "copies (exact: Hopper has no MXFP8 instruction); scatter to the "
                          "owners in the W2 epilogue")
+            elif self.gemm_engine == "triton" and self.pipeline == "mega":
+                gemms = ("one persistent Triton launch for the forward: programs claim W13 "
+                         "tiles (+ SwiGLU), then W2 tiles (+ scatter to the owners) from one "
+                         "device work list; an m-tile's W2 tiles start once its h2 is stored")
             elif self.gemm_engine == "triton":
                 gemms = ("Triton persistent grouped GEMMs (SwiGLU in the W13 epilogue, scatter "
                          "to the owners in the W2 epilogue)")

@@ -16,6 +16,8 @@ Two layers:
                           mode: the programs that reach an m-tile copy it once, in slices)
         TorchPipeline     torch._grouped_mm with separate gather / SwiGLU / scatter kernels:
                           the GEMM oracle and a baseline
+        MegaPipeline      the forward's W13 + SwiGLU and W2 + scatter in one persistent launch
+                          after the gather (kernels/grouped_gemm/mega.py); backward as standard
         Fp8BlockPipeline  fp8_block: quantization kernels and the FP8 block-scaled GEMMs
         Mxfp8Pipeline     mxfp8: quantization kernels around StandardPipeline's bf16 GEMMs,
                           which read bf16 copies of the MXFP8 operands (exact)
@@ -35,7 +37,8 @@ from ...kernels import rows as K_rows
 from .routing import RoutingTables
 
 __all__ = ["Bf16Kernels", "Fp8BlockKernels", "Mxfp8Kernels", "StandardPipeline",
-           "StagedPipeline", "TorchPipeline", "Fp8BlockPipeline", "Mxfp8Pipeline", "Nvfp4Pipeline",
+           "StagedPipeline", "MegaPipeline", "TorchPipeline", "Fp8BlockPipeline", "Mxfp8Pipeline",
+           "Nvfp4Pipeline",
            "make_expert_pipeline", "wgrad_store_dtype"]
 
 
@@ -220,6 +223,33 @@ class StagedPipeline(StandardPipeline):
     def _w2_dgrad(self, tabs, w2, offs, nrows, gather_ptrs, g3, h1, h2, score):
         self.k.w2_dgrad_swiglu_bwd(w2, offs, g3, h1, h2, score, claim=self.claim,
                                    row_ptrs=gather_ptrs)
+
+
+class MegaPipeline(StandardPipeline):
+    """The Mega forward (bf16): the gather kernel, then one persistent launch whose programs
+    claim W13 tiles (+ SwiGLU) and then W2 tiles (+ scatter to the owners) from one device work
+    list, an m-tile's W2 tiles starting as soon as its h2 is stored. A replay that stops after
+    W13 (no route outputs kept) runs the standard W13 launch. The backward is the standard
+    pipeline's."""
+
+    name = "mega"
+
+    def __init__(self, cfg, execution, num_local_experts, max_rows, device, rank):
+        super().__init__(cfg, execution, num_local_experts, max_rows, device, rank)
+        from ...kernels.grouped_gemm.mega import MegaFlags
+        self.flags = MegaFlags(max_rows, num_local_experts, device)
+        self.timeout = dict(timeout_s=execution.wait_timeout_s, rank=rank)
+
+    def forward(self, tabs: RoutingTables, w13_E2FD, w2_EDF, scatter_ptrs, at: dict,
+                rows=None, prepared=None, training: bool = True) -> None:
+        from ...kernels.grouped_gemm.mega import mega_fwd
+        if scatter_ptrs is None:
+            return super().forward(tabs, w13_E2FD, w2_EDF, None, at, rows, prepared, training)
+        offs, nrows = rows if rows is not None else (tabs.expert_offsets, tabs.num_rows)
+        self.k.gather(tabs, tabs.fwd_gather_ptrs, at["x_g"], nrows, "dispatch")
+        mega_fwd(xg=at["x_g"], w13=w13_E2FD, w2=w2_EDF, expert_offsets=offs,
+                 max_rows=self.max_rows, h2=at["h2"], h1=at["h1"], out_row_ptrs=scatter_ptrs,
+                 flags=self.flags, **self.k.act, **self.timeout)
 
 
 class TorchPipeline:
@@ -581,6 +611,8 @@ def make_expert_pipeline(cfg: Config, execution: Execution, num_local_experts: i
         cls = Nvfp4Pipeline
     elif execution.gemm_engine == "torch":
         cls = TorchPipeline
+    elif execution.pipeline == "mega":
+        cls = MegaPipeline
     else:
         cls = StagedPipeline if execution.pipeline == "staged" else StandardPipeline
     return cls(cfg, execution, num_local_experts, max_rows, device, rank)

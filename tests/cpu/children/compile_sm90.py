@@ -242,7 +242,14 @@ VARIANTS["nvfp4_mm_store"] = lambda: GN.nvfp4_grouped_mm(a=p, weight=_W4, expert
                                                          max_rows=R, epilogue="store", out=p)
 VARIANTS["nvfp4_mm_scatter_decode"] = lambda: GN.nvfp4_grouped_mm(
     a=p, weight=_W4, expert_offsets=offs, max_rows=48, epilogue="scatter", out_row_ptrs=rows_tab)
+# the Mega forward, with the GPU's tile config
+from megatron_dist_moe.kernels.grouped_gemm import mega as GM  # noqa: E402
+_MEGA_CFG = G.CONFIG_TABLE[("fwd", "large")]
+VARIANTS["mega_fwd"] = lambda: GM.mega_fwd(xg=p, w13=w13, w2=w2, expert_offsets=offs,
+    max_rows=R, h2=p, h1=p, out_row_ptrs=rows_tab, flags=GM.MegaFlags(R, E, "cpu"),
+    activation="swiglu_clamped", config=_MEGA_CFG, num_programs=132)
 JIT = {"rows_device_check": (K_checks, "_device_check_kernel"),
+       "mega_fwd": (GM, "_mega_fwd_kernel"),
        "nvfp4_mm_store": (GN, "_nvfp4_mm_kernel"),
        "nvfp4_mm_scatter_decode": (GN, "_nvfp4_mm_kernel"),
        "nvfp4_quantize_rows": (KN, "_quant_rows_kernel"),
@@ -286,6 +293,8 @@ for name in names:
         if jit_name == "_grouped_mm_kernel":   # as on the GPU: sleeping, trapping waits, fences
             kw = dict(kw, ON_GPU=True,
                       PROXY_FENCE=bool(kw.get("A_CLAIM")) and bool(kw.get("USE_TMA")))
+        if module is GM:   # as on the GPU: tensor cores, sleeping bounded waits
+            kw = dict(kw, IEEE=False, SLEEP=True)
         if module in (G8, KQ, KM, KN, GN):   # as on the GPU: TMA, fp8 tensor cores, hardware conversions
             kw = dict(kw, HW=True)
             if "IEEE" in kw:
