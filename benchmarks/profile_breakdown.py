@@ -30,11 +30,12 @@ from plotting import pyplot
 # (part, pattern on the kernel name), first match wins
 PARTS = [
     ("grouped GEMMs (FPROP, DGRAD)",
-     r"^_grouped_mm_kernel|^_fp8_mm_kernel|^(void\s+)?cutlass::device_kernel|fill_group_args"),
+     r"^_grouped_mm_kernel|^_fp8_mm_kernel|^_nvfp4_mm_kernel|^_mega_fwd_kernel"
+     r"|^(void\s+)?cutlass::device_kernel|fill_group_args"),
     ("grouped WGRAD", r"^_grouped_mm_wgrad_(persistent_)?kernel|^_fp8_wgrad_kernel"),
     ("weight quantization (every forward)", r"^_(quant_weight|fake_weight)_kernel"),
-    ("activation quantization (fp8_block, mxfp8)",
-     r"^_(quant_rows_cols|swiglu_quant|quant|deq_rows|deq_cols)_kernel"),
+    ("activation quantization (fp8_block, mxfp8, nvfp4)",
+     r"^_(quant_rows_cols|quant_rows|swiglu_quant|quant|deq_rows|deq_cols)_kernel"),
     ("row gathers and scatters", r"^_(gather|scatter|fanout)_rows_kernel"),
     ("owner kernels (combine, grad routes, route reduction)",
      r"^_(combine_routes|publish_grad_routes|publish_grad_y|reduce_routes|sum_score_parts)_kernel"),
