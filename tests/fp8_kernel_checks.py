@@ -1,10 +1,11 @@
 """Checks of the fp8_block kernels against their torch twins, on any device.
 
-Shared by tests/cpu/test_kernels_fp8_interp.py (Triton's interpreter, small shapes) and
-tests/gpu/test_fp8_kernels_gpu.py (sm_90, real shapes). Quantizers must match quant/fp8_block.py
-bit for bit; the GEMMs must match the same math on the dequantized operands in fp32 up to the
-summation order (|err| <= 1e-5 x max|ref| before the bf16 rounding of a stored output, one bf16
-unit, 2^-7, after it: the interpreter's bf16 stores truncate).
+Run by tests/cpu/test_kernel_checks_interp.py (Triton's interpreter, small shapes) and
+tests/gpu/test_kernel_checks_gpu.py (sm_90, real shapes; tests/kernel_checks.py). Quantizers
+must match quant/fp8_block.py bit for bit; the GEMMs must match the same math on the
+dequantized operands in fp32 up to the summation order (|err| <= 1e-5 x max|ref| before the
+bf16 rounding of a stored output, one bf16 unit, 2^-7, after it: the interpreter's bf16 stores
+truncate).
 
 Each check_* takes (device, big): big selects the GPU's real shapes. On the GPU, fp32 outputs
 get ACC_TOL: Hopper's FP8 tensor cores add the products of one 128-wide K block with about 14
@@ -15,6 +16,7 @@ differs from an fp32 sum by ~1e-4 of the largest values.
 from __future__ import annotations
 
 import torch
+
 import triton
 import triton.language as tl
 
@@ -22,6 +24,7 @@ from megatron_dist_moe.activation import Activation
 from megatron_dist_moe.kernels.quant_fp8 import _hw, round_bf16, to_e4m3
 from megatron_dist_moe.layout import padded_rows
 from megatron_dist_moe.quant import fp8_block as Q
+from kernel_checks import close as _close  # noqa: E402  (tests/ on sys.path)
 
 U8 = torch.uint8
 F8 = torch.float8_e4m3fn
@@ -39,11 +42,6 @@ def _bits_equal(name, got, want):
         raise AssertionError(f"{name}: {bad} of {got.numel()} values differ from the twin")
 
 
-def _close(name, got, want, tol):
-    g, w = got.double().cpu(), want.double().cpu()
-    assert not torch.isnan(g).any(), f"{name}: NaN (unwritten?)"
-    err = ((g - w).abs().max() / w.abs().max().clamp(min=1e-30)).item()
-    assert err <= tol, f"{name}: max error {err:.3e} x max|ref| > {tol:.1e}"
 
 
 def _segments(big, device):

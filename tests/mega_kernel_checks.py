@@ -1,12 +1,14 @@
 """Checks of the Mega forward kernel (kernels/grouped_gemm/mega.py) against the standard
 pipeline's two launches (grouped_mm_fwd with the SwiGLU epilogue, then with the scatter), on any
 device: h2, h1 and the scattered rows agree to the summation order (the same tiles, one bf16
-rounding each). Shared by tests/cpu/test_kernels_mega_interp.py and tests/gpu/test_mega_gpu.py.
+rounding each). Run by tests/cpu/test_kernel_checks_interp.py and tests/gpu/test_kernel_checks_gpu.py.
 """
 
 from __future__ import annotations
 
 import torch
+from kernel_checks import close as _close  # noqa: E402  (tests/ on sys.path)
+
 
 BF = torch.bfloat16
 
@@ -25,11 +27,6 @@ def _problem(device, big, lens):
     return E, D, F, R, x, w13, w2, offs
 
 
-def _close(name, got, want, tol):
-    g, w = got.double().cpu(), want.double().cpu()
-    assert not torch.isnan(g).any(), f"{name}: NaN (unwritten?)"
-    err = ((g - w).abs().max() / w.abs().max().clamp(min=1e-30)).item()
-    assert err <= tol, f"{name}: max error {err:.3e} x max|ref| > {tol:.1e}"
 
 
 def check_mega_matches_two_launches(device, big=False):

@@ -3,8 +3,8 @@
 spread over 40 binades inside one block, E4M3 subnormals, zero blocks, amaxes that are exact
 powers of two and the saturation bound, NaN).
 
-Shared by tests/cpu/test_kernels_mxfp8_interp.py (Triton's interpreter, small shapes) and
-tests/gpu/test_mxfp8_kernels_gpu.py (sm_90, the guide's shapes). Each check_* takes
+Run by tests/cpu/test_kernel_checks_interp.py (Triton's interpreter, small shapes) and
+tests/gpu/test_kernel_checks_gpu.py (sm_90, the guide's shapes; tests/kernel_checks.py). Each check_* takes
 (device, big).
 """
 

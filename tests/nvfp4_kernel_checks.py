@@ -1,16 +1,18 @@
 """Checks of the nvfp4 kernels (kernels/quant_nvfp4.py) against their torch twins
 (quant/nvfp4.py), on any device: byte rows bit-equal, on rows with 40 binades of spread, zero
-rows, E2M1 ties, NaN and inf. Shared by tests/cpu/test_kernels_nvfp4_interp.py (Triton's
-interpreter) and tests/gpu/test_nvfp4_kernels_gpu.py (sm_90). Each check_* takes (device, big).
+rows, E2M1 ties, NaN and inf. Run by tests/cpu/test_kernel_checks_interp.py (Triton's
+interpreter) and tests/gpu/test_kernel_checks_gpu.py (sm_90; tests/kernel_checks.py). Each check_* takes (device, big).
 """
 
 from __future__ import annotations
 
 import torch
 
+
 from megatron_dist_moe.activation import Activation
 from megatron_dist_moe.layout import nvfp4_row_bytes
 from megatron_dist_moe.quant import nvfp4 as NV
+from kernel_checks import close as _close  # noqa: E402  (tests/ on sys.path)
 
 BF = torch.bfloat16
 
@@ -71,11 +73,6 @@ def check_swiglu_quant(device, big=False):
         assert flips < 2e-3, f"{act}: {flips:.2e} of the bytes differ from the twin"
 
 
-def _close(name, got, want, tol):
-    g, w = got.double().cpu(), want.double().cpu()
-    assert not torch.isnan(g).any(), f"{name}: NaN (unwritten?)"
-    err = ((g - w).abs().max() / w.abs().max().clamp(min=1e-30)).item()
-    assert err <= tol, f"{name}: max error {err:.3e} x max|ref| > {tol:.1e}"
 
 
 def check_nvfp4_mm(device, big=False):

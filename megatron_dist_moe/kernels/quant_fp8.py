@@ -23,7 +23,7 @@ from .common import as_device_ptr, interpreting, load_ptr
 from .rows import _act_fwd
 
 __all__ = ["quantize_rows_cols", "swiglu_quant", "quantize_weight", "block_scales", "to_e4m3",
-           "abs_nan0", "round_bf16"]
+           "padded_block", "abs_nan0", "round_bf16"]
 
 _BF16_MAX = tl.constexpr(BF16_MAX)
 
@@ -98,22 +98,32 @@ def _padded_segments(offsets_ptr, E, E_PAD: tl.constexpr):
 
 
 @triton.jit
+def padded_block(offsets_ptr, E, E_PAD: tl.constexpr, pb):
+    """Block pb of 128 rows of the padded row space (each expert's rows padded to 128):
+    (found: inside some expert's padded segment, p0 its first padded row, that expert's first
+    compact row, row count and padded start, Rp = layout.padded_rows(R, E), the column
+    bundle's row stride for this call's R)."""
+    starts, lens, pstarts, plen = _padded_segments(offsets_ptr, E, E_PAD)
+    Rp = (tl.load(offsets_ptr + E).to(tl.int64) + 127 * E + 127) // 128 * 128
+    p0 = pb.to(tl.int64) * 128
+    in_e = (pstarts <= p0) & (p0 < pstarts + plen)
+    found = tl.sum(in_e.to(tl.int32), 0) > 0
+    start = tl.sum(tl.where(in_e, starts, 0), 0)
+    n = tl.sum(tl.where(in_e, lens, 0), 0)
+    pstart = tl.sum(tl.where(in_e, pstarts, 0), 0)
+    return found, p0, start, n, pstart, Rp
+
+
+@triton.jit
 def _quant_rows_cols_kernel(x_addr, offsets_ptr, q_addr, s_addr, qc_addr, sc_addr, K, E,
                             E_PAD: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
                             POW2: tl.constexpr, EPS: tl.constexpr, HW: tl.constexpr):
     # one program per 128-row block of the padded row space x 128 columns
     pb = tl.program_id(0)
     cb = tl.program_id(1)
-    starts, lens, pstarts, plen = _padded_segments(offsets_ptr, E, E_PAD)
-    # the column bundle's row stride: layout.padded_rows(R, E) of this call's R
-    Rp = (tl.load(offsets_ptr + E).to(tl.int64) + 127 * E + 127) // 128 * 128
-    p0 = pb.to(tl.int64) * 128
-    in_e = (pstarts <= p0) & (p0 < pstarts + plen)
-    if tl.sum(in_e.to(tl.int32), 0) == 0:
+    found, p0, start, n, pstart, Rp = padded_block(offsets_ptr, E, E_PAD, pb)
+    if not found:
         return          # past the last padded segment
-    start = tl.sum(tl.where(in_e, starts, 0), 0)
-    n = tl.sum(tl.where(in_e, lens, 0), 0)
-    pstart = tl.sum(tl.where(in_e, pstarts, 0), 0)
     i = tl.arange(0, 128)
     local = p0 - pstart + i                     # row within the expert's segment
     ok = local < n

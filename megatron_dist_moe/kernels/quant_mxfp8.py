@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ..quant.mxfp8 import BLOCK
 from .common import as_device_ptr, load_ptr
-from .quant_fp8 import _hw, _padded_segments, abs_nan0, round_bf16, to_e4m3
+from .quant_fp8 import _hw, abs_nan0, padded_block, round_bf16, to_e4m3
 from .rows import _act_fwd
 
 __all__ = ["quantize", "swiglu_quant", "dequantize_rows", "dequantize_cols", "fake_weight",
@@ -89,15 +89,9 @@ def _quant_kernel(x_addr, offsets_ptr, rf_addr, cq_addr, ce_addr, cf_addr, K, E,
     # column blocks of every expert start at a multiple of 32 from its first row
     pb = tl.program_id(0)
     cb = tl.program_id(1)
-    starts, lens, pstarts, plen = _padded_segments(offsets_ptr, E, E_PAD)
-    Rp = (tl.load(offsets_ptr + E).to(tl.int64) + 127 * E + 127) // 128 * 128
-    p0 = pb.to(tl.int64) * 128
-    in_e = (pstarts <= p0) & (p0 < pstarts + plen)
-    if tl.sum(in_e.to(tl.int32), 0) == 0:
+    found, p0, start, n, pstart, Rp = padded_block(offsets_ptr, E, E_PAD, pb)
+    if not found:
         return          # past the last padded segment
-    start = tl.sum(tl.where(in_e, starts, 0), 0)
-    n = tl.sum(tl.where(in_e, lens, 0), 0)
-    pstart = tl.sum(tl.where(in_e, pstarts, 0), 0)
     # Each direction loads its own 3-d view of the tile (the second load mostly hits L2), so
     # the 32-value blocks are an axis of the loaded tensor: reshaping one 2-d tile into both
     # views made the kernel run at ~0.3 TB/s.
@@ -269,15 +263,9 @@ def _deq_cols_kernel(q_addr, e_addr, offsets_ptr, out_addr, K, E, E_PAD: tl.cons
                      HW: tl.constexpr):
     pb = tl.program_id(0)
     cb = tl.program_id(1)
-    starts, lens, pstarts, plen = _padded_segments(offsets_ptr, E, E_PAD)
-    Rp = (tl.load(offsets_ptr + E).to(tl.int64) + 127 * E + 127) // 128 * 128
-    p0 = pb.to(tl.int64) * 128
-    in_e = (pstarts <= p0) & (p0 < pstarts + plen)
-    if tl.sum(in_e.to(tl.int32), 0) == 0:
+    found, p0, start, n, pstart, Rp = padded_block(offsets_ptr, E, E_PAD, pb)
+    if not found:
         return
-    start = tl.sum(tl.where(in_e, starts, 0), 0)
-    n = tl.sum(tl.where(in_e, lens, 0), 0)
-    pstart = tl.sum(tl.where(in_e, pstarts, 0), 0)
     i = tl.arange(0, 128)
     local = p0 - pstart + i
     ok = local < n

@@ -8,6 +8,7 @@
 #   fp8kernels the fp8_block kernel tests alone (quantizers bit-exact, GEMMs vs their twins)
 #   mxkernels  the mxfp8 kernel tests alone (every output bit-exact vs quant/mxfp8.py)
 #   nvkernels  the nvfp4 kernel tests alone (byte rows bit-exact, the NVFP4 GEMM vs its twin)
+#   megakernel the Mega forward kernel against the standard two launches
 #   check      dist_check on 1 GPU (and 2 when present): every gradient vs the fp64 oracle,
 #              graph replay, no host sync, bitwise repeats, inference
 #   packing    ten layers in one slot inside one CUDA graph
@@ -62,9 +63,11 @@ for s in $sections; do case $s in
                -k "not cuda_backend and not sm90" ;;
   check) LIMIT=300 run check1 torchrun --nproc-per-node=1 tests/gpu/dist_check.py ${CHECK_ARGS:-}
          [ "$NGPU" -ge 2 ] && LIMIT=300 run check2 torchrun --nproc-per-node=2 tests/gpu/dist_check.py ${CHECK_ARGS:-} ;;
-  fp8kernels) LIMIT=300 run fp8kernels python3 -m pytest -q tests/gpu/test_fp8_kernels_gpu.py -m gpu ;;
-  mxkernels) LIMIT=240 run mxkernels python3 -m pytest -q tests/gpu/test_mxfp8_kernels_gpu.py -m gpu ;;
-  nvkernels) LIMIT=240 run nvkernels python3 -m pytest -q tests/gpu/test_nvfp4_kernels_gpu.py -m gpu ;;
+  fp8kernels) LIMIT=300 run fp8kernels python3 -m pytest -q tests/gpu/test_kernel_checks_gpu.py -m gpu \
+                  -k "fp8_kernel_checks and not mxfp8" ;;
+  mxkernels) LIMIT=240 run mxkernels python3 -m pytest -q tests/gpu/test_kernel_checks_gpu.py -m gpu -k mxfp8 ;;
+  nvkernels) LIMIT=240 run nvkernels python3 -m pytest -q tests/gpu/test_kernel_checks_gpu.py -m gpu -k nvfp4 ;;
+  megakernel) LIMIT=240 run megakernel python3 -m pytest -q tests/gpu/test_kernel_checks_gpu.py -m gpu -k mega ;;
   packing) LIMIT=240 run packing torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py ${PACKING_ARGS:-} ;;
   inference) LIMIT=480 run inference torchrun --nproc-per-node="$NGPU" tests/gpu/inference_check.py \
                  --json "$OUT/inference.json" ${INFERENCE_ARGS:-} ;;

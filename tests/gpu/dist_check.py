@@ -344,7 +344,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--engines", default="triton,torch")
-    ap.add_argument("--pipelines", default="standard,staged")
+    ap.add_argument("--pipelines", default="standard,staged,mega",
+                    help="each one the CUDA backend runs (execution.RUNS); the others are skipped")
     ap.add_argument("--precisions", default="bf16,fp8_block,mxfp8")
     ap.add_argument("--save-route-outputs", default="0", choices=["0", "1"],
                     help="Config.save_route_outputs (0: score gradients on the expert side)")

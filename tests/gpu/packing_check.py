@@ -54,6 +54,8 @@ def main():
     ap.add_argument("--save-route-outputs", default="0", choices=["0", "1"],
                     help="Config.save_route_outputs (0: score gradients on the expert side)")
     ap.add_argument("--precisions", default="bf16,fp8_block,mxfp8")
+    ap.add_argument("--pipelines", default="standard,mega",
+                    help="each (precision, pipeline) the CUDA backend runs (execution.RUNS)")
     args = ap.parse_args()
     rank, EP = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -61,8 +63,14 @@ def main():
     dist.init_process_group("nccl", device_id=dev)
     T, D, F, K, E_loc = 128, 256, 256, 4, 4
     results = []
+    from megatron_dist_moe.execution import runs
     for precision in args.precisions.split(","):
-        run_precision(precision, args, rank, EP, dev, T, D, F, K, E_loc, results)
+        for pipeline in args.pipelines.split(","):
+            if runs("cuda", precision, pipeline):
+                run_precision(precision, args, rank, EP, dev, T, D, F, K, E_loc, results,
+                              pipeline)
+            elif rank == 0:
+                print(f"SKIP {precision} {pipeline}: the CUDA backend does not run it")
     gathered = [None] * EP
     dist.all_gather_object(gathered, results)
     flat = [r for rs in gathered for r in rs]
@@ -79,8 +87,10 @@ def main():
     sys.exit(0 if ok else 1)
 
 
-def run_precision(precision, args, rank, EP, dev, T, D, F, K, E_loc, results):
-    base = dm.Config(precision=precision, num_local_input_tokens=T, hidden_dim=D, intermediate_dim=F, top_k=K,
+def run_precision(precision, args, rank, EP, dev, T, D, F, K, E_loc, results,
+                  pipeline="standard"):
+    base = dm.Config(precision=precision, pipeline=pipeline, num_local_input_tokens=T,
+                     hidden_dim=D, intermediate_dim=F, top_k=K,
                      num_experts=E_loc * EP, backend="cuda", max_moe_layers_per_activation_slot=L,
                      device_scratch_capacity_factor=float(EP), wgrad_dtype="fp32",
                      save_route_outputs=args.save_route_outputs == "1")
@@ -151,7 +161,8 @@ def run_precision(precision, args, rank, EP, dev, T, D, F, K, E_loc, results):
                               and int(st.saved_bytes.abs().sum()) == 0
                               and int(st.layer_position.abs().sum()) == 0)
                 ok &= cursors_ok
-                results.append(dict(case=f"{precision}_{name}_replay{rnd}", rank=rank, ok=bool(ok),
+                tag = precision if pipeline == "standard" else f"{precision}_{pipeline}"
+                results.append(dict(case=f"{tag}_{name}_replay{rnd}", rank=rank, ok=bool(ok),
                                     flags="".join("R" if f else "S" for f in flags),
                                     expected="".join("R" if f else "S" for f in want),
                                     worst_rel_err=worst_err, cursors_ok=cursors_ok))

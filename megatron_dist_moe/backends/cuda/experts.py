@@ -56,6 +56,14 @@ def wgrad_store_dtype(wgrad_dtype: str, weight_dtype: torch.dtype) -> torch.dtyp
     return torch.bfloat16
 
 
+def wgrad_output(wgrad_into, which: int, shape: tuple, dtype: torch.dtype, device):
+    """Where a WGRAD goes: wgrad_into[which] (an ExpertOutTable the kernel adds into) or a new
+    stacked [E, M, N] tensor."""
+    if wgrad_into is not None:
+        return wgrad_into[which]
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 class Bf16Kernels:
     """The bf16 steps of the expert path (Triton): row gathers, the four grouped GEMMs with
     their epilogues, the two WGRADs and the score-gradient reduction."""
@@ -189,12 +197,10 @@ class StandardPipeline:
         at = ba.at
         self._w2_dgrad(tabs, w2_EDF, offs, nrows, gather_ptrs, at["g3"], at["h1"], at["h2"],
                        score)
-        grad_w2 = (wgrad_into[1] if wgrad_into is not None
-                   else torch.empty(self.E, D, F, dtype=out_dtype, device=self.device))
+        grad_w2 = wgrad_output(wgrad_into, 1, (self.E, D, F), out_dtype, self.device)
         self.k.wgrad(at["g3"], at["h2"], offs, grad_w2)
         self.k.w13_dgrad_scatter(w13_E2FD, offs, at["h1"], scatter_ptrs)  # grad_h1 is over h1
-        grad_w13 = (wgrad_into[0] if wgrad_into is not None
-                    else torch.empty(self.E, 2 * F, D, dtype=out_dtype, device=self.device))
+        grad_w13 = wgrad_output(wgrad_into, 0, (self.E, 2 * F, D), out_dtype, self.device)
         self.k.wgrad(at["h1"], at["x_g"], offs, grad_w13)
         if wgrad_into is not None:
             return None, None
@@ -437,13 +443,11 @@ class Fp8BlockPipeline:
         self.k.quantize(at["gh1"], offs, 2 * F, rows=(at["gh1q"], at["gh1q_s"]),
                         cols=(at["gh1c"], at["gh1c_s"]))
         self.k.quantize(at["h2"], offs, F, cols=(at["h2c"], at["h2c_s"]))
-        grad_w2 = (wgrad_into[1] if wgrad_into is not None
-                   else torch.empty(self.E, D, F, dtype=out_dtype, device=self.device))
+        grad_w2 = wgrad_output(wgrad_into, 1, (self.E, D, F), out_dtype, self.device)
         self.k.wgrad((at["g3c"], at["g3c_s"]), (at["h2c"], at["h2c_s"]), offs, grad_w2)
         self.k.mm((at["gh1q"], at["gh1q_s"]), W.w13_t, W.w13_t_s, offs, "scatter",
                   out_row_ptrs=scatter_ptrs)
-        grad_w13 = (wgrad_into[0] if wgrad_into is not None
-                    else torch.empty(self.E, 2 * F, D, dtype=out_dtype, device=self.device))
+        grad_w13 = wgrad_output(wgrad_into, 0, (self.E, 2 * F, D), out_dtype, self.device)
         self.k.wgrad((at["gh1c"], at["gh1c_s"]), (at["x_c"], at["x_c_s"]), offs, grad_w13)
         if wgrad_into is not None:
             return None, None
@@ -536,13 +540,11 @@ class Mxfp8Pipeline(StandardPipeline):
         self.k.w2_dgrad_swiglu_bwd(w2, offs, at["g3"], at["gh1"], at["h2"], score)
         self.mx.quantize(at["gh1"], offs, 2 * F, rows_fake=at["gh1"], cols_fake=at["gh1_wg"])
         self.mx.quantize(at["h2"], offs, F, cols_fake=at["h2_wg"])
-        grad_w2 = (wgrad_into[1] if wgrad_into is not None
-                   else torch.empty(self.E, D, F, dtype=out_dtype, device=self.device))
+        grad_w2 = wgrad_output(wgrad_into, 1, (self.E, D, F), out_dtype, self.device)
         self.k.wgrad(at["g3_wg"], at["h2_wg"], offs, grad_w2)
         self.k.w13_dgrad_scatter(w13, offs, at["gh1"], scatter_ptrs)
         self.mx.dequantize_cols(at["x_c"], at["x_c_s"], offs, D, out=at["x_wg"])
-        grad_w13 = (wgrad_into[0] if wgrad_into is not None
-                    else torch.empty(self.E, 2 * F, D, dtype=out_dtype, device=self.device))
+        grad_w13 = wgrad_output(wgrad_into, 0, (self.E, 2 * F, D), out_dtype, self.device)
         self.k.wgrad(at["gh1_wg"], at["x_wg"], offs, grad_w13)
         if wgrad_into is not None:
             return None, None

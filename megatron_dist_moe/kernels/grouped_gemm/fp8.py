@@ -40,7 +40,7 @@ from ..common import (as_device_ptr, check_offsets, check_rows, default_num_prog
                       ensure_tma_allocator, interpreting, load_ptr, HAS_TMA)
 from ..quant_fp8 import round_bf16
 from ..rows import swiglu_grad
-from .tiles import swizzle, tile_bound, tile_coords
+from .tiles import expert_segments, swizzle, tile_bound, tile_coords, tile_list
 from .wgrad import ExpertOutTable, _store_wgrad_tile
 
 __all__ = ["fp8_grouped_mm", "fp8_grouped_wgrad", "FP8_EPILOGUES", "Fp8GemmConfig",
@@ -148,14 +148,9 @@ def _fp8_mm_kernel(a_addr, sa_addr, w_ptr, sw_ptr, offsets_ptr, out_addr, out_ro
     BK: tl.constexpr = 128
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    e_idx = tl.arange(0, E_PAD)
-    starts = tl.load(offsets_ptr + e_idx, mask=e_idx < E, other=0)
-    ends = tl.load(offsets_ptr + e_idx + 1, mask=e_idx < E, other=0)
+    e_idx, starts, ends, m_tiles = expert_segments(offsets_ptr, E, E_PAD, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
-    m_tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
-    tiles = m_tiles * num_n
-    cum = tl.cumsum(tiles, 0)
-    total = tl.sum(tiles, 0)
+    tiles, cum, total = tile_list(m_tiles, num_n)
     nkb = Kd // BK
     a_base = load_ptr(a_addr, tl.float8e4nv)
     sa_base = load_ptr(sa_addr, tl.float32)

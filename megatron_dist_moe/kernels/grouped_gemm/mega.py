@@ -39,8 +39,9 @@ from ..checks import STATUS_WORDS, check_status, max_polls, wait_until_at_least
 from ..checks import WAIT_MEGA_READY
 from ..common import (as_device_ptr, check_offsets, check_rows, default_num_programs,
                       interpreting, load_ptr)
+from ..rows import _act_fwd
 from .config import MIN_BLOCK_M, GroupedGemmConfig, select_config
-from .tiles import tile_bound, tile_coords
+from .tiles import expert_segments, tile_bound, tile_coords, tile_list
 
 __all__ = ["MegaFlags", "mega_fwd"]
 
@@ -81,18 +82,12 @@ def _mega_fwd_kernel(xg_addr, w13_ptr, w2_ptr, offsets_ptr, h1_addr, h2_addr, ou
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, ACT: tl.constexpr,
                      STORE_H1: tl.constexpr, IEEE: tl.constexpr, SLEEP: tl.constexpr):
     DT: tl.constexpr = w13_ptr.dtype.element_ty
-    e_idx = tl.arange(0, E_PAD)
-    starts = tl.load(offsets_ptr + e_idx, mask=e_idx < E, other=0)
-    ends = tl.load(offsets_ptr + e_idx + 1, mask=e_idx < E, other=0)
-    m_tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    e_idx, starts, ends, m_tiles = expert_segments(offsets_ptr, E, E_PAD, BLOCK_M)
     n13 = tl.cdiv(F, BN13)
     n2 = tl.cdiv(D, BN2)
-    tiles13 = m_tiles * n13
-    tiles2 = m_tiles * n2
-    cum13 = tl.cumsum(tiles13, 0)
-    cum2 = tl.cumsum(tiles2, 0)
-    total13 = tl.sum(tiles13, 0)
-    total = total13 + tl.sum(tiles2, 0)
+    tiles13, cum13, total13 = tile_list(m_tiles, n13)
+    tiles2, cum2, total2 = tile_list(m_tiles, n2)
+    total = total13 + total2
     base = tl.load(epoch_ptr) << _SHIFT
     tl.atomic_max(queue_ptr, base, sem="relaxed", scope="gpu")
     xg = load_ptr(xg_addr, DT)
@@ -127,14 +122,8 @@ def _mega_fwd_kernel(xg_addr, w13_ptr, w2_ptr, offsets_ptr, h1_addr, h2_addr, ou
                 h1_ptrs = load_ptr(h1_addr, DT) + rows64[:, None] * (2 * F) + cols[None, :]
                 tl.store(h1_ptrs, g, mask=mask)
                 tl.store(h1_ptrs + F, u, mask=mask)
-            gf = g.to(tl.float32)       # the activation reads the rounded h1, as mm.py's
-            uf = u.to(tl.float32)
-            if ACT == 0:
-                h = gf * tl.sigmoid(gf) * uf
-            else:
-                gf = tl.minimum(gf, limit)
-                uf = tl.minimum(tl.maximum(uf, -limit), limit)
-                h = gf * tl.sigmoid(alpha * gf) * (uf + 1.0)
+            # the activation reads the rounded h1, as mm.py's
+            h = _act_fwd(g.to(tl.float32), u.to(tl.float32), ACT == 1, alpha, limit)
             tl.store(h2 + rows64[:, None] * F + cols[None, :], h.to(DT), mask=mask)
             tl.debug_barrier()           # every thread's h2 stores before the release
             m = m_first + pid_m

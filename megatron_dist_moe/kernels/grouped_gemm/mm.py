@@ -33,11 +33,11 @@ from ..checks import max_polls
 from ..common import (as_device_ptr, check_offsets, check_rows, default_num_programs,
                       ensure_tma_allocator, interpreting, load_ptr)
 from ...memory_plan import SCORE_PART_COLS
-from ..rows import swiglu_grad
+from ..rows import _act_fwd, swiglu_grad
 from ..checks import check_status
 from .claim import ClaimFlags, claim_ahead_phase, claim_slices_phase
 from .config import GroupedGemmConfig, select_config
-from .tiles import tile_bound, tile_coords
+from .tiles import expert_segments, tile_bound, tile_coords, tile_list
 
 __all__ = ["grouped_mm_fwd", "grouped_mm_dgrad", "EPILOGUES", "ACTIVATIONS",
            "score_parts_count"]
@@ -234,14 +234,9 @@ def _grouped_mm_kernel(
     pid = tl.program_id(0)
 
     # Tile list from the device offsets: expert e owns tiles [cum[e] - tiles[e], cum[e]).
-    e_idx = tl.arange(0, E_PAD)
-    starts = tl.load(offsets_ptr + e_idx, mask=e_idx < E, other=0)
-    ends = tl.load(offsets_ptr + e_idx + 1, mask=e_idx < E, other=0)
+    e_idx, starts, ends, m_tiles = expert_segments(offsets_ptr, E, E_PAD, BLOCK_M)
     num_n = tl.cdiv(N, BN)
-    m_tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
-    tiles = m_tiles * num_n
-    cum = tl.cumsum(tiles, 0)
-    total = tl.sum(tiles, 0)
+    tiles, cum, total = tile_list(m_tiles, num_n)
     nprog = tl.num_programs(0)
     if A_CLAIM:
         slice_base = tl.load(epoch_ptr) << 20  # ClaimFlags.SLICE_SHIFT
@@ -339,14 +334,7 @@ def _grouped_mm_kernel(
                 tl.store(h1_ptrs, g, mask=mask)
                 tl.store(h1_ptrs + N, u, mask=mask)
             # NOTE: the activation reads the rounded h1, exactly what backward will reload.
-            gf = g.to(tl.float32)
-            uf = u.to(tl.float32)
-            if ACT == 0:
-                h = gf * tl.sigmoid(gf) * uf
-            else:
-                gf = tl.minimum(gf, limit)
-                uf = tl.minimum(tl.maximum(uf, -limit), limit)
-                h = gf * tl.sigmoid(alpha * gf) * (uf + 1.0)
+            h = _act_fwd(g.to(tl.float32), u.to(tl.float32), ACT == 1, alpha, limit)
             h2_base = load_ptr(out2_addr_ptr, DT)
             tl.store(h2_base + rows64[:, None] * N + cols[None, :], h.to(DT), mask=mask)
         elif EPILOGUE == 3 and SCORE_GRADS:

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from ...layout import nvfp4_row_bytes
 from ..common import as_device_ptr, check_offsets, check_rows, default_num_programs, interpreting, load_ptr
-from .tiles import tile_bound, tile_coords
+from .tiles import expert_segments, tile_bound, tile_coords, tile_list
 
 __all__ = ["nvfp4_grouped_mm", "NVFP4_EPILOGUES", "e2m1_value"]
 
@@ -69,14 +69,9 @@ def _nvfp4_mm_kernel(a_addr, w_packed, w_scales, w_sdec, offsets_ptr, out_addr, 
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, EPILOGUE: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
-    e_idx = tl.arange(0, E_PAD)
-    starts = tl.load(offsets_ptr + e_idx, mask=e_idx < E, other=0)
-    ends = tl.load(offsets_ptr + e_idx + 1, mask=e_idx < E, other=0)
+    e_idx, starts, ends, m_tiles = expert_segments(offsets_ptr, E, E_PAD, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
-    m_tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
-    tiles = m_tiles * num_n
-    cum = tl.cumsum(tiles, 0)
-    total = tl.sum(tiles, 0)
+    tiles, cum, total = tile_list(m_tiles, num_n)
     nprog = tl.num_programs(0)
     a_base = load_ptr(a_addr, tl.uint8)
     ka = tl.arange(0, BLOCK_K // 2)

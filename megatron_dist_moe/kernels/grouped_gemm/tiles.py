@@ -12,12 +12,30 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["swizzle", "tile_coords", "tile_bound"]
+__all__ = ["swizzle", "tile_coords", "tile_bound", "expert_segments", "tile_list"]
 
 
 def tile_bound(max_rows: int, block_m: int, num_experts: int, num_n: int) -> int:
     """Host bound on the tiles of a launch: sum_e cdiv(len_e, BM) <= cdiv(R, BM) + E - 1."""
     return (triton.cdiv(max_rows, block_m) + num_experts) * num_n
+
+
+@triton.jit
+def expert_segments(offsets_ptr, E, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(e_idx, starts, ends, m_tiles), [E_PAD] vectors: each expert's rows [starts, ends) and
+    its m-tile count, from the device offsets (zeros past E)."""
+    e_idx = tl.arange(0, E_PAD)
+    starts = tl.load(offsets_ptr + e_idx, mask=e_idx < E, other=0)
+    ends = tl.load(offsets_ptr + e_idx + 1, mask=e_idx < E, other=0)
+    return e_idx, starts, ends, (ends - starts + BLOCK_M - 1) // BLOCK_M
+
+
+@triton.jit
+def tile_list(m_tiles, num_n):
+    """(tiles, cum, total) of the list whose expert e owns m_tiles[e] x num_n tiles: expert e
+    owns tiles [cum[e] - tiles[e], cum[e]) (`tile_coords`)."""
+    tiles = m_tiles * num_n
+    return tiles, tl.cumsum(tiles, 0), tl.sum(tiles, 0)
 
 
 @triton.jit

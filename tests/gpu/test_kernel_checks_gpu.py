@@ -1,5 +1,6 @@
-"""mxfp8 kernels on the GPU at the guide's shapes, against their torch twins
-(tests/mxfp8_kernel_checks.py: quantizers bit-exact, GEMMs to the summation order)."""
+"""Every kernel check module (tests/kernel_checks.py) on an sm_90 GPU at the guide's shapes:
+quantizers bit-exact against their torch twins, GEMMs to the summation order, the Mega forward
+against the standard launches."""
 
 from __future__ import annotations
 
@@ -10,15 +11,17 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import mxfp8_kernel_checks as C  # noqa: E402
+import kernel_checks as KC  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available()
                                  or torch.cuda.get_device_capability() < (9, 0),
                                  reason="needs an sm_90+ GPU")]
 
+CHECKS = KC.all_checks()
 
-@pytest.mark.parametrize("name", list(C.CHECKS))
-def test_mxfp8_kernel_on_gpu(name):
-    C.CHECKS[name]("cuda", big=True)
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_kernel_check_on_gpu(name):
+    CHECKS[name]("cuda", big=True)
     torch.cuda.synchronize()

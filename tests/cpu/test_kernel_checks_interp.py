@@ -1,8 +1,9 @@
-"""fp8_block kernels (kernels/quant_fp8.py, kernels/grouped_gemm/fp8.py) under Triton's CPU
-interpreter against their torch twins: tests/fp8_kernel_checks.py, small shapes. The child
-process runs with TRITON_INTERPRET=1 (this file run as a script); each test reports one check.
+"""Every kernel check module (tests/kernel_checks.py: fp8_block, mxfp8 and nvfp4 quantizers and
+GEMMs, the Mega forward) under Triton's CPU interpreter against the torch twins, small shapes.
+One child process runs with TRITON_INTERPRET=1 (this file run as a script); each test reports
+one check.
 
-    TRITON_INTERPRET=1 python tests/cpu/test_kernels_fp8_interp.py [check ...]
+    TRITON_INTERPRET=1 python tests/cpu/test_kernel_checks_interp.py [module:check ...]
 """
 
 from __future__ import annotations
@@ -19,17 +20,19 @@ from megatron_dist_moe import testing as tt
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-import fp8_kernel_checks as C  # noqa: E402
+import kernel_checks as KC  # noqa: E402
+
+CHECKS = KC.all_checks()
 
 
 def _main(names):
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     import torch
-    for name in names or C.CHECKS:
+    for name in names or CHECKS:
         torch.manual_seed(0)
         t0 = time.time()
         try:
-            C.CHECKS[name]("cpu")
+            CHECKS[name]("cpu")
             res = {"name": name, "ok": True}
         except Exception as ex:
             import traceback
@@ -42,11 +45,11 @@ def _main(names):
 @pytest.fixture(scope="module")
 def results():
     pytest.importorskip("triton")
-    return tt.run_child_checks([__file__], timeout_s=900, paths=(str(HERE.parent),))[0]
+    return tt.run_child_checks([__file__], timeout_s=1800, paths=(str(HERE.parent),))[0]
 
 
-@pytest.mark.parametrize("name", list(C.CHECKS))
-def test_fp8_kernel_interpreter(results, name):
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_kernel_check_interpreter(results, name):
     res = results.get(name)
     assert res is not None, f"check {name} did not report (child crashed?)"
     assert res["ok"], f"{res['error']}\n{res.get('trace', '')}"

@@ -1,0 +1,30 @@
+"""The kernel check modules and what they share.
+
+Each `*_kernel_checks.py` module holds CHECKS = {name: check(device, big=False)}: a kernel
+against its torch twin (quantizers bit-exact, GEMMs to the summation order), on any device.
+tests/cpu/test_kernel_checks_interp.py runs them in Triton's interpreter (small shapes),
+tests/gpu/test_kernel_checks_gpu.py on an sm_90 GPU (big=True: the guide's shapes).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+MODULES = ("fp8_kernel_checks", "mxfp8_kernel_checks", "nvfp4_kernel_checks",
+           "mega_kernel_checks")
+
+
+def all_checks() -> dict:
+    """{"module:check": check} over MODULES (imported from this folder)."""
+    return {f"{m}:{n}": fn for m in MODULES
+            for n, fn in importlib.import_module(m).CHECKS.items()}
+
+
+def close(name, got, want, tol):
+    """max |got - want| <= tol x max |want| (no NaN in got: an unwritten output)."""
+    g, w = got.double().cpu(), want.double().cpu()
+    assert not torch.isnan(g).any(), f"{name}: NaN (unwritten?)"
+    err = ((g - w).abs().max() / w.abs().max().clamp(min=1e-30)).item()
+    assert err <= tol, f"{name}: max error {err:.3e} x max|ref| > {tol:.1e}"
