@@ -1,13 +1,16 @@
 """Decode-regime benchmark: the routed-expert forward at small T, next to its weight-read floor.
 
     torchrun --nproc-per-node=1 benchmarks/bench_decode.py --out OUTDIR
-             [--tokens 1,8,32,128,512,2048] [--precisions bf16,fp8_block,mxfp8] [--no-a2a]
+             [--tokens 1,8,32,128,512,2048] [--precisions bf16,fp8_block,mxfp8,nvfp4]
+             [--pipelines standard,mega] [--no-a2a]
 
 At small batch an MoE layer is bound by reading its experts' weights, not by arithmetic: at the
 guide's expert shapes (D=7168, F=3072, 6 experts per GPU) one GPU's experts hold 793 MB of bf16
 weights, a ~200 µs floor at ~4 TB/s. Per T (tokens per GPU, K=6 routes each) and precision:
 
     dist_moe   ours on an inference context (Config.inference=True), forward in a CUDA graph
+               (dist_moe_mega: the Mega pipeline, --pipelines; each precision's path name
+               carries its precision, e.g. dist_moe_nvfp4)
     a2a        baseline (a): NCCL all-to-all + torch._grouped_mm experts (eager: host syncs)
     floor      the bytes of the weights in the form the precision's GEMMs read, over the HBM
                read bandwidth measured in the same run (a device copy of a 4 GiB buffer):
@@ -93,6 +96,8 @@ def main():
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--tokens", default="1,8,32,128,512,2048")
     ap.add_argument("--precisions", default="bf16,fp8_block,mxfp8,nvfp4")
+    ap.add_argument("--pipelines", default="standard,mega",
+                    help="each (precision, pipeline) the CUDA backend runs (execution.RUNS)")
     ap.add_argument("--no-a2a", action="store_true", help="skip baseline (a)")
     args = ap.parse_args()
     rank, EP = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -122,13 +127,17 @@ def main():
             base_ms = tb.median_ms
             rows.append(row(commit, gpu, EP, T, c, "bf16", "a2a", tb, base_ms,
                             floor_us("bf16", E, D, F, gbps), "baseline (a), eager"))
-        for precision in args.precisions.split(","):
-            if not runs("cuda", precision, "standard"):
-                if rank == 0:
-                    print(f"  T={T} {precision}: the CUDA backend does not run it; skipped")
+        for precision, pipeline in ((p, q) for p in args.precisions.split(",")
+                                    for q in args.pipelines.split(",")):
+            if not runs("cuda", precision, pipeline):
+                if rank == 0 and T == int(args.tokens.split(",")[0]):
+                    print(f"  {precision} / {pipeline}: the CUDA backend does not run it; "
+                          "skipped")
                 continue
+            path = PRECISION_PATHS[precision] + ("" if pipeline == "standard" else f"_{pipeline}")
             cfg = dm.Config(num_local_input_tokens=T, hidden_dim=D, intermediate_dim=F,
                             top_k=K, num_experts=E * EP, backend="cuda", inference=True,
+                            pipeline=pipeline,
                             num_activation_slots=0, precision=precision,
                             device_scratch_capacity_factor=float(EP))
             w13, w2 = inp["w13"], inp["w2"]
@@ -143,7 +152,7 @@ def main():
                           NVFP4_CHECK if precision == "nvfp4" else FP8_CHECK)
                 ok = lo <= e < hi
                 if rank == 0:
-                    print(f"  check T={T} {precision}: y vs a2a {e:.2e} "
+                    print(f"  check T={T} {path}: y vs a2a {e:.2e} "
                           f"{'OK' if ok else 'MISMATCH'}", flush=True)
                 if not ok:
                     failed = True
@@ -162,7 +171,7 @@ def main():
                     tw = time_windows(prep, graph=True)
                     note += (f"; weight preparation {tw.median_ms * 1e3:.0f} us of it "
                              f"(without: {(t.median_ms - tw.median_ms) * 1e3:.0f} us)")
-                rows.append(row(commit, gpu, EP, T, c, precision, PRECISION_PATHS[precision],
+                rows.append(row(commit, gpu, EP, T, c, precision, path,
                                 t, base_ms, floor_us(precision, E, D, F, gbps), note))
     if rank == 0:
         for r in rows:

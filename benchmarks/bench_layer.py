@@ -1,12 +1,13 @@
 """Routed-expert layer benchmark on EP GPUs: our CUDA backend vs the all-to-all baselines.
 
     torchrun --nproc-per-node=2 benchmarks/bench_layer.py --out OUTDIR [--cases guide,dsv3,...]
-             [--paths dist_moe,dist_moe_staged,dist_moe_torchgemm,dist_moe_fp8,dist_moe_mxfp8,
-                      a2a,megatron_a2a]
+             [--paths dist_moe,dist_moe_staged,dist_moe_mega,dist_moe_torchgemm,dist_moe_fp8,
+                      dist_moe_mxfp8,a2a,megatron_a2a]
              [--modes fwd,fwdbwd] [--profile] [--profile-paths dist_moe,...]
 
 Paths:
-    dist_moe, dist_moe_staged, dist_moe_torchgemm   ours (standard / staged pipeline / torch GEMMs)
+    dist_moe, dist_moe_staged, dist_moe_mega, dist_moe_torchgemm
+                   ours (standard / staged / Mega pipeline / torch GEMMs)
     dist_moe_fp8   ours at precision fp8_block (standard pipeline). Every forward quantizes the
                    weights (inside the timed graph too); the weight quantization alone is timed
                    as well and its share named in the row's note
@@ -58,9 +59,11 @@ from megatron_baseline import (  # noqa: E402  (imports megatron.core only when 
     megatron_available,
 )
 
-DEFAULT_PATHS = "dist_moe,dist_moe_staged,dist_moe_torchgemm,dist_moe_fp8,dist_moe_mxfp8,a2a"
+DEFAULT_PATHS = ("dist_moe,dist_moe_staged,dist_moe_mega,dist_moe_torchgemm,dist_moe_fp8,"
+                 "dist_moe_mxfp8,a2a")
 # block-scaled paths and their precisions
 QUANT_PATHS = {"dist_moe_fp8": "fp8_block", "dist_moe_mxfp8": "mxfp8"}
+PIPELINE_PATHS = {"dist_moe_staged": "staged", "dist_moe_mega": "mega"}
 # fp8_block / mxfp8 against the bf16 reference: E4M3 with block scales differs from bf16 by
 # ~6-8 % norm-wise on these random inputs (dist_check holds it to 2x the emulated quantization);
 # a wrong row or expert costs far more, and less than 1 % would mean it was not quantized
@@ -293,8 +296,7 @@ def main():
                 graph = False
             else:
                 exe = {"gemm_engine": "torch"} if path == "dist_moe_torchgemm" else {}
-                cfg = layer_config(c, EP, scratch_factor,
-                                   "staged" if path == "dist_moe_staged" else "standard"
+                cfg = layer_config(c, EP, scratch_factor, PIPELINE_PATHS.get(path, "standard")
                                    ).replace(**overrides)
                 quant = QUANT_PATHS.get(path)
                 if quant:

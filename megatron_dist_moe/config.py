@@ -78,8 +78,10 @@ class Config:
                       which backend runs which precision.
         fp8_power_2_scales  fp8_block: scales rounded down to powers of two (TE's default).
         fp8_amax_epsilon    fp8_block: floor of a block's amax before its scale (TE's default 0).
-        pipeline      "standard" | "staged" (CUDA kernel sequence; the reference backend runs
-                      one algorithm for both). "mega" is refused until a backend runs it.
+        pipeline      "standard" | "staged" | "mega" (the CUDA kernel sequence: separate
+                      launches / W13 and W2 DGRAD gathering their own rows / the forward in one
+                      persistent launch; the reference backend runs one algorithm for all).
+                      execution.RUNS lists which precision runs with which pipeline.
         inference     True: no backward state is kept; no activation slots are needed.
         num_activation_slots                 saved-state slots (>= 1 when training).
         max_moe_layers_per_activation_slot   layers that may stack in one slot.

@@ -37,10 +37,10 @@ __all__ = ["RUNS", "Execution", "runs", "runs_precision", "what_runs", "parse_ov
 # backend -> precision -> the pipelines it runs that precision with (the reference backend runs
 # one algorithm for every pipeline)
 RUNS: dict[str, dict[str, tuple[str, ...]]] = {
-    "reference": {"bf16": ("standard", "staged"), "fp8_block": ("standard", "staged"),
-                  "mxfp8": ("standard", "staged"), "nvfp4": ("standard", "staged")},
-    "cuda": {"bf16": ("standard", "staged"), "fp8_block": ("standard",),
-             "mxfp8": ("standard",)},
+    "reference": {p: ("standard", "staged", "mega")
+                  for p in ("bf16", "fp8_block", "mxfp8", "nvfp4")},
+    "cuda": {"bf16": ("standard", "staged", "mega"), "fp8_block": ("standard",),
+             "mxfp8": ("standard",), "nvfp4": ("standard",)},
 }
 
 OVERRIDES: dict[str, tuple[str, ...]] = {

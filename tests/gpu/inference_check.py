@@ -5,7 +5,8 @@
 Per rank: D=7168, F=3072, K=6, 6 local experts, Config(inference=True) with the device scratch
 factors 1 and 2, for T in {1, 8, 64, 96, 128, 512, 2048, 4096}: one eager forward under
 torch.no_grad, then the same forward captured in a CUDA graph and replayed with new inputs and
-routing at the same addresses, for every precision the CUDA backend runs (--precisions). Each y
+routing at the same addresses, for every (precision, pipeline) the CUDA backend runs
+(--precisions, --pipelines). Each y
 is compared with an fp64 oracle of the whole EP problem (tolerance: 2x the error of the same
 math at the precision's rounding points: bf16 stores, floored at 6e-3, or the block-scaled
 quantization emulated in torch, testing.block_quant_emulation). A context that trained first
@@ -147,12 +148,13 @@ def judge(name, y, p, rank, results, precision="bf16"):
     results.append(dict(case=name, rank=rank, ok=ok, y=err, tol=tol, guards_intact=guards))
 
 
-def run_inference(T, factor, EP, rank, dev, results, precision="bf16"):
+def run_inference(T, factor, EP, rank, dev, results, precision="bf16", pipeline="standard"):
     cfg = dm.Config(num_local_input_tokens=T, hidden_dim=D, intermediate_dim=F, top_k=K,
                     num_experts=E_LOCAL * EP, inference=True, num_activation_slots=0,
-                    device_scratch_capacity_factor=factor, backend="cuda", precision=precision)
+                    device_scratch_capacity_factor=factor, backend="cuda", precision=precision,
+                    pipeline=pipeline)
     sl = slice(rank * E_LOCAL, (rank + 1) * E_LOCAL)
-    tag = f"{precision}_T{T}_factor{factor:g}"
+    tag = f"{precision}_{pipeline}_T{T}_factor{factor:g}"
     with dm.create_context(config=cfg, device=dev) as ctx:
         p = make_problem(EP, T, seed=T + int(10 * factor), device=dev)
         x, ids, s = (p[k][rank].clone() for k in ("x", "ids", "s"))
@@ -190,10 +192,10 @@ def run_inference(T, factor, EP, rank, dev, results, precision="bf16"):
         del graph
 
 
-def run_after_training(T, EP, rank, dev, results, precision="bf16"):
+def run_after_training(T, EP, rank, dev, results, precision="bf16", pipeline="standard"):
     cfg = dm.Config(num_local_input_tokens=T, hidden_dim=D, intermediate_dim=F, top_k=K,
                     num_experts=E_LOCAL * EP, activation_slot_capacity_factor=1.0,
-                    backend="cuda", precision=precision)
+                    backend="cuda", precision=precision, pipeline=pipeline)
     sl = slice(rank * E_LOCAL, (rank + 1) * E_LOCAL)
     with dm.create_context(config=cfg, device=dev) as ctx:
         p = make_problem(EP, T, seed=99, device=dev)
@@ -207,7 +209,7 @@ def run_after_training(T, EP, rank, dev, results, precision="bf16"):
             y2 = dm.routed_experts(p2["x"][rank], p2["ids"][rank], p2["s"][rank],
                                    p2["w13"][sl].contiguous(), p2["w2"][sl].contiguous(), ctx)
         torch.cuda.synchronize()
-        judge(f"{precision}_T{T}_inference_after_training", y2, p2, rank, results, precision)
+        judge(f"{precision}_{pipeline}_T{T}_inference_after_training", y2, p2, rank, results, precision)
 
 
 def main():
@@ -216,6 +218,8 @@ def main():
     ap.add_argument("--factors", default="1,2")
     ap.add_argument("--json", default=None)
     ap.add_argument("--precisions", default="bf16,fp8_block,mxfp8,nvfp4")
+    ap.add_argument("--pipelines", default="standard,mega",
+                    help="each (precision, pipeline) the CUDA backend runs (execution.RUNS)")
     args = ap.parse_args()
     rank, EP = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -223,25 +227,27 @@ def main():
     dist.init_process_group("nccl", device_id=dev)
     results = []
     from megatron_dist_moe.execution import runs
-    precisions = [pr for pr in args.precisions.split(",") if runs("cuda", pr, "standard")]
-    if rank == 0 and len(precisions) < len(args.precisions.split(",")):
-        print(f"SKIP the precisions the CUDA backend does not run: "
-              f"{sorted(set(args.precisions.split(',')) - set(precisions))}", flush=True)
-    cases = [(pr, int(t), float(f)) for pr in precisions
+    asked = [(pr, pi) for pr in args.precisions.split(",") for pi in args.pipelines.split(",")]
+    combos = [(pr, pi) for pr, pi in asked if runs("cuda", pr, pi)]
+    if rank == 0 and len(combos) < len(asked):
+        print(f"SKIP the (precision, pipeline) pairs the CUDA backend does not run: "
+              f"{sorted(set(asked) - set(combos))}", flush=True)
+    cases = [(pr, pi, int(t), float(f)) for pr, pi in combos
              for t in args.tokens.split(",") for f in args.factors.split(",")]
-    for precision, T, factor in cases:
+    for precision, pipeline, T, factor in cases:
         try:
-            run_inference(T, factor, EP, rank, dev, results, precision)
+            run_inference(T, factor, EP, rank, dev, results, precision, pipeline)
         except Exception as e:
-            results.append(dict(case=f"{precision}_T{T}_factor{factor:g}", rank=rank, ok=False,
-                                error=repr(e), tb=traceback.format_exc()[-2000:]))
-        GuardedArena.live.clear()
-    for precision in (pr for pr in precisions if pr != "nvfp4"):   # nvfp4: inference only
-        try:
-            run_after_training(512, EP, rank, dev, results, precision)
-        except Exception as e:
-            results.append(dict(case=f"{precision}_inference_after_training", rank=rank,
+            results.append(dict(case=f"{precision}_{pipeline}_T{T}_factor{factor:g}", rank=rank,
                                 ok=False, error=repr(e), tb=traceback.format_exc()[-2000:]))
+        GuardedArena.live.clear()
+    for precision, pipeline in ((pr, pi) for pr, pi in combos if pr != "nvfp4"):  # nvfp4: inference
+        try:
+            run_after_training(512, EP, rank, dev, results, precision, pipeline)
+        except Exception as e:
+            results.append(dict(case=f"{precision}_{pipeline}_inference_after_training",
+                                rank=rank, ok=False, error=repr(e),
+                                tb=traceback.format_exc()[-2000:]))
     gathered = [None] * EP
     dist.all_gather_object(gathered, results)
     flat = [r for rs in gathered for r in rs]
