@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 import megatron_dist_moe as dm  # noqa: E402
-from common import append_csv, git_commit, time_windows  # noqa: E402
+from common import append_csv, git_commit, profile_graph, time_windows  # noqa: E402
 
 GUIDE = dict(D=7168, F=3072, K=6, E_local=6)
 FP8_CHECK = (1e-2, 0.15)     # bench_layer's band for the block-scaled paths vs bf16
@@ -63,13 +63,13 @@ def floor_us(precision: str, E: int, D: int, F: int, hbm_gbps: float) -> float:
     return weight_read_bytes(precision, E, D, F) / (hbm_gbps * 1e9) * 1e6
 
 
-def hbm_read_gbps(device, nbytes: int = 4 << 30) -> float:
-    """HBM bandwidth as a device copy of nbytes / 2 bytes moves it (bytes read + written per
+def hbm_read_gbps(device, nbytes: int = 2 << 30) -> float:
+    """HBM bandwidth as a device copy of an nbytes buffer moves it (bytes read + written per
     second, median of graph-replayed windows): the rate a stream of weight reads approaches."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    t = time_windows(lambda: dst.copy_(src), graph=True, iters=5)
-    return nbytes / (t.median_ms * 1e-3) / 1e9
+    t = time_windows(lambda: dst.copy_(src), graph=True)
+    return 2 * nbytes / (t.median_ms * 1e-3) / 1e9
 
 
 def make_inputs(T: int, c: dict, rank: int, EP: int, dev) -> dict:
@@ -99,6 +99,8 @@ def main():
     ap.add_argument("--pipelines", default="standard,mega",
                     help="each (precision, pipeline) the CUDA backend runs (execution.RUNS)")
     ap.add_argument("--no-a2a", action="store_true", help="skip baseline (a)")
+    ap.add_argument("--profile-tokens", default="",
+                    help="T values whose graphs are also profiled per kernel (OUT/profile_*.txt)")
     args = ap.parse_args()
     rank, EP = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -163,6 +165,10 @@ def main():
                         dm.routed_experts(inp["x"], inp["ids"], inp["s"], w13, w2, ctx)
                 t = time_windows(fwd, graph=True)
                 note = "CUDA graph"
+                if str(T) in args.profile_tokens.split(","):
+                    os.makedirs(args.out, exist_ok=True)
+                    profile_graph(fwd, os.path.join(args.out, f"profile_decode_T{T}_{path}.txt"),
+                                  iter_ms=t.median_ms)
                 if precision in ("fp8_block", "mxfp8"):
                     ex = ctx.backend.experts
                     prep = (lambda: ex.k.weights(inp["w13"], inp["w2"], False)) \
