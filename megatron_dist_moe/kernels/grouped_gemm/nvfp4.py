@@ -21,6 +21,7 @@ the cost, at T = 2048 the MMA rate is: both are measured on the GPU (benchmarks/
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -31,7 +32,8 @@ from ...layout import nvfp4_row_bytes
 from ..common import as_device_ptr, check_offsets, check_rows, default_num_programs, interpreting, load_ptr
 from .tiles import expert_segments, tile_bound, tile_coords, tile_list
 
-__all__ = ["nvfp4_grouped_mm", "NVFP4_EPILOGUES", "e2m1_value"]
+__all__ = ["nvfp4_grouped_mm", "NVFP4_EPILOGUES", "Nvfp4Tiles", "DECODE_TILES", "LARGE_TILES",
+           "e2m1_value"]
 
 NVFP4_EPILOGUES = ("store", "scatter")
 
@@ -57,6 +59,52 @@ def _decode(packed, scales16, ROWS: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
+def _decode_f16(packed, scales16, ROWS: tl.constexpr, BK: tl.constexpr):
+    """fp16 [ROWS, BK] of packed bytes [ROWS, BK/2] with one fp16 scale per 16 values
+    [ROWS, BK/16], by bit placement: an E2M1 code's sign to bit 15 and its three magnitude bits
+    to bits 11..9 give the fp16 of value x 2^-14 (E2M1's subnormal 0.5 lands on fp16's
+    subnormal 2^-15), which one multiply by 2^14 and one by the E4M3 scale make exact: the
+    products have at most 6 significant bits and lie in [2^-13, 2688], fp16's normal range."""
+    b = packed.to(tl.uint16)
+    lo = ((b << 12) & 0x8000) | ((b << 9) & 0x0E00)                   # element 2j
+    hi = ((b << 8) & 0x8000) | ((b << 5) & 0x0E00)                    # element 2j + 1
+    codes = tl.reshape(tl.join(lo, hi), (ROWS, BK)).to(tl.float16, bitcast=True) * 16384.0
+    v = tl.reshape(codes, (ROWS, BK // 16, 16)) * scales16[:, :, None]
+    return tl.reshape(v, (ROWS, BK))
+
+
+# Two E2M1 codes per byte, four bytes per call: prmt spreads bytes 0,1 (2,3) into the low bytes of
+# two 16-bit lanes; shifts and masks place each nibble's sign at bit 15 and its magnitude at bits
+# 11..9 (the fp16 of value x 2^-14, as _decode_f16); two f16x2 multiplies apply 2^14 and the
+# block's scale. Outputs: $0,$1 the low nibbles of bytes 0..3, $2,$3 the high ones; inputs: $4
+# the four bytes, $5,$6 their scales.
+_E2M1X4_ASM = tl.constexpr("""
+{
+.reg .b32 x<2>, l<2>, h<2>, t, c;
+mov.b32 c, 0x74007400;
+prmt.b32 x0, $4, 0, 0x4140;
+prmt.b32 x1, $4, 0, 0x4342;
+shl.b32 t, x0, 12; and.b32 l0, t, 0x80008000; shl.b32 t, x0, 9; and.b32 t, t, 0x0E000E00; or.b32 l0, l0, t;
+shl.b32 t, x1, 12; and.b32 l1, t, 0x80008000; shl.b32 t, x1, 9; and.b32 t, t, 0x0E000E00; or.b32 l1, l1, t;
+shl.b32 t, x0, 8; and.b32 h0, t, 0x80008000; shl.b32 t, x0, 5; and.b32 t, t, 0x0E000E00; or.b32 h0, h0, t;
+shl.b32 t, x1, 8; and.b32 h1, t, 0x80008000; shl.b32 t, x1, 5; and.b32 t, t, 0x0E000E00; or.b32 h1, h1, t;
+mul.rn.f16x2 l0, l0, c; mul.rn.f16x2 l1, l1, c; mul.rn.f16x2 h0, h0, c; mul.rn.f16x2 h1, h1, c;
+mul.rn.f16x2 $0, l0, $5; mul.rn.f16x2 $1, l1, $6; mul.rn.f16x2 $2, h0, $5; mul.rn.f16x2 $3, h1, $6;
+}
+""")
+
+
+@triton.jit
+def _decode_f16_asm(packed, scales16, ROWS: tl.constexpr, BK: tl.constexpr):
+    """_decode_f16 in packed PTX (about three instructions per value instead of eight)."""
+    b = tl.reshape(packed, (ROWS, BK // 16, 8))
+    sc = tl.broadcast_to(scales16[:, :, None], (ROWS, BK // 16, 8))
+    lo, hi = tl.inline_asm_elementwise(_E2M1X4_ASM, "=r,=r,=r,=r,r,r,r", [b, sc],
+                                       dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    return tl.reshape(tl.join(lo, hi), (ROWS, BK))
+
+
+@triton.jit
 def _dot(a, b, acc, IEEE: tl.constexpr):
     if IEEE:   # the interpreter's bf16 dot is wrong; fp32 products of bf16 values are exact
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
@@ -67,7 +115,8 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 def _nvfp4_mm_kernel(a_addr, w_packed, w_scales, w_sdec, offsets_ptr, out_addr, out_rows_ptr,
                      N, K, A_STRIDE, E: tl.constexpr, E_PAD: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, EPILOGUE: tl.constexpr, IEEE: tl.constexpr):
+                     GROUP_M: tl.constexpr, EPILOGUE: tl.constexpr, IEEE: tl.constexpr,
+                     DECODE: tl.constexpr):
     pid = tl.program_id(0)
     e_idx, starts, ends, m_tiles = expert_segments(offsets_ptr, E, E_PAD, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -95,10 +144,17 @@ def _nvfp4_mm_kernel(a_addr, w_packed, w_scales, w_sdec, offsets_ptr, out_addr, 
             ap = tl.load(a_rows + k // 2 + ka[None, :])
             asc = tl.load(a_rows + K // 2 + k // 16 + ks[None, :]).to(tl.float8e4nv,
                                                                      bitcast=True)
-            a = _decode(ap, asc.to(tl.float32), BLOCK_M, BLOCK_K)
             wp = tl.load(w_rows + k // 2 + ka[None, :])
             wsc = tl.load(ws_rows + k // 16 + ks[None, :]).to(tl.float8e4nv, bitcast=True)
-            w = _decode(wp, wsc.to(tl.float32), BLOCK_N, BLOCK_K)
+            if DECODE == 2:
+                a = _decode_f16_asm(ap, asc.to(tl.float16), BLOCK_M, BLOCK_K)
+                w = _decode_f16_asm(wp, wsc.to(tl.float16), BLOCK_N, BLOCK_K)
+            elif DECODE == 1:
+                a = _decode_f16(ap, asc.to(tl.float16), BLOCK_M, BLOCK_K)
+                w = _decode_f16(wp, wsc.to(tl.float16), BLOCK_N, BLOCK_K)
+            else:
+                a = _decode(ap, asc.to(tl.float32), BLOCK_M, BLOCK_K)
+                w = _decode(wp, wsc.to(tl.float32), BLOCK_N, BLOCK_K)
             acc = _dot(a, tl.trans(w), acc, IEEE)
         s_row = tl.load((a_rows + K // 2 + K // 16).to(tl.pointer_type(tl.float32)))  # [BM, 1]
         acc = acc * s_row * tl.load(w_sdec + e64)
@@ -114,9 +170,30 @@ def _nvfp4_mm_kernel(a_addr, w_packed, w_scales, w_sdec, offsets_ptr, out_addr, 
                      mask=mask & (o_addr != 0)[:, None])
 
 
+@dataclass(frozen=True)
+class Nvfp4Tiles:
+    """Tile shape and launch of the NVFP4 GEMM. block_m >= 64 lets Triton use wgmma (both
+    operands pass through shared memory after the decode); block_m = 16 runs mma.sync, the
+    decode regime's shape, where a few rows per expert meet every weight once."""
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int = 3
+    programs_per_sm: int = 1
+
+
+# rows per expert <= 64 on average (decode) / more; the interpreter runs small tiles
+DECODE_TILES = Nvfp4Tiles(16, 64, 128, 4)
+LARGE_TILES = Nvfp4Tiles(128, 128, 64, 8)
+INTERP_TILES = Nvfp4Tiles(16, 32, 128, 4)
+DECODES = {"f16": 1, "f16_asm": 2, "f32": 0}
+
+
 def nvfp4_grouped_mm(*, a, weight, expert_offsets: torch.Tensor, max_rows: int,
                      epilogue: str = "store", out=None, out_row_ptrs=None,
-                     block_m: Optional[int] = None, num_programs: Optional[int] = None) -> None:
+                     tiles: Optional[Nvfp4Tiles] = None, decode: Optional[str] = None,
+                     num_programs: Optional[int] = None) -> None:
     """Row r of expert e gets dequant(A[r]) @ dequant(W[e])^T, in bf16 (see the module docstring).
 
     a               NVFP4 byte rows [>= R, nvfp4_row_bytes(K)] (tensor or device pointer)
@@ -124,8 +201,9 @@ def nvfp4_grouped_mm(*, a, weight, expert_offsets: torch.Tensor, max_rows: int,
     expert_offsets  int32 [E+1] device, R = expert_offsets[E] (never read on the host)
     max_rows        host bound on R (the grid)
     epilogue        "store": out [R, N] bf16; "scatter": out_row_ptrs int64 [>= max_rows]
-    block_m         rows per tile (default: 16 for the decode regime, max_rows <= 64 per expert
-                    on average, else 64); BLOCK_N 64 and BLOCK_K 128
+    tiles           default: DECODE_TILES when max_rows <= 64 per expert, else LARGE_TILES
+    decode          "f16_asm" (the GPU's default: packed PTX) | "f16" (the same bits in Triton
+                    ops: the interpreter's) | "f32" (arithmetic decode, for comparison)
     """
     from ...quant.nvfp4 import global_decode_scale
     assert epilogue in NVFP4_EPILOGUES, f"epilogue must be one of {NVFP4_EPILOGUES}"
@@ -144,16 +222,21 @@ def nvfp4_grouped_mm(*, a, weight, expert_offsets: torch.Tensor, max_rows: int,
         check_rows(out_row_ptrs, "out_row_ptrs", max_rows, dev)
         out_rows = out_row_ptrs
     on_cpu = dev.type != "cuda" or interpreting()
-    bm = block_m or (16 if max_rows <= 64 * E else 64)
-    if on_cpu:
-        bm = min(bm, 16)
-    bn, bk = (32, 128) if on_cpu else (64, 128)
-    progs = num_programs or default_num_programs(dev)
-    grid = (max(1, min(progs, tile_bound(max_rows, bm, E, triton.cdiv(N, bn)))),)
+    if tiles is None:
+        tiles = INTERP_TILES if on_cpu else DECODE_TILES if max_rows <= 64 * E else LARGE_TILES
+    decode = decode or ("f16" if on_cpu else "f16_asm")
+    assert decode in DECODES, f"decode must be one of {sorted(DECODES)}"
+    assert not (interpreting() and decode == "f16_asm"), "the interpreter cannot run inline PTX"
+    assert K % tiles.block_k == 0 and tiles.block_k % 16 == 0, (
+        f"K={K} must be a multiple of block_k={tiles.block_k}")
+    progs = num_programs or default_num_programs(dev) * tiles.programs_per_sm
+    bn = tiles.block_n
+    grid = (max(1, min(progs, tile_bound(max_rows, tiles.block_m, E, triton.cdiv(N, bn)))),)
     sdec = global_decode_scale(weight.global_scale).to(dev).contiguous()
     _nvfp4_mm_kernel[grid](as_device_ptr(a, "a"), weight.packed, weight.scales.view(torch.uint8),
                            sdec, expert_offsets, out_addr, out_rows, N, K, nvfp4_row_bytes(K),
-                           E=E, E_PAD=max(2, triton.next_power_of_2(E)), BLOCK_M=bm,
-                           BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                           E=E, E_PAD=max(2, triton.next_power_of_2(E)), BLOCK_M=tiles.block_m,
+                           BLOCK_N=bn, BLOCK_K=tiles.block_k, GROUP_M=8,
                            EPILOGUE=NVFP4_EPILOGUES.index(epilogue), IEEE=on_cpu,
-                           num_warps=4, num_stages=3)
+                           DECODE=DECODES[decode], num_warps=tiles.num_warps,
+                           num_stages=tiles.num_stages)

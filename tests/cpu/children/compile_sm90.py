@@ -238,10 +238,12 @@ from megatron_dist_moe.prepared import PreparedWeight  # noqa: E402
 _W4 = PreparedWeight(torch.empty(E, 2 * F, D // 2, dtype=torch.uint8),
                      torch.empty(E, 2 * F // 16, D // 16, dtype=torch.float8_e4m3fn),
                      torch.ones(E), (E, 2 * F, D))
+# with the GPU's tiles and decode (the launcher picks the interpreter's on CPU tensors)
 VARIANTS["nvfp4_mm_store"] = lambda: GN.nvfp4_grouped_mm(a=p, weight=_W4, expert_offsets=offs,
-                                                         max_rows=R, epilogue="store", out=p)
+    max_rows=R, epilogue="store", out=p, tiles=GN.LARGE_TILES, decode="f16_asm")
 VARIANTS["nvfp4_mm_scatter_decode"] = lambda: GN.nvfp4_grouped_mm(
-    a=p, weight=_W4, expert_offsets=offs, max_rows=48, epilogue="scatter", out_row_ptrs=rows_tab)
+    a=p, weight=_W4, expert_offsets=offs, max_rows=48, epilogue="scatter", out_row_ptrs=rows_tab,
+    tiles=GN.DECODE_TILES, decode="f16_asm")
 # the Mega forward, with the GPU's tile config
 from megatron_dist_moe.kernels.grouped_gemm import mega as GM  # noqa: E402
 _MEGA_CFG = G.CONFIG_TABLE[("fwd", "large")]

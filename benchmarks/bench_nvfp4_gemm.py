@@ -1,0 +1,166 @@
+"""The NVFP4 grouped GEMM at the guide's expert shapes on one GPU: decode variants and tile shapes
+beside our bf16 GEMM on the dequantized weights.
+
+    python benchmarks/bench_nvfp4_gemm.py --out bench_out [--rows 48,192,12288] [--sweep]
+
+Per total row count R (spread evenly over E=6 experts: R=48 is T=8 tokens x K=6 routes, R=12288
+is the guide's training load) and GEMM (w13: N=6144, K=7168; w2: N=7168, K=3072):
+
+    nvfp4 <decode>/<tiles>   kernels/grouped_gemm/nvfp4.py with that decode ("f16_asm": packed
+                             PTX; "f16": the same bits in Triton ops; "f32": arithmetic decode)
+                             and tile shape (BMxBNxBK, warps, programs per SM)
+    bf16                     our bf16 grouped GEMM (store epilogue) on the dequantized weights
+                             and rows: what the bf16 path runs at the same R
+
+Every variant's output is checked against the twin math (dequantized operands, fp32 matmul)
+within one bf16 unit of the output first (exit 1 on a mismatch), then timed as a CUDA graph
+(benchmarks/common.py). Rows (CSV bench_nvfp4_gemm.csv, plot bench_nvfp4_gemm.png): commit,
+GPU, shape, µs, useful TFLOP/s, weight GB/s (the bytes of the NVFP4 weights over the time: the
+decode regime's figure of merit), ratio to bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import append_csv_fields, git_commit, pyplot, time_windows  # noqa: E402
+from megatron_dist_moe.kernels.grouped_gemm import grouped_mm_fwd  # noqa: E402
+from megatron_dist_moe.kernels.grouped_gemm.nvfp4 import (  # noqa: E402
+    DECODE_TILES, LARGE_TILES, Nvfp4Tiles, nvfp4_grouped_mm)
+from megatron_dist_moe.quant import nvfp4 as NV  # noqa: E402
+
+FIELDS = ["commit", "gpu", "precision", "kernel", "variant", "shape", "rows", "ms", "ms_min",
+          "ms_max", "useful_tflops", "weight_gbps", "ratio_to_bf16", "note"]
+BF = torch.bfloat16
+E = 6
+GEMMS = {"w13": (6144, 7168), "w2": (7168, 3072)}
+SWEEP = [("f16_asm", Nvfp4Tiles(16, 64, 128, 4, 3, 2)), ("f16_asm", Nvfp4Tiles(16, 128, 128, 4)),
+         ("f16_asm", Nvfp4Tiles(16, 64, 256, 4)), ("f16_asm", Nvfp4Tiles(16, 64, 128, 8)),
+         ("f16_asm", Nvfp4Tiles(64, 128, 64, 4)), ("f16_asm", Nvfp4Tiles(128, 128, 128, 8)),
+         ("f16_asm", Nvfp4Tiles(128, 256, 64, 8)), ("f16_asm", Nvfp4Tiles(64, 128, 128, 8, 4))]
+
+
+def tiles_name(t: Nvfp4Tiles) -> str:
+    return (f"{t.block_m}x{t.block_n}x{t.block_k}_w{t.num_warps}_s{t.num_stages}"
+            f"_p{t.programs_per_sm}")
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def problem(R: int, N: int, K: int, dev):
+    g = torch.Generator().manual_seed(R + N)
+    lens = [R // E + (1 if e < R % E else 0) for e in range(E)]
+    offs = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    x = torch.randn(R, K, generator=g).to(BF).to(dev)
+    w = (torch.randn(E, N, K, generator=g) / K ** 0.5).to(BF).to(dev)
+    wq = NV.quantize_weight(w.float())       # (packed, scales, global) per expert
+    from megatron_dist_moe.prepared import PreparedWeight
+    W = PreparedWeight(*wq, (E, N, K))
+    a = NV.quantize_row_bytes(x)
+    xd, wd = NV.dequantize_row_bytes(a, K), W.dequantize()
+    o = offs.tolist()
+    ref = torch.cat([xd[o[e]:o[e + 1]] @ wd[e].T for e in range(E)])
+    return dict(offs=offs.to(dev), a=a, W=W, ref=ref, xd=xd.to(BF), wd=wd.to(BF))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--rows", default="48,192,12288")
+    ap.add_argument("--gemms", default="w13,w2")
+    ap.add_argument("--sweep", action="store_true", help="also time the tile shapes of SWEEP")
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    commit, gpu = git_commit(), torch.cuda.get_device_name()
+    rows, failed = [], False
+    for R in (int(r) for r in args.rows.split(",")):
+        for gemm in args.gemms.split(","):
+            N, K = GEMMS[gemm]
+            p = problem(R, N, K, dev)
+            out = torch.empty(R, N, dtype=BF, device=dev)
+            flops = 2 * R * N * K
+            wbytes = E * N * K // 2 + E * (N // 16) * (K // 16)
+            default = DECODE_TILES if R <= 64 * E else LARGE_TILES
+            variants = [("bf16", None)] + [(d, default) for d in ("f16_asm", "f16", "f32")]
+            if args.sweep:
+                variants += [v for v in SWEEP if v[1] != default]
+            t_bf16 = None
+            for decode, tiles in variants:
+                if decode == "bf16":
+                    def fn(p=p, out=out):
+                        grouped_mm_fwd(w=p["wd"], expert_offsets=p["offs"], max_rows=R,
+                                       a=p["xd"], epilogue="store", out=out)
+                    name, tol = "bf16 (ours, dequantized operands)", 2e-2
+                else:
+                    def fn(p=p, out=out, decode=decode, tiles=tiles):
+                        nvfp4_grouped_mm(a=p["a"], weight=p["W"], expert_offsets=p["offs"],
+                                         max_rows=R, epilogue="store", out=out, tiles=tiles,
+                                         decode=decode)
+                    name, tol = f"{decode}/{tiles_name(tiles)}", 8e-3
+                out.fill_(float("nan"))
+                try:
+                    fn()
+                    torch.cuda.synchronize()
+                except Exception as e:      # a tile shape that does not compile or fit
+                    print(f"  R={R} {gemm} {name}: FAILED to run ({type(e).__name__}: "
+                          f"{str(e)[:200]})", flush=True)
+                    continue
+                err = rel(out.float(), p["ref"])
+                ok = err < tol
+                print(f"  check R={R} {gemm} {name}: {err:.2e} {'OK' if ok else 'MISMATCH'}",
+                      flush=True)
+                if not ok:
+                    failed = True
+                    continue
+                t = time_windows(fn, graph=True)
+                us = t.median_ms * 1e3
+                if decode == "bf16":
+                    t_bf16 = t.median_ms
+                rows.append(dict(
+                    commit=commit, gpu=gpu, precision="bf16" if decode == "bf16" else "nvfp4",
+                    kernel=gemm, variant=name, shape=f"{E}x{N}x{K}", rows=R,
+                    ms=round(t.median_ms, 4), ms_min=round(t.min_ms, 4),
+                    ms_max=round(t.max_ms, 4),
+                    useful_tflops=round(flops / (t.median_ms * 1e-3) / 1e12, 1),
+                    weight_gbps=round((2 * E * N * K if decode == "bf16" else wbytes)
+                                      / (t.median_ms * 1e-3) / 1e9),
+                    ratio_to_bf16="" if t_bf16 is None else round(t_bf16 / t.median_ms, 3),
+                    note="default tiles" if tiles == default else ""))
+                print(f"  R={R:<6} {gemm:<4} {name:<40} {us:9.1f} us "
+                      f"{rows[-1]['useful_tflops']:7.1f} TFLOP/s {rows[-1]['weight_gbps']:6d} "
+                      f"GB/s of weights  x{rows[-1]['ratio_to_bf16'] or 1:.2f} vs bf16", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    append_csv_fields(os.path.join(args.out, "bench_nvfp4_gemm.csv"), rows, FIELDS)
+    plot(rows, os.path.join(args.out, "bench_nvfp4_gemm.png"))
+    return 1 if failed else 0
+
+
+def plot(rows, path):
+    plt = pyplot()
+    if plt is None or not rows:
+        return
+    keys = list(dict.fromkeys((r["rows"], r["kernel"]) for r in rows))
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 4.5), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        rs = [r for r in rows if (r["rows"], r["kernel"]) == key]
+        ax.barh([r["variant"] for r in rs], [r["ms"] * 1e3 for r in rs],
+                color=["tab:gray" if r["precision"] == "bf16" else "tab:blue" for r in rs])
+        ax.set_title(f"R={key[0]} {key[1]}")
+        ax.set_xlabel("µs")
+        ax.tick_params(axis="y", labelsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
