@@ -6,17 +6,20 @@
         tile [E, N/16, K/16], fp32 S_enc [E]
 
 Hopper has no FP4 instruction. E2M1 values (at most two significant bits) times an E4M3 scale
-(at most four) are bf16 values, so each program decodes its A and W tiles into bf16 in registers
-and feeds the bf16 tensor cores: the products are exactly those of the dequantized values up to
-the two global scales, which the epilogue applies per row and per expert (fp32 accumulation;
-the twin, quant/nvfp4, multiplies the global scale into each value first: the two differ by
-fp32 rounding). What the kernel reads is 4.5 bits per weight, the decode regime's cost.
+(at most four) are exact fp16 values in fp16's normal range, so each program decodes its A and
+W tiles into fp16 in registers (bit placement plus two multiplies, _decode_f16; on the GPU in
+packed PTX, about three instructions per value) and feeds the fp16 tensor cores: the products
+are exactly those of the dequantized values up to the two global scales, which the epilogue
+applies per row and per expert (fp32 accumulation; the twin, quant/nvfp4, multiplies the global
+scale into each value first: the two differ by fp32 rounding). What the kernel reads is 4.5
+bits per weight, the decode regime's cost.
 
 Epilogues: "store" (bf16 [R, N] at a device pointer) or "scatter" (row r to out_row_ptrs[r],
 skipped where 0: the owners' combine rows). Persistent over the device tile list (tiles.py).
-With both operands decoded in registers Triton emits mma.sync rather than wgmma for sm_90
-(tests/cpu/test_kernels_compile_sm90.py records the PTX); at decode sizes the weight read is
-the cost, at T = 2048 the MMA rate is: both are measured on the GPU (benchmarks/bench_decode.py).
+Tiles (Nvfp4Tiles): 16-row tiles in the decode regime (mma.sync: few rows per expert, every
+weight read once), 128 x 128 tiles at training-size row counts (wgmma: the decoded tiles pass
+through shared memory; tests/cpu/test_kernels_compile_sm90.py records the PTX). Both are
+measured on the GPU by benchmarks/bench_nvfp4_gemm.py and bench_decode.py.
 """
 
 from __future__ import annotations
@@ -112,7 +115,7 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _nvfp4_mm_kernel(a_addr, w_packed, w_scales, w_sdec, offsets_ptr, out_addr, out_rows_ptr,
+def _nvfp4_mm_kernel(a_addr, w_packed, w_scales, w_senc, offsets_ptr, out_addr, out_rows_ptr,
                      N, K, A_STRIDE, E: tl.constexpr, E_PAD: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, EPILOGUE: tl.constexpr, IEEE: tl.constexpr,
@@ -157,7 +160,9 @@ def _nvfp4_mm_kernel(a_addr, w_packed, w_scales, w_sdec, offsets_ptr, out_addr, 
                 w = _decode(wp, wsc.to(tl.float32), BLOCK_N, BLOCK_K)
             acc = _dot(a, tl.trans(w), acc, IEEE)
         s_row = tl.load((a_rows + K // 2 + K // 16).to(tl.pointer_type(tl.float32)))  # [BM, 1]
-        acc = acc * s_row * tl.load(w_sdec + e64)
+        # S_dec = 1 / S_enc correctly rounded (quant/nvfp4.global_decode_scale), read from the
+        # prepared weight each launch, so a graph replay sees weights updated in place
+        acc = acc * s_row * tl.math.div_rn(1.0, tl.load(w_senc + e64))
         mask = row_ok[:, None] & col_ok[None, :]
         if EPILOGUE == 0:
             o = load_ptr(out_addr, tl.bfloat16)
@@ -205,7 +210,6 @@ def nvfp4_grouped_mm(*, a, weight, expert_offsets: torch.Tensor, max_rows: int,
     decode          "f16_asm" (the GPU's default: packed PTX) | "f16" (the same bits in Triton
                     ops: the interpreter's) | "f32" (arithmetic decode, for comparison)
     """
-    from ...quant.nvfp4 import global_decode_scale
     assert epilogue in NVFP4_EPILOGUES, f"epilogue must be one of {NVFP4_EPILOGUES}"
     E, N, K = weight.shape
     assert K % 128 == 0 and N % 16 == 0, f"[N={N}, K={K}]: K % 128 and N % 16 must be 0"
@@ -232,9 +236,11 @@ def nvfp4_grouped_mm(*, a, weight, expert_offsets: torch.Tensor, max_rows: int,
     progs = num_programs or default_num_programs(dev) * tiles.programs_per_sm
     bn = tiles.block_n
     grid = (max(1, min(progs, tile_bound(max_rows, tiles.block_m, E, triton.cdiv(N, bn)))),)
-    sdec = global_decode_scale(weight.global_scale).to(dev).contiguous()
+    senc = weight.global_scale
+    assert senc.dtype == torch.float32 and senc.is_contiguous() and senc.device == dev, (
+        "weight.global_scale must be a contiguous fp32 tensor on the weights' device")
     _nvfp4_mm_kernel[grid](as_device_ptr(a, "a"), weight.packed, weight.scales.view(torch.uint8),
-                           sdec, expert_offsets, out_addr, out_rows, N, K, nvfp4_row_bytes(K),
+                           senc, expert_offsets, out_addr, out_rows, N, K, nvfp4_row_bytes(K),
                            E=E, E_PAD=max(2, triton.next_power_of_2(E)), BLOCK_M=tiles.block_m,
                            BLOCK_N=bn, BLOCK_K=tiles.block_k, GROUP_M=8,
                            EPILOGUE=NVFP4_EPILOGUES.index(epilogue), IEEE=on_cpu,
