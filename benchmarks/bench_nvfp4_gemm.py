@@ -40,10 +40,11 @@ FIELDS = ["commit", "gpu", "precision", "kernel", "variant", "shape", "rows", "m
 BF = torch.bfloat16
 E = 6
 GEMMS = {"w13": (6144, 7168), "w2": (7168, 3072)}
-SWEEP = [("f16_asm", Nvfp4Tiles(16, 64, 128, 4, 3, 2)), ("f16_asm", Nvfp4Tiles(16, 128, 128, 4)),
-         ("f16_asm", Nvfp4Tiles(16, 64, 256, 4)), ("f16_asm", Nvfp4Tiles(16, 64, 128, 8)),
-         ("f16_asm", Nvfp4Tiles(64, 128, 64, 4)), ("f16_asm", Nvfp4Tiles(128, 128, 128, 8)),
-         ("f16_asm", Nvfp4Tiles(128, 256, 64, 8)), ("f16_asm", Nvfp4Tiles(64, 128, 128, 8, 4))]
+# --sweep: tile candidates around each regime's default (f16_asm decode)
+DECODE_SWEEP = [Nvfp4Tiles(16, 64, 128, 4, 3, 2), Nvfp4Tiles(16, 128, 128, 4),
+                Nvfp4Tiles(16, 64, 256, 4), Nvfp4Tiles(16, 32, 256, 4, 4, 2)]
+LARGE_SWEEP = [Nvfp4Tiles(128, 128, 128, 8), Nvfp4Tiles(128, 256, 64, 8),
+               Nvfp4Tiles(64, 128, 128, 4, 4), Nvfp4Tiles(128, 128, 64, 8, 4)]
 
 
 def tiles_name(t: Nvfp4Tiles) -> str:
@@ -92,7 +93,8 @@ def main(argv=None) -> int:
             default = DECODE_TILES if R <= 64 * E else LARGE_TILES
             variants = [("bf16", None)] + [(d, default) for d in ("f16_asm", "f16", "f32")]
             if args.sweep:
-                variants += [v for v in SWEEP if v[1] != default]
+                variants += [("f16_asm", t) for t in (DECODE_SWEEP if R <= 64 * E else
+                                                       LARGE_SWEEP) if t != default]
             t_bf16 = None
             for decode, tiles in variants:
                 if decode == "bf16":

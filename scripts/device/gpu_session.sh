@@ -21,6 +21,8 @@
 #              (BASE_LAYER_ARGS instead of LAYER_ARGS where the old tree takes other arguments)
 #   bench      bench_grouped_gemm (BENCH_ARGS)
 #   fp8gemm    bench_fp8_gemm: the fp8_block kernels beside bf16 and torch._scaled_mm (FP8_ARGS)
+#   nvfp4gemm  bench_nvfp4_gemm: the NVFP4 GEMM's decodes and tiles beside bf16 (NVFP4_ARGS,
+#              e.g. "--sweep")
 #   claimsweep claim-mode variants of the staged pipeline's GEMMs
 #   ab         interleaved A/B in one process (AB_A, AB_B execution overrides; AB_ARGS)
 #   sustained  one graph replayed back to back from idle: ms next to SM clock and power
@@ -79,6 +81,7 @@ for s in $sections; do case $s in
              run baseline torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py --out "$OUT/baseline" ${BASE_LAYER_ARGS:-${LAYER_ARGS:-}}) ;;
   bench) LIMIT=400 run bench_gemm python3 benchmarks/bench_grouped_gemm.py --csv "$OUT/bench_gemm.csv" ${BENCH_ARGS:-} ;;
   fp8gemm) LIMIT=300 run fp8_gemm python3 benchmarks/bench_fp8_gemm.py --out "$OUT" ${FP8_ARGS:-} ;;
+  nvfp4gemm) LIMIT=300 run nvfp4_gemm python3 benchmarks/bench_nvfp4_gemm.py --out "$OUT" ${NVFP4_ARGS:-} ;;
   claimsweep) run claimsweep python3 benchmarks/bench_grouped_gemm.py --kernels fwd_swiglu_claim,dgrad_w2_claim \
                  --claim-sweep --csv "$OUT/claim_sweep.csv" ;;
   ab) LIMIT=200 run ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT" \
