@@ -69,8 +69,7 @@ def hbm_read_gbps(device, nbytes: int = 2 << 30) -> tuple[float, float]:
     floor); copy: a device copy of it (bytes read + written per second)."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
-    acc = torch.empty((), dtype=torch.float32, device=device)
-    t_read = time_windows(lambda: torch.sum(src, dtype=torch.float32, out=acc), graph=True)
+    t_read = time_windows(lambda: src.sum(dtype=torch.float32), graph=True)
     t_copy = time_windows(lambda: dst.copy_(src), graph=True)
     return (nbytes / (t_read.median_ms * 1e-3) / 1e9,
             2 * nbytes / (t_copy.median_ms * 1e-3) / 1e9)

@@ -7,8 +7,8 @@ Per total row count R (spread evenly over E=6 experts: R=48 is T=8 tokens x K=6 
 is the guide's training load) and GEMM (w13: N=6144, K=7168; w2: N=7168, K=3072):
 
     nvfp4 <decode>/<tiles>   kernels/grouped_gemm/nvfp4.py with that decode ("f16_asm": packed
-                             PTX; "f16": the same bits in Triton ops; "f32": arithmetic decode)
-                             and tile shape (BMxBNxBK, warps, programs per SM)
+                             PTX; "f16": the same bits in Triton ops) and tile shape (BMxBNxBK,
+                             warps, stages, programs per SM)
     bf16                     our bf16 grouped GEMM (store epilogue) on the dequantized weights
                              and rows: what the bf16 path runs at the same R
 
@@ -41,10 +41,11 @@ BF = torch.bfloat16
 E = 6
 GEMMS = {"w13": (6144, 7168), "w2": (7168, 3072)}
 # --sweep: tile candidates around each regime's default (f16_asm decode)
-DECODE_SWEEP = [Nvfp4Tiles(16, 64, 128, 4, 3, 2), Nvfp4Tiles(16, 128, 128, 4),
-                Nvfp4Tiles(16, 64, 256, 4), Nvfp4Tiles(16, 32, 256, 4, 4, 2)]
-LARGE_SWEEP = [Nvfp4Tiles(128, 128, 128, 8), Nvfp4Tiles(128, 256, 64, 8),
-               Nvfp4Tiles(64, 128, 128, 4, 4), Nvfp4Tiles(128, 128, 64, 8, 4)]
+DECODE_SWEEP = [Nvfp4Tiles(16, 64, 128, 4, 3, 3), Nvfp4Tiles(16, 64, 128, 4, 3, 4),
+                Nvfp4Tiles(16, 64, 128, 8, 3, 2), Nvfp4Tiles(32, 64, 128, 4, 3, 2),
+                Nvfp4Tiles(16, 64, 128, 4, 4, 2), Nvfp4Tiles(16, 32, 128, 4, 3, 4)]
+LARGE_SWEEP = [Nvfp4Tiles(128, 128, 64, 8), Nvfp4Tiles(128, 256, 64, 8, 3, 2),
+               Nvfp4Tiles(128, 128, 128, 8)]
 
 
 def tiles_name(t: Nvfp4Tiles) -> str:
@@ -91,7 +92,7 @@ def main(argv=None) -> int:
             flops = 2 * R * N * K
             wbytes = E * N * K // 2 + E * (N // 16) * (K // 16)
             default = DECODE_TILES if R <= 64 * E else LARGE_TILES
-            variants = [("bf16", None)] + [(d, default) for d in ("f16_asm", "f16", "f32")]
+            variants = [("bf16", None)] + [(d, default) for d in ("f16_asm", "f16")]
             if args.sweep:
                 variants += [("f16_asm", t) for t in (DECODE_SWEEP if R <= 64 * E else
                                                        LARGE_SWEEP) if t != default]

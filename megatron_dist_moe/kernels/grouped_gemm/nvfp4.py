@@ -35,30 +35,9 @@ from ...layout import nvfp4_row_bytes
 from ..common import as_device_ptr, check_offsets, check_rows, default_num_programs, interpreting, load_ptr
 from .tiles import expert_segments, tile_bound, tile_coords, tile_list
 
-__all__ = ["nvfp4_grouped_mm", "NVFP4_EPILOGUES", "Nvfp4Tiles", "DECODE_TILES", "LARGE_TILES",
-           "e2m1_value"]
+__all__ = ["nvfp4_grouped_mm", "NVFP4_EPILOGUES", "Nvfp4Tiles", "DECODE_TILES", "LARGE_TILES"]
 
 NVFP4_EPILOGUES = ("store", "scatter")
-
-
-@triton.jit
-def e2m1_value(code):
-    """fp32 value of int32 E2M1 codes (0..15): magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6, sign bit 8."""
-    mag = code & 7
-    e = mag >> 1
-    m = (mag & 1).to(tl.float32)
-    v = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
-    return tl.where((code & 8) != 0, -v, v)
-
-
-@triton.jit
-def _decode(packed, scales16, ROWS: tl.constexpr, BK: tl.constexpr):
-    """bf16 [ROWS, BK] of packed bytes [ROWS, BK/2] with one fp32 scale per 16 values
-    [ROWS, BK/16] (exact: E2M1 x E4M3 fits bf16)."""
-    b = packed.to(tl.int32)
-    codes = tl.reshape(tl.join(b & 0xF, b >> 4), (ROWS, BK))         # element 2j: low nibble
-    v = tl.reshape(e2m1_value(codes), (ROWS, BK // 16, 16)) * scales16[:, :, None]
-    return tl.reshape(v, (ROWS, BK)).to(tl.bfloat16)
 
 
 @triton.jit
@@ -119,7 +98,7 @@ def _nvfp4_mm_kernel(a_addr, w_packed, w_scales, w_senc, offsets_ptr, out_addr, 
                      N, K, A_STRIDE, E: tl.constexpr, E_PAD: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, EPILOGUE: tl.constexpr, IEEE: tl.constexpr,
-                     DECODE: tl.constexpr):
+                     ASM: tl.constexpr):
     pid = tl.program_id(0)
     e_idx, starts, ends, m_tiles = expert_segments(offsets_ptr, E, E_PAD, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -149,15 +128,12 @@ def _nvfp4_mm_kernel(a_addr, w_packed, w_scales, w_senc, offsets_ptr, out_addr, 
                                                                      bitcast=True)
             wp = tl.load(w_rows + k // 2 + ka[None, :])
             wsc = tl.load(ws_rows + k // 16 + ks[None, :]).to(tl.float8e4nv, bitcast=True)
-            if DECODE == 2:
+            if ASM:
                 a = _decode_f16_asm(ap, asc.to(tl.float16), BLOCK_M, BLOCK_K)
                 w = _decode_f16_asm(wp, wsc.to(tl.float16), BLOCK_N, BLOCK_K)
-            elif DECODE == 1:
+            else:
                 a = _decode_f16(ap, asc.to(tl.float16), BLOCK_M, BLOCK_K)
                 w = _decode_f16(wp, wsc.to(tl.float16), BLOCK_N, BLOCK_K)
-            else:
-                a = _decode(ap, asc.to(tl.float32), BLOCK_M, BLOCK_K)
-                w = _decode(wp, wsc.to(tl.float32), BLOCK_N, BLOCK_K)
             acc = _dot(a, tl.trans(w), acc, IEEE)
         s_row = tl.load((a_rows + K // 2 + K // 16).to(tl.pointer_type(tl.float32)))  # [BM, 1]
         # S_dec = 1 / S_enc correctly rounded (quant/nvfp4.global_decode_scale), read from the
@@ -189,10 +165,10 @@ class Nvfp4Tiles:
 
 
 # rows per expert <= 64 on average (decode) / more; the interpreter runs small tiles
-DECODE_TILES = Nvfp4Tiles(16, 64, 128, 4)
-LARGE_TILES = Nvfp4Tiles(128, 128, 64, 8)
+DECODE_TILES = Nvfp4Tiles(16, 64, 128, 4, 3, 2)
+LARGE_TILES = Nvfp4Tiles(128, 256, 64, 8)
 INTERP_TILES = Nvfp4Tiles(16, 32, 128, 4)
-DECODES = {"f16": 1, "f16_asm": 2, "f32": 0}
+DECODES = ("f16_asm", "f16")
 
 
 def nvfp4_grouped_mm(*, a, weight, expert_offsets: torch.Tensor, max_rows: int,
@@ -207,8 +183,8 @@ def nvfp4_grouped_mm(*, a, weight, expert_offsets: torch.Tensor, max_rows: int,
     max_rows        host bound on R (the grid)
     epilogue        "store": out [R, N] bf16; "scatter": out_row_ptrs int64 [>= max_rows]
     tiles           default: DECODE_TILES when max_rows <= 64 per expert, else LARGE_TILES
-    decode          "f16_asm" (the GPU's default: packed PTX) | "f16" (the same bits in Triton
-                    ops: the interpreter's) | "f32" (arithmetic decode, for comparison)
+    decode          "f16_asm" (the GPU's: packed PTX) | "f16" (the same bits in Triton ops: the
+                    interpreter's)
     """
     assert epilogue in NVFP4_EPILOGUES, f"epilogue must be one of {NVFP4_EPILOGUES}"
     E, N, K = weight.shape
@@ -244,5 +220,5 @@ def nvfp4_grouped_mm(*, a, weight, expert_offsets: torch.Tensor, max_rows: int,
                            E=E, E_PAD=max(2, triton.next_power_of_2(E)), BLOCK_M=tiles.block_m,
                            BLOCK_N=bn, BLOCK_K=tiles.block_k, GROUP_M=8,
                            EPILOGUE=NVFP4_EPILOGUES.index(epilogue), IEEE=on_cpu,
-                           DECODE=DECODES[decode], num_warps=tiles.num_warps,
+                           ASM=decode == "f16_asm", num_warps=tiles.num_warps,
                            num_stages=tiles.num_stages)
