@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import append_csv_fields, git_commit, pyplot, time_windows  # noqa: E402
 from megatron_dist_moe.kernels.grouped_gemm import grouped_mm_fwd  # noqa: E402
 from megatron_dist_moe.kernels.grouped_gemm.nvfp4 import (  # noqa: E402
-    DECODE_TILES, LARGE_TILES, Nvfp4Tiles, nvfp4_grouped_mm)
+    Nvfp4Tiles, default_tiles, nvfp4_grouped_mm)
 from megatron_dist_moe.quant import nvfp4 as NV  # noqa: E402
 
 FIELDS = ["commit", "gpu", "precision", "kernel", "variant", "shape", "rows", "ms", "ms_min",
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
             out = torch.empty(R, N, dtype=BF, device=dev)
             flops = 2 * R * N * K
             wbytes = E * N * K // 2 + E * (N // 16) * (K // 16)
-            default = DECODE_TILES if R <= 64 * E else LARGE_TILES
+            default = default_tiles(R, E)
             variants = [("bf16", None)] + [(d, default) for d in ("f16_asm", "f16")]
             if args.sweep:
                 variants += [("f16_asm", t) for t in (DECODE_SWEEP if R <= 64 * E else

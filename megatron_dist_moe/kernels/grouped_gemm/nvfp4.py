@@ -16,8 +16,8 @@ bits per weight, the decode regime's cost.
 
 Epilogues: "store" (bf16 [R, N] at a device pointer) or "scatter" (row r to out_row_ptrs[r],
 skipped where 0: the owners' combine rows). Persistent over the device tile list (tiles.py).
-Tiles (Nvfp4Tiles): 16-row tiles in the decode regime (mma.sync: few rows per expert, every
-weight read once), 128 x 128 tiles at training-size row counts (wgmma: the decoded tiles pass
+Tiles (Nvfp4Tiles): 16- and 32-row tiles in the decode regime (mma.sync: few rows per expert,
+every weight read once or twice), 128 x 256 tiles at training-size row counts (wgmma: the decoded tiles pass
 through shared memory; tests/cpu/test_kernels_compile_sm90.py records the PTX). Both are
 measured on the GPU by benchmarks/bench_nvfp4_gemm.py and bench_decode.py.
 """
@@ -35,7 +35,8 @@ from ...layout import nvfp4_row_bytes
 from ..common import as_device_ptr, check_offsets, check_rows, default_num_programs, interpreting, load_ptr
 from .tiles import expert_segments, tile_bound, tile_coords, tile_list
 
-__all__ = ["nvfp4_grouped_mm", "NVFP4_EPILOGUES", "Nvfp4Tiles", "DECODE_TILES", "LARGE_TILES"]
+__all__ = ["nvfp4_grouped_mm", "NVFP4_EPILOGUES", "Nvfp4Tiles", "DECODE_TILES", "SMALL_TILES",
+           "LARGE_TILES", "default_tiles"]
 
 NVFP4_EPILOGUES = ("store", "scatter")
 
@@ -164,11 +165,18 @@ class Nvfp4Tiles:
     programs_per_sm: int = 1
 
 
-# rows per expert <= 64 on average (decode) / more; the interpreter runs small tiles
-DECODE_TILES = Nvfp4Tiles(16, 64, 128, 4, 3, 2)
+# by rows per expert on average (max_rows / E): <= 16 / <= 64 / more (the best of
+# bench_nvfp4_gemm --sweep on one H200 for each); the interpreter runs small tiles
+DECODE_TILES = Nvfp4Tiles(16, 64, 128, 4, 3, 4)
+SMALL_TILES = Nvfp4Tiles(32, 64, 128, 4, 3, 2)
 LARGE_TILES = Nvfp4Tiles(128, 256, 64, 8)
 INTERP_TILES = Nvfp4Tiles(16, 32, 128, 4)
 DECODES = ("f16_asm", "f16")
+
+
+def default_tiles(max_rows: int, E: int) -> Nvfp4Tiles:
+    return (DECODE_TILES if max_rows <= 16 * E else SMALL_TILES if max_rows <= 64 * E
+            else LARGE_TILES)
 
 
 def nvfp4_grouped_mm(*, a, weight, expert_offsets: torch.Tensor, max_rows: int,
@@ -182,7 +190,7 @@ def nvfp4_grouped_mm(*, a, weight, expert_offsets: torch.Tensor, max_rows: int,
     expert_offsets  int32 [E+1] device, R = expert_offsets[E] (never read on the host)
     max_rows        host bound on R (the grid)
     epilogue        "store": out [R, N] bf16; "scatter": out_row_ptrs int64 [>= max_rows]
-    tiles           default: DECODE_TILES when max_rows <= 64 per expert, else LARGE_TILES
+    tiles           default: default_tiles(max_rows, E)
     decode          "f16_asm" (the GPU's: packed PTX) | "f16" (the same bits in Triton ops: the
                     interpreter's)
     """
@@ -203,7 +211,7 @@ def nvfp4_grouped_mm(*, a, weight, expert_offsets: torch.Tensor, max_rows: int,
         out_rows = out_row_ptrs
     on_cpu = dev.type != "cuda" or interpreting()
     if tiles is None:
-        tiles = INTERP_TILES if on_cpu else DECODE_TILES if max_rows <= 64 * E else LARGE_TILES
+        tiles = INTERP_TILES if on_cpu else default_tiles(max_rows, E)
     decode = decode or ("f16" if on_cpu else "f16_asm")
     assert decode in DECODES, f"decode must be one of {sorted(DECODES)}"
     assert not (interpreting() and decode == "f16_asm"), "the interpreter cannot run inline PTX"
