@@ -325,7 +325,7 @@ def cmd_demo(args) -> int:
     for key, val in (("num_local_input_tokens", args.tokens), ("hidden_dim", args.hidden),
                      ("intermediate_dim", args.intermediate), ("num_experts", args.experts),
                      ("top_k", args.topk), ("activation", args.activation),
-                     ("precision", args.precision)):
+                     ("precision", args.precision), ("pipeline", args.pipeline)):
         if val is not None:
             base[key] = val
     if args.experts is None and base["num_experts"] % ranks:
@@ -336,7 +336,8 @@ def cmd_demo(args) -> int:
         from .execution import runs
         if backend == "auto" and not runs("cuda", "nvfp4", base.get("pipeline", "standard")):
             backend = "reference"
-            where += "; nvfp4 on the reference backend (the CUDA backend does not run it yet)"
+            where += (f"; nvfp4 on the reference backend (the CUDA backend does not run it with "
+                      f"pipeline={base.get('pipeline')!r})")
     base["backend"] = backend
     cfg = Config(**base)
     E_local = cfg.num_local_experts(ranks)
@@ -445,6 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fp8_block: E4M3 with 1x128 / 128x128 scales; mxfp8: E4M3 with E8M0 "
                     "scales per 32; nvfp4: inference on prepared E2M1 weights (D, F multiples "
                     "of 128 for all three)")
+    pd.add_argument("--pipeline", choices=("standard", "staged", "mega"),
+                    help="the CUDA kernel sequence (the reference backend runs one algorithm "
+                    "for all; dm.RUNS lists which precision runs with which)")
     pd.add_argument("--routing", default="random",
                     choices=("random", "hot_expert", "zipf", "one_rank"))
     pd.add_argument("--seed", type=int, default=0)

@@ -81,18 +81,17 @@ def install() -> None:
     cb.SymmetricBuffers = functools.partial(sy.SymmetricBuffers, rendezvous=rendezvous)
 
 
-def make_backend(cfg: dm.Config, group: ThreadGroup, overrides: dict | None = None,
-                 pipeline: str | None = None) -> cb.CudaBackend:
+def make_backend(cfg: dm.Config, group: ThreadGroup,
+                 overrides: dict | None = None) -> cb.CudaBackend:
     """A CudaBackend on CPU for `cfg` (whose backend field says "reference": CPU tensors), with
-    execution overrides selecting the torch twins (execution.OVERRIDES). pipeline: the
-    Execution's pipeline instead of cfg's (one that Config does not accept yet: "mega")."""
+    execution overrides selecting the torch twins (execution.OVERRIDES)."""
     plan = dm.plan_memory(cfg, ep_size=group.size)
     ctx = types.SimpleNamespace(config=cfg, plan=plan, device=torch.device("cpu"), group=group,
                                 rank=group.rank, ep_size=group.size,
                                 num_local_experts=cfg.num_local_experts(group.size),
                                 planner=PlannerState.create(plan, "cpu"))
     execution = Execution(backend="cuda", precision=cfg.precision,
-                          pipeline=pipeline or cfg.pipeline,
+                          pipeline=cfg.pipeline,
                           inference=cfg.inference, save_route_outputs=cfg.save_route_outputs,
                           wait_timeout_s=cfg.wait_timeout_s,
                           **check_overrides(overrides or {}, "variant"))

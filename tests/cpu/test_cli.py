@@ -101,6 +101,16 @@ def test_demo_end_to_end():
     assert 1e-4 < worst < 2e-2
 
 
+def test_demo_pipeline_mega():
+    """--pipeline reaches the Config and the plan (the reference backend runs every pipeline)."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-m", "megatron_dist_moe", "demo", "--ranks", "2",
+                           "--pipeline", "mega"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "bf16 / mega" in proc.stdout and "PASS" in proc.stdout
+
+
 @pytest.mark.parametrize("precision", ["fp8_block", "mxfp8", "nvfp4"])
 def test_demo_block_scaled(precision):
     """--precision: judged entry by entry against the emulated quantization's error."""
@@ -123,8 +133,9 @@ BAD_ARGS = [
      "--tracked-rank 99 is not a rank of --ep 2"),
     (["plan", "--config", "configs/tiny.yaml", "--ep", "2", "--set", "inference=true",
       "--imbalance", "2"], "an inference plan (--set inference=true) keeps no saved state"),
-    (["plan", "--config", "configs/tiny.yaml", "--ep", "2", "--set", "pipeline=mega"],
-     "Config.pipeline: no backend runs"),
+    (["plan", "--config", "configs/tiny.yaml", "--ep", "2", "--set", "pipeline=mega", "--set",
+      "precision=mxfp8", "--set", "backend=cuda"],
+     "Config.pipeline: the cuda backend does not run precision='mxfp8' with pipeline='mega'"),
     (["demo", "--routing", "one_rank", "--topk", "5"], "--topk <= 4"),
     (["demo", "--ranks", "0"], "--ranks: expected a positive integer"),
     (["demo", "--config", "configs/guide_bench.yaml"], "GiB are available"),

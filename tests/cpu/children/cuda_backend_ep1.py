@@ -32,8 +32,7 @@ def run(variant, seed):
                                 routing="random" if i != 1 else "hot_expert")
                 for i in range(LAYERS)]
     oracles = [tt.oracle_results(p, cfg) for p in problems]
-    be = H.make_backend(cfg, H.ThreadGroup(0, H.new_shared(1)), variant["overrides"],
-                        pipeline=variant.get("execution_pipeline"))
+    be = H.make_backend(cfg, H.ThreadGroup(0, H.new_shared(1)), variant["overrides"])
     out = H.run_layers(be, problems, 0, wgrad_into=variant.get("wgrad_into", False),
                        offset_views=variant.get("offset_views", False))
     y_inf, none = be.forward(*H.rank_inputs(problems[0], 0), training=False)
@@ -127,12 +126,11 @@ VARIANTS = {
     "mxfp8,wgrad_into": dict(overrides={}, pipeline="standard", wgrad_into=True,
                              cfg=dict(precision="mxfp8")),
     # the Mega forward (one persistent launch for W13 + SwiGLU and W2 + scatter; standard
-    # backward); Config does not accept pipeline="mega" yet, so the Execution carries it
-    "mega,expert_score_grads": dict(overrides=dict(TRITON), pipeline="standard",
-                                    execution_pipeline="mega",
+    # backward)
+    "mega,expert_score_grads": dict(overrides=dict(TRITON), pipeline="mega",
                                     cfg=dict(save_route_outputs=False)),
-    "mega,clamped,saved_routes": dict(overrides=dict(TRITON), pipeline="standard",
-                                      execution_pipeline="mega", activation="swiglu_clamped",
+    "mega,clamped,saved_routes": dict(overrides=dict(TRITON), pipeline="mega",
+                                      activation="swiglu_clamped",
                                       cfg=dict(save_route_outputs=True)),
     # weights as views at a storage offset (the Megatron plugin's packed weights)
     "offset_weight_views,triton_gemm,staged": dict(overrides=dict(TRITON), pipeline="staged",
