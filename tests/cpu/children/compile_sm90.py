@@ -295,8 +295,8 @@ for name in names:
         if jit_name == "_grouped_mm_kernel":   # as on the GPU: sleeping, trapping waits, fences
             kw = dict(kw, ON_GPU=True,
                       PROXY_FENCE=bool(kw.get("A_CLAIM")) and bool(kw.get("USE_TMA")))
-        if module is GM:   # as on the GPU: tensor cores, sleeping bounded waits
-            kw = dict(kw, IEEE=False, SLEEP=True)
+        if module is GM:   # as on the GPU: tensor cores, sleeping bounded waits, TMA loads
+            kw = dict(kw, IEEE=False, SLEEP=True, USE_TMA=True)
         if module in (G8, KQ, KM, KN, GN):   # as on the GPU: TMA, fp8 tensor cores, hardware conversions
             kw = dict(kw, HW=True)
             if "IEEE" in kw:
