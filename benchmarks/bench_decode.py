@@ -171,8 +171,9 @@ def main():
                 note = "CUDA graph"
                 if str(T) in args.profile_tokens.split(","):
                     os.makedirs(args.out, exist_ok=True)
-                    profile_graph(fwd, os.path.join(args.out, f"profile_decode_T{T}_{path}.txt"),
-                                  iter_ms=t.median_ms)
+                    suffix = f"_rank{rank}" if EP > 1 else ""
+                    profile_graph(fwd, os.path.join(
+                        args.out, f"profile_decode_T{T}_{path}{suffix}.txt"), iter_ms=t.median_ms)
                 if precision in ("fp8_block", "mxfp8"):
                     ex = ctx.backend.experts
                     prep = (lambda: ex.k.weights(inp["w13"], inp["w2"], False)) \

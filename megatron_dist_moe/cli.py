@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from .config import PIPELINES
+
 __all__ = ["main", "LayerDecision", "SlotSimulation", "imbalanced_rows", "simulate_slot"]
 
 
@@ -333,11 +335,12 @@ def cmd_demo(args) -> int:
     if base.get("precision") == "nvfp4":    # inference only, on prepared weights
         base.update(inference=True, num_activation_slots=0)
         base.pop("activation_slot_capacity_factor", None)
-        from .execution import runs
-        if backend == "auto" and not runs("cuda", "nvfp4", base.get("pipeline", "standard")):
-            backend = "reference"
-            where += (f"; nvfp4 on the reference backend (the CUDA backend does not run it with "
-                      f"pipeline={base.get('pipeline')!r})")
+    from .execution import runs
+    precision, pipeline = base.get("precision", "bf16"), base.get("pipeline", "standard")
+    if backend == "auto" and not runs("cuda", precision, pipeline):
+        backend = "reference"
+        where += (f"; precision={precision!r} with pipeline={pipeline!r} on the reference "
+                  f"backend (the CUDA backend does not run that pair)")
     base["backend"] = backend
     cfg = Config(**base)
     E_local = cfg.num_local_experts(ranks)
@@ -446,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fp8_block: E4M3 with 1x128 / 128x128 scales; mxfp8: E4M3 with E8M0 "
                     "scales per 32; nvfp4: inference on prepared E2M1 weights (D, F multiples "
                     "of 128 for all three)")
-    pd.add_argument("--pipeline", choices=("standard", "staged", "mega"),
+    pd.add_argument("--pipeline", choices=PIPELINES,
                     help="the CUDA kernel sequence (the reference backend runs one algorithm "
                     "for all; dm.RUNS lists which precision runs with which)")
     pd.add_argument("--routing", default="random",

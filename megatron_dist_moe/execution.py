@@ -129,15 +129,18 @@ class Execution:
         if backend == "reference" and chosen:
             raise ValueError(f"execution overrides {sorted(chosen)} select CUDA-backend twins; "
                              "this context runs the reference backend")
-        if chosen.get("gemm_engine") == "torch" and config.precision != "bf16":
-            raise ValueError(f"gemm_engine='torch' is the bf16 GEMM oracle; precision="
-                             f"{config.precision!r} runs our kernels only")
-        if chosen.get("gemm_engine") == "torch" and config.pipeline == "staged":
-            raise ValueError("gemm_engine='torch' runs the standard pipeline only (the staged "
-                             "pipeline's claimed gathers live inside our GEMMs)")
         return cls(backend=backend, precision=config.precision, pipeline=config.pipeline,
                    inference=config.inference, save_route_outputs=config.save_route_outputs,
                    wait_timeout_s=float(config.wait_timeout_s), **chosen)
+
+    def __post_init__(self):
+        if self.gemm_engine == "torch" and self.precision != "bf16":
+            raise ValueError(f"gemm_engine='torch' is the bf16 GEMM oracle; precision="
+                             f"{self.precision!r} runs our kernels only")
+        if self.gemm_engine == "torch" and self.pipeline != "standard":
+            raise ValueError(f"gemm_engine='torch' runs the standard pipeline only (pipeline="
+                             f"{self.pipeline!r}: the staged claims and the Mega work list "
+                             "live inside our GEMMs)")
 
     def replace(self, **changes) -> "Execution":
         return dataclasses.replace(self, **changes)
@@ -172,6 +175,10 @@ class Execution:
                 gemms = ("Triton persistent bf16 grouped GEMMs on the MXFP8 operands' bf16 "
                          "copies (exact: Hopper has no MXFP8 instruction); scatter to the "
                          "owners in the W2 epilogue")
+            elif self.precision == "nvfp4":
+                gemms = ("Triton NVFP4 grouped GEMMs on prepared weights: E2M1 x E4M3 decoded "
+                         "into exact fp16 in registers (packed PTX), fp16 MMAs, the global "
+                         "scales in the epilogue; scatter to the owners in the W2 epilogue")
             elif self.gemm_engine == "triton" and self.pipeline == "mega":
                 gemms = ("one persistent Triton launch for the forward: programs claim W13 "
                          "tiles (+ SwiGLU), then W2 tiles (+ scatter to the owners) from one "
@@ -198,6 +205,10 @@ class Execution:
                           "saved h1 row bundle); backward: g3 and grad_h1 rows and the WGRAD "
                           "operands' columns; weights (32 x 32 tiles) by every forward, reused by its "
                           "backward")]
+            if self.precision == "nvfp4":
+                rows += [("quantization", "token rows by their source rank (NVFP4 byte rows in "
+                          "the dispatch buffer); W13 stores h1 (bf16), one launch applies the "
+                          "SwiGLU and quantizes h2's rows")]
             if not self.inference:
                 rows += [("backward", "W2 DGRAD with the SwiGLU backward in its epilogue, "
                           "W2 WGRAD, W13 DGRAD scattering to the owners, W13 WGRAD"

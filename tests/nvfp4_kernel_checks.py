@@ -106,6 +106,11 @@ def _check_nvfp4_mm(device, lens, NK):
     nvfp4_grouped_mm(a=a, weight=W, expert_offsets=offs, max_rows=R + 3, epilogue="store",
                      out=out)
     _close(f"nvfp4 store R={R}", out.float(), ref, 8e-3)
+    if out.is_cuda:   # the packed-PTX decode and the Triton-op decode give the same bits
+        out2 = torch.full_like(out, float("nan"))
+        nvfp4_grouped_mm(a=a, weight=W, expert_offsets=offs, max_rows=R + 3, epilogue="store",
+                         out=out2, decode="f16")
+        assert torch.equal(out, out2), f"R={R}: the f16_asm and f16 decodes differ"
     dst = torch.full((R + 2, N), float("nan"), dtype=BF, device=device)
     perm = torch.randperm(R + 2, generator=torch.Generator().manual_seed(2))[:R].to(device)
     ptrs = dst.data_ptr() + perm.long() * N * 2

@@ -180,15 +180,31 @@ def test_execution_overrides_are_strict(monkeypatch):
         Execution.resolve(make(), torch.device("cpu"), {"gemm_engine": "torch"})
 
 
-@pytest.mark.parametrize("precision, gemm", [("bf16", "Triton persistent grouped GEMMs"),
-                                             ("fp8_block", "FP8 block-scaled")])
-def test_cuda_execution_explains_every_step(precision, gemm):
+@pytest.mark.parametrize("precision, pipeline, gemm", [
+    ("bf16", "standard", "Triton persistent grouped GEMMs"),
+    ("bf16", "mega", "one persistent Triton launch for the forward"),
+    ("fp8_block", "standard", "FP8 block-scaled"),
+    ("mxfp8", "standard", "MXFP8 operands' bf16 copies"),
+    ("nvfp4", "standard", "NVFP4 grouped GEMMs on prepared weights")])
+def test_cuda_execution_explains_every_step(precision, pipeline, gemm):
     from megatron_dist_moe.execution import Execution
-    ex = Execution(backend="cuda", precision=precision, pipeline="standard", inference=False,
+    inference = precision == "nvfp4"
+    ex = Execution(backend="cuda", precision=precision, pipeline=pipeline, inference=inference,
                    save_route_outputs=False, wait_timeout_s=600.0)
     text = ex.explain()
-    for key in ("pipeline", "GEMMs", "x gather", "routing tables", "bookkeeping", "backward",
-                "device waits", "score gradients"):
+    keys = ("pipeline", "GEMMs", "x gather", "routing tables", "bookkeeping", "device waits")
+    for key in keys + (() if inference else ("backward", "score gradients")):
         assert key in text, (precision, key)
     assert gemm in text
     assert ("quantization" in text) == (precision != "bf16")
+
+
+@pytest.mark.parametrize("precision, pipeline", [("bf16", "mega"), ("bf16", "staged"),
+                                                 ("fp8_block", "standard")])
+def test_torch_gemm_oracle_runs_bf16_standard_only(precision, pipeline):
+    """The torch GEMM oracle has no claims, no Mega work list and no quantized GEMMs: any other
+    combination is refused, not silently run as the oracle's standard bf16 pipeline."""
+    from megatron_dist_moe.execution import Execution
+    with pytest.raises(ValueError, match="gemm_engine='torch'"):
+        Execution(backend="cuda", precision=precision, pipeline=pipeline, inference=False,
+                  save_route_outputs=False, wait_timeout_s=600.0, gemm_engine="torch")

@@ -361,7 +361,8 @@ def main():
     from megatron_dist_moe.execution import runs
     combos = [(pr, e, p) for pr in args.precisions.split(",") for e in args.engines.split(",")
               for p in args.pipelines.split(",")
-              if not (e == "torch" and (p == "staged" or pr != "bf16")) and runs("cuda", pr, p)]
+              if not (e == "torch" and (p != "standard" or pr != "bf16")) and runs("cuda", pr, p)
+              and pr != "nvfp4"]     # nvfp4 runs inference only: inference_check.py
     for (precision, engine, pipeline), sh in ((c, sh) for c in combos for sh in shapes):
         exe = {"gemm_engine": engine}
         T = sh["T"]

@@ -245,7 +245,7 @@ def main():
         try:
             run_after_training(512, EP, rank, dev, results, precision, pipeline)
         except Exception as e:
-            results.append(dict(case=f"{precision}_{pipeline}_inference_after_training",
+            results.append(dict(case=f"{precision}_{pipeline}_T512_inference_after_training",
                                 rank=rank, ok=False, error=repr(e),
                                 tb=traceback.format_exc()[-2000:]))
     gathered = [None] * EP

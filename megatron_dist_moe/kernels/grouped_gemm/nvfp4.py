@@ -47,7 +47,7 @@ def _decode_f16(packed, scales16, ROWS: tl.constexpr, BK: tl.constexpr):
     [ROWS, BK/16], by bit placement: an E2M1 code's sign to bit 15 and its three magnitude bits
     to bits 11..9 give the fp16 of value x 2^-14 (E2M1's subnormal 0.5 lands on fp16's
     subnormal 2^-15), which one multiply by 2^14 and one by the E4M3 scale make exact: the
-    products have at most 6 significant bits and lie in [2^-13, 2688], fp16's normal range."""
+    products have at most 6 significant bits and lie in [2^-10, 2688], fp16's normal range."""
     b = packed.to(tl.uint16)
     lo = ((b << 12) & 0x8000) | ((b << 9) & 0x0E00)                   # element 2j
     hi = ((b << 8) & 0x8000) | ((b << 5) & 0x0E00)                    # element 2j + 1
@@ -89,7 +89,7 @@ def _decode_f16_asm(packed, scales16, ROWS: tl.constexpr, BK: tl.constexpr):
 
 @triton.jit
 def _dot(a, b, acc, IEEE: tl.constexpr):
-    if IEEE:   # the interpreter's bf16 dot is wrong; fp32 products of bf16 values are exact
+    if IEEE:   # the interpreter's half-precision dot is wrong; fp32 products of fp16 are exact
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc)
 
@@ -175,6 +175,8 @@ DECODES = ("f16_asm", "f16")
 
 
 def default_tiles(max_rows: int, E: int) -> Nvfp4Tiles:
+    """Tiles by max_rows / E: the row capacity per expert (the context's scratch bound, which
+    at EP > 1 exceeds the balanced rows by the device scratch factor), not the call's rows."""
     return (DECODE_TILES if max_rows <= 16 * E else SMALL_TILES if max_rows <= 64 * E
             else LARGE_TILES)
 
