@@ -40,10 +40,13 @@ FIELDS = ["commit", "gpu", "precision", "kernel", "variant", "shape", "rows", "m
 BF = torch.bfloat16
 E = 6
 GEMMS = {"w13": (6144, 7168), "w2": (7168, 3072)}
-# --sweep: tile candidates around each regime's default (f16_asm decode)
-DECODE_SWEEP = [Nvfp4Tiles(16, 64, 128, 4, 3, 3), Nvfp4Tiles(16, 64, 128, 4, 3, 4),
-                Nvfp4Tiles(16, 64, 128, 8, 3, 2), Nvfp4Tiles(32, 64, 128, 4, 3, 2),
-                Nvfp4Tiles(16, 64, 128, 4, 4, 2), Nvfp4Tiles(16, 32, 128, 4, 3, 4)]
+# --sweep: tile candidates around each regime's default (f16_asm decode). Each warp of a
+# 16-row tile decodes the whole A tile (the MMA's M side), so the decode work per weight is
+# 1 + num_warps x 16 x BK / (BN x BK): wider tiles with fewer warps decode A less often.
+DECODE_SWEEP = [Nvfp4Tiles(16, 64, 128, 4, 3, 2), Nvfp4Tiles(16, 128, 128, 4, 3, 4),
+                Nvfp4Tiles(16, 128, 128, 2, 3, 4), Nvfp4Tiles(16, 128, 128, 2, 3, 8),
+                Nvfp4Tiles(16, 256, 128, 4, 3, 2), Nvfp4Tiles(32, 64, 128, 4, 3, 2),
+                Nvfp4Tiles(32, 128, 128, 4, 3, 2)]
 LARGE_SWEEP = [Nvfp4Tiles(128, 128, 64, 8), Nvfp4Tiles(128, 256, 64, 8, 3, 2),
                Nvfp4Tiles(128, 128, 128, 8)]
 
