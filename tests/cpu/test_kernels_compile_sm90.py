@@ -35,7 +35,7 @@ VARIANTS = ["fwd_swiglu_tma", "fwd_swiglu_claim_sliced", "fwd_w2_scatter_clamped
             "mxfp8_quantize_all", "mxfp8_quantize_x", "mxfp8_quantize_grad",
             "mxfp8_quantize_cols_fake", "mxfp8_swiglu_quant", "mxfp8_dequantize_rows",
             "mxfp8_dequantize_cols", "mxfp8_fake_weight", "nvfp4_quantize_rows",
-            "nvfp4_swiglu_quant", "nvfp4_mm_store", "nvfp4_mm_scatter_decode", "mega_fwd"]
+            "nvfp4_swiglu_quant", "nvfp4_mm_store", "nvfp4_mm_scatter_decode", "nvfp4_dequantize_rows", "mega_fwd"]
 
 MAX_SPILL_BYTES = 256
 

@@ -118,8 +118,8 @@ def test_prepare_refuses_bad_weights_naming_the_argument(kw, arg):
     assert e.value.arg == arg
 
 
-def test_nvfp4_needs_an_inference_context_and_a_backend_that_runs_it():
+def test_nvfp4_needs_an_inference_context_and_a_pipeline_that_runs_it():
     with pytest.raises(dm.ConfigError, match="inference"):
         _config(inference=False, num_activation_slots=1)
-    with pytest.raises(dm.ConfigError, match="precision"):
-        _config(backend="cuda")
+    with pytest.raises(dm.ConfigError, match="pipeline"):
+        _config(backend="cuda", pipeline="mega")

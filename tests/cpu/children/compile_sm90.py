@@ -243,7 +243,8 @@ VARIANTS["nvfp4_mm_store"] = lambda: GN.nvfp4_grouped_mm(a=p, weight=_W4, expert
     max_rows=R, epilogue="store", out=p, tiles=GN.LARGE_TILES, decode="f16_asm")
 VARIANTS["nvfp4_mm_scatter_decode"] = lambda: GN.nvfp4_grouped_mm(
     a=p, weight=_W4, expert_offsets=offs, max_rows=48, epilogue="scatter", out_row_ptrs=rows_tab,
-    tiles=GN.DECODE_TILES, decode="f16_asm")
+    a16=p, tiles=GN.DECODE_TILES, decode="f16_asm")
+VARIANTS["nvfp4_dequantize_rows"] = lambda: KN.dequantize_rows(p, offs[-1:], R, D, out=p)
 # the Mega forward, with the GPU's tile config
 from megatron_dist_moe.kernels.grouped_gemm import mega as GM  # noqa: E402
 _MEGA_CFG = G.CONFIG_TABLE[("fwd", "large")]
@@ -255,6 +256,7 @@ JIT = {"rows_device_check": (K_checks, "_device_check_kernel"),
        "nvfp4_mm_store": (GN, "_nvfp4_mm_kernel"),
        "nvfp4_mm_scatter_decode": (GN, "_nvfp4_mm_kernel"),
        "nvfp4_quantize_rows": (KN, "_quant_rows_kernel"),
+       "nvfp4_dequantize_rows": (KN, "_deq_rows_kernel"),
        "nvfp4_swiglu_quant": (KN, "_quant_rows_kernel"),
        "claim_status_check": (K_checks, "_check_status_kernel"),
        "mxfp8_quantize_all": (KM, "_quant_kernel"),
