@@ -43,15 +43,17 @@ FIELDS = ["commit", "gpu", "precision", "kernel", "variant", "shape", "rows", "m
 BF = torch.bfloat16
 E = 6
 GEMMS = {"w13": (6144, 7168), "w2": (7168, 3072)}
-# --sweep: tile candidates around each regime's default (f16_asm decode). Each warp of a
-# 16-row tile decodes the whole A tile (the MMA's M side), so the decode work per weight is
-# 1 + num_warps x 16 x BK / (BN x BK): wider tiles with fewer warps decode A less often.
+# --sweep: tile candidates around each regime's default (f16_asm decode, A decoded once). Without
+# the pre-decoded A each warp of a 16-row tile decodes the whole A tile (the MMA's M side): per
+# weight value 1 + num_warps x 16 / BN values, which the "A once" form removes.
 DECODE_SWEEP = [Nvfp4Tiles(16, 64, 128, 4, 3, 2), Nvfp4Tiles(16, 128, 128, 4, 3, 4),
                 Nvfp4Tiles(16, 128, 128, 2, 3, 4), Nvfp4Tiles(16, 128, 128, 2, 3, 8),
                 Nvfp4Tiles(16, 256, 128, 4, 3, 2), Nvfp4Tiles(32, 64, 128, 4, 3, 2),
                 Nvfp4Tiles(32, 128, 128, 4, 3, 2)]
-LARGE_SWEEP = [Nvfp4Tiles(128, 128, 64, 8), Nvfp4Tiles(128, 256, 64, 8, 3, 2),
-               Nvfp4Tiles(128, 128, 128, 8)]
+# 256-row tiles decode each weight tile half as often as 128-row ones (the decoded W tile sits
+# in shared memory for both warpgroups' wgmma)
+LARGE_SWEEP = [Nvfp4Tiles(128, 128, 64, 8), Nvfp4Tiles(256, 128, 64, 8),
+               Nvfp4Tiles(256, 128, 64, 8, 4), Nvfp4Tiles(128, 256, 64, 8, 3, 2)]
 
 
 def tiles_name(t: Nvfp4Tiles) -> str:
