@@ -460,6 +460,32 @@ def check_claim_wait_gives_up():
     assert time.time() - t0 < 120, "the wait took far longer than its timeout"
 
 
+def check_claim_wait_gives_up_once_another_has():
+    """The status word already holds a verdict (another wait of this launch gave up): a wait
+    stops after its busy polls instead of spinning for its own (here an hour's) poll budget,
+    so one dead copier costs one timeout, not one per waiting tile."""
+    import torch
+    from megatron_dist_moe.kernels.checks import CHECK_WAIT_TIMEOUT, max_polls
+    from megatron_dist_moe.kernels.grouped_gemm import ClaimFlags, device_ptr, grouped_mm_fwd
+    lens, d, f = [20, 12], 64, 32
+    offs, r = _offsets(lens), sum(lens)
+    flags = ClaimFlags(r, None, 2, "cpu")
+    ep = int(flags.epoch) + 1
+    flags.claimed[1] = (ep << flags.SLICE_SHIFT) + 100    # m-tile 1: never copied
+    flags.status[0] = CHECK_WAIT_TIMEOUT                   # an earlier wait's verdict
+    src = torch.randn(r, d)
+    copy, h2 = torch.zeros(r, d), torch.zeros(r, f)
+    t0 = time.time()
+    grouped_mm_fwd(w=torch.randn(2, 2 * f, d), expert_offsets=offs, max_rows=r,
+                   a_row_ptrs=_row_ptrs(src, torch.arange(r), d), a_copy_out=device_ptr(copy),
+                   claim_flags=flags, epilogue="swiglu", h2=h2, num_programs=2, timeout_s=3600.0,
+                   rank=5)
+    code, what, rank, polls = flags.status.tolist()
+    assert code == CHECK_WAIT_TIMEOUT and rank == 5, flags.status.tolist()
+    assert polls == max_polls(3600.0), f"polls {polls}: the wait did not stop on the verdict"
+    assert time.time() - t0 < 120, "the wait spun on its own budget"
+
+
 def check_claim_dgrad_and_scatter():
     """W2 DGRAD (store) and an FPROP scatter epilogue in claim mode, one flag object shared."""
     import torch
