@@ -52,15 +52,23 @@ def results():
 def test_block_scaled_within_twice_the_emulated_quantization_error(results, name):
     """fp8_block, mxfp8: every output and gradient within 2x of the error that the same
     quantization emulated in plain torch makes against the fp64 oracle
-    (testing.block_quant_emulation); and quantized for real (E4M3 errors are percents, far above
-    bf16's)."""
+    (testing.block_quant_emulation), nearer to that emulation than it is to the oracle, and
+    quantized for real (E4M3 errors are percents, far above bf16's)."""
     r = results.get(name)
     assert r is not None, f"{name}: no result"
     assert r["ok"], f"{name}: {r['error']}\n{r['trace']}"
-    for layer, (errs, em) in enumerate(zip(r["errors"], r["emulation_errors"])):
+    for layer, (errs, em, vs) in enumerate(zip(r["errors"], r["emulation_errors"],
+                                               r["vs_emulation"])):
         for k, e in errs.items():
             assert e <= 2 * em[k], f"{name}: layer {layer} {k} error {e:.3e} vs emulated {em[k]:.3e}"
             assert 0.02 < e < 0.2, f"{name}: layer {layer} {k} error {e:.3e}"
+            # nearer to the emulation than the emulation is to the oracle: the same quantization
+            # points (rounding flips from another summation order keep them 0.1-3 % apart, up
+            # to 0.6x the emulation's own error in these cases; a kernel that skipped or
+            # misplaced a quantization would sit ~1x away)
+            assert vs[k] <= 0.75 * em[k], (
+                f"{name}: layer {layer} {k} {vs[k]:.3e} from the emulation, whose own error is "
+                f"{em[k]:.3e}")
     assert r["inference_error"] <= 2 * r["inference_emulation_error"]
     assert r["needs"] == [False, True, True] and r["cursors_back"]
     assert r["layout_guard"] == [0, 0, 0]
