@@ -34,7 +34,7 @@ __all__ = [
     "block_quant_emulation",
     "nvfp4_emulation",
     "nvfp4_oracle_y",
-    "spawn", "SpawnedRankDied", "run_child_checks", "RESULT_NAMES",
+    "spawn", "SpawnedRankDied", "run_child_checks", "assert_child_check", "RESULT_NAMES",
 ]
 
 RESULT_NAMES = ("y", "grad_x", "grad_scores", "grad_w13", "grad_w2")
@@ -534,3 +534,11 @@ def run_child_checks(argv: list[str], *, interpret: bool = True, timeout_s: floa
         raise RuntimeError(f"the child printed no result (rc={proc.returncode}):\n"
                            f"{proc.stderr[-4000:]}")
     return results, proc.stdout
+
+
+def assert_child_check(results: dict[str, dict], name: str) -> None:
+    """One check of `run_child_checks`' results reported and passed (else its error and
+    traceback)."""
+    res = results.get(name)
+    assert res is not None, f"check {name} did not report (child crashed?)"
+    assert res["ok"], f"{res['error']}\n{res.get('trace', '')}"

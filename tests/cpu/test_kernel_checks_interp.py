@@ -50,9 +50,7 @@ def results():
 
 @pytest.mark.parametrize("name", list(CHECKS))
 def test_kernel_check_interpreter(results, name):
-    res = results.get(name)
-    assert res is not None, f"check {name} did not report (child crashed?)"
-    assert res["ok"], f"{res['error']}\n{res.get('trace', '')}"
+    tt.assert_child_check(results, name)
 
 
 if __name__ == "__main__":

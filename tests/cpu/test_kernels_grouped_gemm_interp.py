@@ -433,57 +433,51 @@ def check_claim_fwd_swiglu_tma_fp16():
                     seed_rows=100 + i)
 
 
-def check_claim_wait_gives_up():
-    """A slice that is never counted as copied (its counter pre-set to "all claimed" in this
-    launch's epoch, as if the copier died): the programs that wait for it give up after the
-    timeout and, where they cannot trap (the interpreter), record (CHECK_WAIT_TIMEOUT, what,
-    rank) in the flags' status word instead of spinning for ever."""
+def _dead_copier_launch(timeout_s: float, verdict: int = 0):
+    """One claimed W13 launch whose m-tile 1 is never counted as copied (its slice counter
+    pre-set to "all claimed" in this launch's epoch, as if the copier died); `verdict`: a
+    status code already recorded by another wait. Returns the flags' status and the seconds."""
     import torch
-    from megatron_dist_moe.kernels.checks import CHECK_WAIT_TIMEOUT, WAIT_CLAIM_SLICES
     from megatron_dist_moe.kernels.grouped_gemm import ClaimFlags, device_ptr, grouped_mm_fwd
     lens, d, f = [20, 12], 64, 32
     offs, r = _offsets(lens), sum(lens)
     flags = ClaimFlags(r, None, 2, "cpu")
     ep = int(flags.epoch) + 1
     flags.claimed[1] = (ep << flags.SLICE_SHIFT) + 100    # m-tile 1: every slice "claimed"
+    flags.status[0] = verdict
     src = torch.randn(r, d)
     copy, h2 = torch.zeros(r, d), torch.zeros(r, f)
     t0 = time.time()
     grouped_mm_fwd(w=torch.randn(2, 2 * f, d), expert_offsets=offs, max_rows=r,
                    a_row_ptrs=_row_ptrs(src, torch.arange(r), d), a_copy_out=device_ptr(copy),
-                   claim_flags=flags, epilogue="swiglu", h2=h2, num_programs=2, timeout_s=0.002,
-                   rank=5)
-    code, what, rank, polls = flags.status.tolist()
-    assert code == CHECK_WAIT_TIMEOUT, f"status {flags.status.tolist()}: the wait did not give up"
-    assert what == (WAIT_CLAIM_SLICES << 32) + 1 and rank == 5, flags.status.tolist()
-    assert polls >= 256, flags.status.tolist()
-    assert time.time() - t0 < 120, "the wait took far longer than its timeout"
+                   claim_flags=flags, epilogue="swiglu", h2=h2, num_programs=2,
+                   timeout_s=timeout_s, rank=5)
+    return flags.status.tolist(), time.time() - t0
+
+
+def check_claim_wait_gives_up():
+    """The programs that wait for a dead copier's slice give up after the timeout and, where
+    they cannot trap (the interpreter), record (CHECK_WAIT_TIMEOUT, what, rank) in the flags'
+    status word instead of spinning for ever."""
+    from megatron_dist_moe.kernels.checks import CHECK_WAIT_TIMEOUT, WAIT_CLAIM_SLICES
+    status, seconds = _dead_copier_launch(0.002)
+    code, what, rank, polls = status
+    assert code == CHECK_WAIT_TIMEOUT, f"status {status}: the wait did not give up"
+    assert what == (WAIT_CLAIM_SLICES << 32) + 1 and rank == 5, status
+    assert polls >= 256, status
+    assert seconds < 120, "the wait took far longer than its timeout"
 
 
 def check_claim_wait_gives_up_once_another_has():
     """The status word already holds a verdict (another wait of this launch gave up): a wait
     stops after its busy polls instead of spinning for its own (here an hour's) poll budget,
     so one dead copier costs one timeout, not one per waiting tile."""
-    import torch
     from megatron_dist_moe.kernels.checks import CHECK_WAIT_TIMEOUT, max_polls
-    from megatron_dist_moe.kernels.grouped_gemm import ClaimFlags, device_ptr, grouped_mm_fwd
-    lens, d, f = [20, 12], 64, 32
-    offs, r = _offsets(lens), sum(lens)
-    flags = ClaimFlags(r, None, 2, "cpu")
-    ep = int(flags.epoch) + 1
-    flags.claimed[1] = (ep << flags.SLICE_SHIFT) + 100    # m-tile 1: never copied
-    flags.status[0] = CHECK_WAIT_TIMEOUT                   # an earlier wait's verdict
-    src = torch.randn(r, d)
-    copy, h2 = torch.zeros(r, d), torch.zeros(r, f)
-    t0 = time.time()
-    grouped_mm_fwd(w=torch.randn(2, 2 * f, d), expert_offsets=offs, max_rows=r,
-                   a_row_ptrs=_row_ptrs(src, torch.arange(r), d), a_copy_out=device_ptr(copy),
-                   claim_flags=flags, epilogue="swiglu", h2=h2, num_programs=2, timeout_s=3600.0,
-                   rank=5)
-    code, what, rank, polls = flags.status.tolist()
-    assert code == CHECK_WAIT_TIMEOUT and rank == 5, flags.status.tolist()
+    status, seconds = _dead_copier_launch(3600.0, verdict=CHECK_WAIT_TIMEOUT)
+    code, what, rank, polls = status
+    assert code == CHECK_WAIT_TIMEOUT and rank == 5, status
     assert polls == max_polls(3600.0), f"polls {polls}: the wait did not stop on the verdict"
-    assert time.time() - t0 < 120, "the wait spun on its own budget"
+    assert seconds < 120, "the wait spun on its own budget"
 
 
 def check_claim_dgrad_and_scatter():
@@ -688,9 +682,7 @@ def interp_results():
 
 @pytest.mark.parametrize("name", list(CHECKS))
 def test_grouped_gemm_interpreter(interp_results, name):
-    res = interp_results.get(name)
-    assert res is not None, f"check {name} did not report (child crashed?)"
-    assert res["ok"], f"{res['error']}\n{res.get('trace', '')}"
+    tt.assert_child_check(interp_results, name)
 
 
 if __name__ == "__main__":

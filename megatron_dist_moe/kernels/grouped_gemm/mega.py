@@ -41,6 +41,7 @@ from ..common import (as_device_ptr, check_offsets, check_rows, default_num_prog
                       interpreting, load_ptr)
 from ..rows import _act_fwd
 from .config import MIN_BLOCK_M, GroupedGemmConfig, select_config
+from .mm import _dot   # fp32 products in the interpreter
 from .tiles import expert_segments, tile_bound, tile_coords, tile_list
 
 __all__ = ["MegaFlags", "mega_fwd"]
@@ -65,13 +66,6 @@ class MegaFlags:
 
     def next_epoch(self) -> None:
         self.epoch.add_(1)
-
-
-@triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
-    if IEEE:   # the interpreter's bf16 dot is wrong: fp32 products of bf16 values are exact
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
 
 
 @triton.jit

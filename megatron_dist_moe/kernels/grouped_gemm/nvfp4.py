@@ -33,6 +33,7 @@ import triton.language as tl
 
 from ...layout import nvfp4_row_bytes
 from ..common import as_device_ptr, check_offsets, check_rows, default_num_programs, interpreting, load_ptr
+from .mm import _dot   # fp32 products in the interpreter
 from .tiles import expert_segments, tile_bound, tile_coords, tile_list
 
 __all__ = ["nvfp4_grouped_mm", "NVFP4_EPILOGUES", "Nvfp4Tiles", "DECODE_TILES", "SMALL_TILES",
@@ -85,13 +86,6 @@ def _decode_f16_asm(packed, scales16, ROWS: tl.constexpr, BK: tl.constexpr):
     lo, hi = tl.inline_asm_elementwise(_E2M1X4_ASM, "=r,=r,=r,=r,r,r,r", [b, sc],
                                        dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
     return tl.reshape(tl.join(lo, hi), (ROWS, BK))
-
-
-@triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
-    if IEEE:   # the interpreter's half-precision dot is wrong; fp32 products of fp16 are exact
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
 
 
 @triton.jit
