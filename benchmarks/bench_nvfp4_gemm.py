@@ -8,7 +8,9 @@ is the guide's training load) and GEMM (w13: N=6144, K=7168; w2: N=7168, K=3072)
 
     nvfp4 <decode>/<tiles>   kernels/grouped_gemm/nvfp4.py with that decode ("f16_asm": packed
                              PTX; "f16": the same bits in Triton ops) and tile shape (BMxBNxBK,
-                             warps, stages, programs per SM)
+                             warps, stages, programs per SM); "+A once": the A rows decoded
+                             by quant_nvfp4.dequantize_rows first (timed with it), as the
+                             pipeline runs it, instead of by every program
     bf16                     our bf16 grouped GEMM (store epilogue) on the dequantized weights
                              and rows: what the bf16 path runs at the same R
 
@@ -33,6 +35,7 @@ from common import append_csv_fields, git_commit, pyplot, time_windows  # noqa: 
 from megatron_dist_moe.kernels.grouped_gemm import grouped_mm_fwd  # noqa: E402
 from megatron_dist_moe.kernels.grouped_gemm.nvfp4 import (  # noqa: E402
     Nvfp4Tiles, default_tiles, nvfp4_grouped_mm)
+from megatron_dist_moe.kernels.quant_nvfp4 import dequantize_rows  # noqa: E402
 from megatron_dist_moe.quant import nvfp4 as NV  # noqa: E402
 
 FIELDS = ["commit", "gpu", "precision", "kernel", "variant", "shape", "rows", "ms", "ms_min",
@@ -40,9 +43,9 @@ FIELDS = ["commit", "gpu", "precision", "kernel", "variant", "shape", "rows", "m
 BF = torch.bfloat16
 E = 6
 GEMMS = {"w13": (6144, 7168), "w2": (7168, 3072)}
-# --sweep: tile candidates around each regime's default (f16_asm decode). Each warp of a 16-row
-# tile decodes the whole A tile (the MMA's M side), so a program decodes 1 + num_warps x 16 / BN
-# values per weight value: wider tiles with fewer warps decode A less often.
+# --sweep: tile candidates around each regime's default (f16_asm decode, A decoded once). Without
+# the pre-decoded A each warp of a 16-row tile decodes the whole A tile (the MMA's M side): per
+# weight value 1 + num_warps x 16 / BN values, which the "A once" form removes.
 DECODE_SWEEP = [Nvfp4Tiles(16, 64, 128, 4, 3, 2), Nvfp4Tiles(16, 128, 128, 4, 3, 4),
                 Nvfp4Tiles(16, 128, 128, 2, 3, 4), Nvfp4Tiles(16, 128, 128, 2, 3, 8),
                 Nvfp4Tiles(16, 256, 128, 4, 3, 2), Nvfp4Tiles(32, 64, 128, 4, 3, 2),
@@ -97,23 +100,31 @@ def main(argv=None) -> int:
             flops = 2 * R * N * K
             wbytes = E * N * K // 2 + E * (N // 16) * (K // 16)
             default = default_tiles(R, E)
-            variants = [("bf16", None)] + [(d, default) for d in ("f16_asm", "f16")]
+            # (decode, tiles, A decoded once by dequantize_rows (timed with the GEMM) or not)
+            variants = [("bf16", None, False), ("f16_asm", default, True),
+                        ("f16_asm", default, False), ("f16", default, True)]
             if args.sweep:
-                variants += [("f16_asm", t) for t in (DECODE_SWEEP if R <= 64 * E else
-                                                       LARGE_SWEEP) if t != default]
+                variants += [("f16_asm", t, True) for t in (DECODE_SWEEP if R <= 64 * E else
+                                                             LARGE_SWEEP) if t != default]
+            a16 = torch.empty(R, K, dtype=torch.float16, device=dev)
+            nrows = torch.tensor([R], dtype=torch.int32, device=dev)
             t_bf16 = None
-            for decode, tiles in variants:
+            for decode, tiles, pre in variants:
                 if decode == "bf16":
                     def fn(p=p, out=out):
                         grouped_mm_fwd(w=p["wd"], expert_offsets=p["offs"], max_rows=R,
                                        a=p["xd"], epilogue="store", out=out)
                     name, tol = "bf16 (ours, dequantized operands)", 2e-2
                 else:
-                    def fn(p=p, out=out, decode=decode, tiles=tiles):
+                    def fn(p=p, out=out, decode=decode, tiles=tiles, pre=pre, a16=a16,
+                           nrows=nrows, K=K):
+                        if pre:
+                            dequantize_rows(p["a"], nrows, R, K, out=a16)
                         nvfp4_grouped_mm(a=p["a"], weight=p["W"], expert_offsets=p["offs"],
                                          max_rows=R, epilogue="store", out=out, tiles=tiles,
-                                         decode=decode)
-                    name, tol = f"{decode}/{tiles_name(tiles)}", 8e-3
+                                         decode=decode, a16=a16 if pre else None)
+                    name = f"{decode}{'+A once' if pre else ''}/{tiles_name(tiles)}"
+                    tol = 8e-3
                 out.fill_(float("nan"))
                 try:
                     fn()
@@ -143,8 +154,8 @@ def main(argv=None) -> int:
                     weight_gbps=round((2 * E * N * K if decode == "bf16" else wbytes)
                                       / (t.median_ms * 1e-3) / 1e9),
                     ratio_to_bf16="" if t_bf16 is None else round(t_bf16 / t.median_ms, 3),
-                    note="the pipeline's form" if tiles == default and decode == "f16_asm"
-                    else ""))
+                    note=("the pipeline's form" if tiles == default and pre and
+                          decode == "f16_asm" else "")))
                 print(f"  R={R:<6} {gemm:<4} {name:<40} {us:9.1f} us "
                       f"{rows[-1]['useful_tflops']:7.1f} TFLOP/s {rows[-1]['weight_gbps']:6d} "
                       f"GB/s of weights  x{rows[-1]['ratio_to_bf16'] or 1:.2f} vs bf16", flush=True)

@@ -53,7 +53,9 @@ nvfp4 (inference only; quant/nvfp4.py): a row of K values is one byte row of
 `nvfp4_row_bytes(K)` = align16(K/2 packed E2M1 bytes | K/16 E4M3 block scales | the row's fp32
 inverse global scale), the form the source rank publishes and the experts read:
 
-    inference       x_g (nvfp4 rows) | h1 (bf16) | h2q (nvfp4 rows of h2)
+    inference       x_g (nvfp4 rows) | h1 (bf16) | h2q (nvfp4 rows of h2) | a16 (fp16 values of
+                    x_g, then of h2q, before their rows' global scales: each GEMM's A operand
+                    decoded once)
 
 Within one mode every region is live at the same time, so regions never overlap. Who uses it:
 `memory_plan.plan_memory` sizes the scratch as the largest layout over the modes a context
@@ -146,7 +148,7 @@ def nvfp4_row_bytes(K: int) -> int:
 def _nvfp4_specs(D: int, F: int) -> dict:
     return dict(saved=(), modes=dict(inference=(
         RegionSpec("x_g", nvfp4_row_bytes(D)),) + _bf16("h1", 2 * F) + (
-        RegionSpec("h2q", nvfp4_row_bytes(F)),)))
+        RegionSpec("h2q", nvfp4_row_bytes(F)),) + _bf16("a16", max(D, F))))
 
 
 _SPECS = {"bf16": _bf16_specs, "fp8_block": _fp8_block_specs, "mxfp8": _mxfp8_specs,

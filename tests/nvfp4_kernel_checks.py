@@ -106,6 +106,14 @@ def _check_nvfp4_mm(device, lens, NK):
     nvfp4_grouped_mm(a=a, weight=W, expert_offsets=offs, max_rows=R + 3, epilogue="store",
                      out=out)
     _close(f"nvfp4 store R={R}", out.float(), ref, 8e-3)
+    # A decoded once (dequantize_rows) instead of in the GEMM: the same operand values
+    from megatron_dist_moe.kernels.quant_nvfp4 import dequantize_rows
+    a16 = torch.full((R + 3, K), float("nan"), dtype=torch.float16, device=device)
+    dequantize_rows(a, torch.tensor([R], dtype=torch.int32, device=device), R + 3, K, out=a16)
+    out3 = torch.full_like(out, float("nan"))
+    nvfp4_grouped_mm(a=a, weight=W, expert_offsets=offs, max_rows=R + 3, epilogue="store",
+                     out=out3, a16=a16)
+    assert torch.equal(out, out3), f"R={R}: the GEMM on pre-decoded A rows differs"
     if out.is_cuda:   # the packed-PTX decode and the Triton-op decode give the same bits
         out2 = torch.full_like(out, float("nan"))
         nvfp4_grouped_mm(a=a, weight=W, expert_offsets=offs, max_rows=R + 3, epilogue="store",

@@ -4,6 +4,10 @@
                     E2M1 | E4M3 scales per 16 | the row's fp32 S_dec), each row its own tensor
                     (its amax sets its global scale): what a source rank publishes
     swiglu_quant    h1 [R, 2F] -> the byte rows of h2 = round(act(h1)) (the W2 operand)
+    dequantize_rows byte rows -> fp16 values without the rows' global scales (exact)
+
+and the E2M1 decode the NVFP4 GEMM shares (_decode_f16: Triton ops; _decode_f16_asm: the same
+bits in packed PTX, which the interpreter cannot run).
 
 One program per row: a first pass finds the row's amax, a second (from L2) quantizes. R is a
 device value (num_rows); the grid is the host bound. Conversions that must round exactly use
@@ -21,7 +25,7 @@ from .common import as_device_ptr, load_ptr
 from .quant_fp8 import _hw, abs_nan0, round_bf16, to_e4m3
 from .rows import _act_fwd
 
-__all__ = ["quantize_rows", "swiglu_quant", "e2m1_code"]
+__all__ = ["quantize_rows", "swiglu_quant", "dequantize_rows", "e2m1_code"]
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 _RCP_E2M1_MAX = tl.constexpr(1.0 / 6.0)       # fp32(1/6), TE's fp4_max_inv
@@ -90,6 +94,67 @@ def _quant_rows_kernel(src_addr, num_rows_ptr, out_addr, K, out_stride, alpha, l
         tl.store(out + tail + 4 + p, tl.zeros((16,), tl.uint8), mask=p < PAD)
 
 
+@triton.jit
+def _decode_f16(packed, scales16, ROWS: tl.constexpr, BK: tl.constexpr):
+    """fp16 [ROWS, BK] of packed bytes [ROWS, BK/2] with one fp16 scale per 16 values
+    [ROWS, BK/16], by bit placement: an E2M1 code's sign to bit 15 and its three magnitude bits
+    to bits 11..9 give the fp16 of value x 2^-14 (E2M1's subnormal 0.5 lands on fp16's
+    subnormal 2^-15), which one multiply by 2^14 and one by the E4M3 scale make exact: the
+    products have at most 6 significant bits and lie in [2^-10, 2688], fp16's normal range."""
+    b = packed.to(tl.uint16)
+    lo = ((b << 12) & 0x8000) | ((b << 9) & 0x0E00)                   # element 2j
+    hi = ((b << 8) & 0x8000) | ((b << 5) & 0x0E00)                    # element 2j + 1
+    codes = tl.reshape(tl.join(lo, hi), (ROWS, BK)).to(tl.float16, bitcast=True) * 16384.0
+    v = tl.reshape(codes, (ROWS, BK // 16, 16)) * scales16[:, :, None]
+    return tl.reshape(v, (ROWS, BK))
+
+
+# Two E2M1 codes per byte, four bytes per call: prmt spreads bytes 0,1 (2,3) into the low bytes of
+# two 16-bit lanes; shifts and masks place each nibble's sign at bit 15 and its magnitude at bits
+# 11..9 (the fp16 of value x 2^-14, as _decode_f16); two f16x2 multiplies apply 2^14 and the
+# block's scale. Outputs: $0,$1 the low nibbles of bytes 0..3, $2,$3 the high ones; inputs: $4
+# the four bytes, $5,$6 their scales.
+_E2M1X4_ASM = tl.constexpr("""
+{
+.reg .b32 x<2>, l<2>, h<2>, t, c;
+mov.b32 c, 0x74007400;
+prmt.b32 x0, $4, 0, 0x4140;
+prmt.b32 x1, $4, 0, 0x4342;
+shl.b32 t, x0, 12; and.b32 l0, t, 0x80008000; shl.b32 t, x0, 9; and.b32 t, t, 0x0E000E00; or.b32 l0, l0, t;
+shl.b32 t, x1, 12; and.b32 l1, t, 0x80008000; shl.b32 t, x1, 9; and.b32 t, t, 0x0E000E00; or.b32 l1, l1, t;
+shl.b32 t, x0, 8; and.b32 h0, t, 0x80008000; shl.b32 t, x0, 5; and.b32 t, t, 0x0E000E00; or.b32 h0, h0, t;
+shl.b32 t, x1, 8; and.b32 h1, t, 0x80008000; shl.b32 t, x1, 5; and.b32 t, t, 0x0E000E00; or.b32 h1, h1, t;
+mul.rn.f16x2 l0, l0, c; mul.rn.f16x2 l1, l1, c; mul.rn.f16x2 h0, h0, c; mul.rn.f16x2 h1, h1, c;
+mul.rn.f16x2 $0, l0, $5; mul.rn.f16x2 $1, l1, $6; mul.rn.f16x2 $2, h0, $5; mul.rn.f16x2 $3, h1, $6;
+}
+""")
+
+
+@triton.jit
+def _decode_f16_asm(packed, scales16, ROWS: tl.constexpr, BK: tl.constexpr):
+    """_decode_f16 in packed PTX (about three instructions per value instead of eight)."""
+    b = tl.reshape(packed, (ROWS, BK // 16, 8))
+    sc = tl.broadcast_to(scales16[:, :, None], (ROWS, BK // 16, 8))
+    lo, hi = tl.inline_asm_elementwise(_E2M1X4_ASM, "=r,=r,=r,=r,r,r,r", [b, sc],
+                                       dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    return tl.reshape(tl.join(lo, hi), (ROWS, BK))
+
+
+@triton.jit
+def _deq_rows_kernel(src_addr, num_rows_ptr, out_addr, K, src_stride, CHUNK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    if r >= tl.load(num_rows_ptr):
+        return
+    src = load_ptr(src_addr, tl.uint8) + r * src_stride
+    out = load_ptr(out_addr, tl.float16) + r * K
+    for k0 in range(0, K, CHUNK):
+        packed = tl.load(src + k0 // 2 + tl.arange(0, CHUNK // 2))
+        s8 = tl.load(src + K // 2 + k0 // 16 + tl.arange(0, CHUNK // 16))
+        s16 = s8.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        v = _decode_f16(packed[None, :], s16[None, :], 1, CHUNK)
+        tl.store(out + k0 + tl.arange(0, CHUNK)[None, :], v)
+
+
 def _chunk(K: int) -> int:
     c = 512
     while K % c:
@@ -117,6 +182,16 @@ def quantize_rows(x, num_rows: torch.Tensor, max_rows: int, K: int, *, out,
     out_stride: bytes between out's rows (default the row size; a source rank writes its rows
     into the dispatch buffer's bf16 row slots, 2K bytes apart)."""
     _launch(x, num_rows, max_rows, K, out, False, 1.702, 7.0, False, out_stride)
+
+
+def dequantize_rows(rows, num_rows: torch.Tensor, max_rows: int, K: int, *, out) -> None:
+    """out [>= R, K] fp16 (tensor or device pointer) = the values of NVFP4 byte rows [R,
+    nvfp4_row_bytes(K)] before their row's global scale: E2M1 x E4M3 per 16, exact in fp16
+    (the NVFP4 GEMM's A operand, decoded once instead of by every program that reads it; the
+    GEMM applies each row's S_dec from the byte row)."""
+    _deq_rows_kernel[(max(1, max_rows),)](as_device_ptr(rows, "rows"), num_rows,
+                                          as_device_ptr(out, "out", torch.float16), K,
+                                          nvfp4_row_bytes(K), CHUNK=_chunk(K), num_warps=4)
 
 
 def swiglu_quant(h1, num_rows: torch.Tensor, max_rows: int, F: int, *, out,

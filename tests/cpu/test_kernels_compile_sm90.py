@@ -35,7 +35,7 @@ VARIANTS = ["fwd_swiglu_tma", "fwd_swiglu_claim_sliced", "fwd_w2_scatter_clamped
             "mxfp8_quantize_all", "mxfp8_quantize_x", "mxfp8_quantize_grad",
             "mxfp8_quantize_cols_fake", "mxfp8_swiglu_quant", "mxfp8_dequantize_rows",
             "mxfp8_dequantize_cols", "mxfp8_fake_weight", "nvfp4_quantize_rows",
-            "nvfp4_swiglu_quant", "nvfp4_mm_store", "nvfp4_mm_scatter_decode", "mega_fwd"]
+            "nvfp4_swiglu_quant", "nvfp4_mm_store", "nvfp4_mm_scatter_decode", "nvfp4_dequantize_rows", "mega_fwd"]
 
 MAX_SPILL_BYTES = 256
 
@@ -66,7 +66,7 @@ EXPECT = {
     "fp8_mm_swiglu_bwd_scored": dict(wgmma_e4m3=1, tma_load=1),
     "fp8_wgrad_bf16": dict(wgmma_e4m3=1, tma_load=1),
     # the Mega forward: tensor cores, the ready counters' release / acquire, a bounded wait
-    "mega_fwd": dict(wgmma=1, ld_acquire=1, atom_release=1, nanosleep=1),
+    "mega_fwd": dict(wgmma=1, tma_load=1, ld_acquire=1, atom_release=1, nanosleep=1),
     # nvfp4: the training-size tiles reach wgmma through shared memory after the decode
     "nvfp4_mm_store": dict(wgmma=1),
 }

@@ -555,8 +555,9 @@ class Nvfp4Pipeline:
     """nvfp4 inference (prepared.PreparedWeight weights). The source rank quantizes its token
     rows into its dispatch buffer (`publish`: one NVFP4 byte row per token in each bf16 row
     slot, so the routing tables' addresses hold); the experts' owner gathers them (fan-out,
-    layout.nvfp4_row_bytes(D) bytes per row) into x_g, W13 -> h1 (bf16), SwiGLU + quantization
-    -> h2q (NVFP4 rows), W2 + scatter to the owners' combine rows in bf16
+    layout.nvfp4_row_bytes(D) bytes per row) into x_g, its values decoded once into a16 (fp16),
+    W13 -> h1 (bf16), SwiGLU + quantization -> h2q (NVFP4 rows), decoded into a16, W2 + scatter
+    to the owners' combine rows in bf16
     (kernels/quant_nvfp4.py, kernels/grouped_gemm/nvfp4.py)."""
 
     name = "standard"
@@ -584,18 +585,20 @@ class Nvfp4Pipeline:
     def forward(self, tabs: RoutingTables, w13, w2, scatter_ptrs, at: dict, rows=None,
                 prepared=None, training: bool = False) -> None:
         from ...kernels.grouped_gemm.nvfp4 import nvfp4_grouped_mm
-        from ...kernels.quant_nvfp4 import swiglu_quant
+        from ...kernels.quant_nvfp4 import dequantize_rows, swiglu_quant
         from ...layout import nvfp4_row_bytes
         D, F = self.cfg.hidden_dim, self.cfg.intermediate_dim
         offs, nrows = rows if rows is not None else (tabs.expert_offsets, tabs.num_rows)
         fan = tabs.fanout
         K_rows.fanout_rows(fan.dispatch_base_EP, 2 * D, fan.dest_rows, fan.T, fan.K, at["x_g"],
                            nrows, nvfp4_row_bytes(D) // 2, torch.bfloat16)
-        nvfp4_grouped_mm(a=at["x_g"], weight=w13, expert_offsets=offs, max_rows=self.max_rows,
-                         epilogue="store", out=at["h1"])
+        dequantize_rows(at["x_g"], nrows, self.max_rows, D, out=at["a16"])
+        nvfp4_grouped_mm(a=at["x_g"], a16=at["a16"], weight=w13, expert_offsets=offs,
+                         max_rows=self.max_rows, epilogue="store", out=at["h1"])
         swiglu_quant(at["h1"], nrows, self.max_rows, F, out=at["h2q"], **self.act)
         if scatter_ptrs is not None:
-            nvfp4_grouped_mm(a=at["h2q"], weight=w2, expert_offsets=offs,
+            dequantize_rows(at["h2q"], nrows, self.max_rows, F, out=at["a16"])
+            nvfp4_grouped_mm(a=at["h2q"], a16=at["a16"], weight=w2, expert_offsets=offs,
                              max_rows=self.max_rows, epilogue="scatter",
                              out_row_ptrs=scatter_ptrs)
 

@@ -38,7 +38,7 @@ import triton.language as tl
 from ..checks import STATUS_WORDS, check_status, max_polls, wait_until_at_least
 from ..checks import WAIT_MEGA_READY
 from ..common import (as_device_ptr, check_offsets, check_rows, default_num_programs,
-                      interpreting, load_ptr)
+                      ensure_tma_allocator, interpreting, load_ptr)
 from ..rows import _act_fwd
 from .config import MIN_BLOCK_M, GroupedGemmConfig, select_config
 from .mm import _dot   # fp32 products in the interpreter
@@ -74,7 +74,8 @@ def _mega_fwd_kernel(xg_addr, w13_ptr, w2_ptr, offsets_ptr, h1_addr, h2_addr, ou
                      polls_max, rank, E: tl.constexpr, E_PAD: tl.constexpr,
                      BLOCK_M: tl.constexpr, BN13: tl.constexpr, BN2: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, ACT: tl.constexpr,
-                     STORE_H1: tl.constexpr, IEEE: tl.constexpr, SLEEP: tl.constexpr):
+                     STORE_H1: tl.constexpr, IEEE: tl.constexpr, SLEEP: tl.constexpr,
+                     USE_TMA: tl.constexpr):
     DT: tl.constexpr = w13_ptr.dtype.element_ty
     e_idx, starts, ends, m_tiles = expert_segments(offsets_ptr, E, E_PAD, BLOCK_M)
     n13 = tl.cdiv(F, BN13)
@@ -87,6 +88,14 @@ def _mega_fwd_kernel(xg_addr, w13_ptr, w2_ptr, offsets_ptr, h1_addr, h2_addr, ou
     xg = load_ptr(xg_addr, DT)
     h2 = load_ptr(h2_addr, DT)
     offs_k = tl.arange(0, BLOCK_K)
+    if USE_TMA:   # x_g and the weights through TMA; h2 never (see the ordering note above)
+        num_rows = tl.maximum(tl.load(offsets_ptr + E), 1)
+        xg_desc = tl.make_tensor_descriptor(xg, shape=[num_rows, D], strides=[D, 1],
+                                            block_shape=[BLOCK_M, BLOCK_K])
+        w13_desc = tl.make_tensor_descriptor(w13_ptr, shape=[E * 2 * F, D], strides=[D, 1],
+                                             block_shape=[BN13, BLOCK_K])
+        w2_desc = tl.make_tensor_descriptor(w2_ptr, shape=[E * D, F], strides=[F, 1],
+                                            block_shape=[BN2, BLOCK_K])
     item = tl.atomic_add(queue_ptr, 1, sem="relaxed", scope="gpu") - base
     while item < total:
         if item < total13:
@@ -104,10 +113,19 @@ def _mega_fwd_kernel(xg_addr, w13_ptr, w2_ptr, offsets_ptr, h1_addr, h2_addr, ou
             u_ptrs = g_ptrs + F * D
             acc_g = tl.zeros((BLOCK_M, BN13), dtype=tl.float32)
             acc_u = tl.zeros((BLOCK_M, BN13), dtype=tl.float32)
+            row0 = (row_start + pid_m * BLOCK_M).to(tl.int32)      # TMA offsets are 32-bit
+            wrow = (e * 2 * F + pid_n * BN13).to(tl.int32)
             for k in tl.range(0, D, BLOCK_K):
-                a = tl.load(a_ptrs + k)
-                acc_g = _dot(a, tl.load(g_ptrs + k), acc_g, IEEE)
-                acc_u = _dot(a, tl.load(u_ptrs + k), acc_u, IEEE)
+                if USE_TMA:
+                    a = xg_desc.load([row0, k])
+                    bg = w13_desc.load([wrow, k]).T
+                    bu = w13_desc.load([wrow + F, k]).T
+                else:
+                    a = tl.load(a_ptrs + k)
+                    bg = tl.load(g_ptrs + k)
+                    bu = tl.load(u_ptrs + k)
+                acc_g = _dot(a, bg, acc_g, IEEE)
+                acc_u = _dot(a, bu, acc_u, IEEE)
             mask = row_ok[:, None] & col_ok[None, :]
             rows64 = rows.to(tl.int64)
             g = acc_g.to(DT)
@@ -140,8 +158,13 @@ def _mega_fwd_kernel(xg_addr, w13_ptr, w2_ptr, offsets_ptr, h1_addr, h2_addr, ou
             h_ptrs = h2 + r2_ld[:, None] * F + offs_k[None, :]
             b_ptrs = w2_ptr + e.to(tl.int64) * D * F + c2_ld[None, :] * F + offs_k[:, None]
             acc3 = tl.zeros((BLOCK_M, BN2), dtype=tl.float32)
+            w2row = (e * D + pid_n * BN2).to(tl.int32)
             for k in tl.range(0, F, BLOCK_K):
-                acc3 = _dot(tl.load(h_ptrs + k), tl.load(b_ptrs + k), acc3, IEEE)
+                if USE_TMA:
+                    b3 = w2_desc.load([w2row, k]).T
+                else:
+                    b3 = tl.load(b_ptrs + k)
+                acc3 = _dot(tl.load(h_ptrs + k), b3, acc3, IEEE)
             o_addr = tl.load(out_rows_ptr + r2, mask=r2_ok, other=0)
             o_row = tl.multiple_of(o_addr.to(tl.pointer_type(DT)), [16])
             tl.store(o_row[:, None] + c2[None, :], acc3.to(DT),
@@ -181,6 +204,9 @@ def mega_fwd(*, xg, w13: torch.Tensor, w2: torch.Tensor, expert_offsets: torch.T
              + tile_bound(max_rows, cfg.block_m, E, triton.cdiv(D, bn2)))
     assert items < 2 ** SHIFT // 2, f"{items} work items exceed the counters' range"
     grid = (max(1, min(progs, items)),)
+    use_tma = bool(cfg.tma) and on_gpu and w13.dtype != torch.float32
+    if use_tma:
+        ensure_tma_allocator()
     flags.next_epoch()
     h1_addr = as_device_ptr(h1, "h1", w13.dtype) if h1 is not None else expert_offsets
     _mega_fwd_kernel[grid](
@@ -190,7 +216,7 @@ def mega_fwd(*, xg, w13: torch.Tensor, w2: torch.Tensor, expert_offsets: torch.T
         max_polls(timeout_s), rank, E=E, E_PAD=max(2, triton.next_power_of_2(E)),
         BLOCK_M=cfg.block_m, BN13=bn13, BN2=bn2, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         ACT=0 if activation == "swiglu" else 1, STORE_H1=h1 is not None,
-        IEEE=w13.dtype == torch.float32 or not on_gpu, SLEEP=on_gpu,
+        IEEE=w13.dtype == torch.float32 or not on_gpu, SLEEP=on_gpu, USE_TMA=use_tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if on_gpu:
         check_status(flags.status)

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ...layout import nvfp4_row_bytes
+from ..quant_nvfp4 import _decode_f16, _decode_f16_asm
 from ..common import as_device_ptr, check_offsets, check_rows, default_num_programs, interpreting, load_ptr
 from .mm import _dot   # fp32 products in the interpreter
 from .tiles import expert_segments, tile_bound, tile_coords, tile_list
@@ -43,63 +44,23 @@ NVFP4_EPILOGUES = ("store", "scatter")
 
 
 @triton.jit
-def _decode_f16(packed, scales16, ROWS: tl.constexpr, BK: tl.constexpr):
-    """fp16 [ROWS, BK] of packed bytes [ROWS, BK/2] with one fp16 scale per 16 values
-    [ROWS, BK/16], by bit placement: an E2M1 code's sign to bit 15 and its three magnitude bits
-    to bits 11..9 give the fp16 of value x 2^-14 (E2M1's subnormal 0.5 lands on fp16's
-    subnormal 2^-15), which one multiply by 2^14 and one by the E4M3 scale make exact: the
-    products have at most 6 significant bits and lie in [2^-10, 2688], fp16's normal range."""
-    b = packed.to(tl.uint16)
-    lo = ((b << 12) & 0x8000) | ((b << 9) & 0x0E00)                   # element 2j
-    hi = ((b << 8) & 0x8000) | ((b << 5) & 0x0E00)                    # element 2j + 1
-    codes = tl.reshape(tl.join(lo, hi), (ROWS, BK)).to(tl.float16, bitcast=True) * 16384.0
-    v = tl.reshape(codes, (ROWS, BK // 16, 16)) * scales16[:, :, None]
-    return tl.reshape(v, (ROWS, BK))
-
-
-# Two E2M1 codes per byte, four bytes per call: prmt spreads bytes 0,1 (2,3) into the low bytes of
-# two 16-bit lanes; shifts and masks place each nibble's sign at bit 15 and its magnitude at bits
-# 11..9 (the fp16 of value x 2^-14, as _decode_f16); two f16x2 multiplies apply 2^14 and the
-# block's scale. Outputs: $0,$1 the low nibbles of bytes 0..3, $2,$3 the high ones; inputs: $4
-# the four bytes, $5,$6 their scales.
-_E2M1X4_ASM = tl.constexpr("""
-{
-.reg .b32 x<2>, l<2>, h<2>, t, c;
-mov.b32 c, 0x74007400;
-prmt.b32 x0, $4, 0, 0x4140;
-prmt.b32 x1, $4, 0, 0x4342;
-shl.b32 t, x0, 12; and.b32 l0, t, 0x80008000; shl.b32 t, x0, 9; and.b32 t, t, 0x0E000E00; or.b32 l0, l0, t;
-shl.b32 t, x1, 12; and.b32 l1, t, 0x80008000; shl.b32 t, x1, 9; and.b32 t, t, 0x0E000E00; or.b32 l1, l1, t;
-shl.b32 t, x0, 8; and.b32 h0, t, 0x80008000; shl.b32 t, x0, 5; and.b32 t, t, 0x0E000E00; or.b32 h0, h0, t;
-shl.b32 t, x1, 8; and.b32 h1, t, 0x80008000; shl.b32 t, x1, 5; and.b32 t, t, 0x0E000E00; or.b32 h1, h1, t;
-mul.rn.f16x2 l0, l0, c; mul.rn.f16x2 l1, l1, c; mul.rn.f16x2 h0, h0, c; mul.rn.f16x2 h1, h1, c;
-mul.rn.f16x2 $0, l0, $5; mul.rn.f16x2 $1, l1, $6; mul.rn.f16x2 $2, h0, $5; mul.rn.f16x2 $3, h1, $6;
-}
-""")
-
-
-@triton.jit
-def _decode_f16_asm(packed, scales16, ROWS: tl.constexpr, BK: tl.constexpr):
-    """_decode_f16 in packed PTX (about three instructions per value instead of eight)."""
-    b = tl.reshape(packed, (ROWS, BK // 16, 8))
-    sc = tl.broadcast_to(scales16[:, :, None], (ROWS, BK // 16, 8))
-    lo, hi = tl.inline_asm_elementwise(_E2M1X4_ASM, "=r,=r,=r,=r,r,r,r", [b, sc],
-                                       dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-    return tl.reshape(tl.join(lo, hi), (ROWS, BK))
-
-
-@triton.jit
-def _nvfp4_mm_kernel(a_addr, w_packed, w_scales, w_senc, offsets_ptr, out_addr, out_rows_ptr,
+def _nvfp4_mm_kernel(a_addr, a16_addr, w_packed, w_scales, w_senc, offsets_ptr, out_addr,
+                     out_rows_ptr,
                      N, K, A_STRIDE, E: tl.constexpr, E_PAD: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, EPILOGUE: tl.constexpr, IEEE: tl.constexpr,
-                     ASM: tl.constexpr):
+                     ASM: tl.constexpr, A_F16: tl.constexpr):
     pid = tl.program_id(0)
     e_idx, starts, ends, m_tiles = expert_segments(offsets_ptr, E, E_PAD, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     tiles, cum, total = tile_list(m_tiles, num_n)
     nprog = tl.num_programs(0)
     a_base = load_ptr(a_addr, tl.uint8)
+    if A_F16:
+        a16_base = load_ptr(a16_addr, tl.float16)
+    else:
+        a16_base = a16_addr.to(tl.pointer_type(tl.float16), bitcast=True)   # never read
+    kk = tl.arange(0, BLOCK_K)
     ka = tl.arange(0, BLOCK_K // 2)
     ks = tl.arange(0, BLOCK_K // 16)
     KT = K // 16                          # scale columns of a weight row block
@@ -114,20 +75,26 @@ def _nvfp4_mm_kernel(a_addr, w_packed, w_scales, w_senc, offsets_ptr, out_addr, 
         cols_ld = tl.minimum(cols, N - 1).to(tl.int64)
         e64 = e.to(tl.int64)
         a_rows = a_base + rows_ld[:, None] * A_STRIDE
+        a16_rows = a16_base + rows_ld[:, None] * K
         w_rows = w_packed + (e64 * N + cols_ld)[:, None] * (K // 2)
         ws_rows = w_scales + (e64 * (N // 16) + cols_ld // 16)[:, None] * KT
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in tl.range(0, K, BLOCK_K):
-            ap = tl.load(a_rows + k // 2 + ka[None, :])
-            asc = tl.load(a_rows + K // 2 + k // 16 + ks[None, :]).to(tl.float8e4nv,
-                                                                     bitcast=True)
             wp = tl.load(w_rows + k // 2 + ka[None, :])
             wsc = tl.load(ws_rows + k // 16 + ks[None, :]).to(tl.float8e4nv, bitcast=True)
+            if A_F16:       # A decoded once (quant_nvfp4.dequantize_rows), not per n-tile
+                a = tl.load(a16_rows + k + kk[None, :])
+            else:
+                ap = tl.load(a_rows + k // 2 + ka[None, :])
+                asc = tl.load(a_rows + K // 2 + k // 16 + ks[None, :]).to(tl.float8e4nv,
+                                                                         bitcast=True)
+                if ASM:
+                    a = _decode_f16_asm(ap, asc.to(tl.float16), BLOCK_M, BLOCK_K)
+                else:
+                    a = _decode_f16(ap, asc.to(tl.float16), BLOCK_M, BLOCK_K)
             if ASM:
-                a = _decode_f16_asm(ap, asc.to(tl.float16), BLOCK_M, BLOCK_K)
                 w = _decode_f16_asm(wp, wsc.to(tl.float16), BLOCK_N, BLOCK_K)
             else:
-                a = _decode_f16(ap, asc.to(tl.float16), BLOCK_M, BLOCK_K)
                 w = _decode_f16(wp, wsc.to(tl.float16), BLOCK_N, BLOCK_K)
             acc = _dot(a, tl.trans(w), acc, IEEE)
         s_row = tl.load((a_rows + K // 2 + K // 16).to(tl.pointer_type(tl.float32)))  # [BM, 1]
@@ -176,12 +143,15 @@ def default_tiles(max_rows: int, E: int) -> Nvfp4Tiles:
 
 
 def nvfp4_grouped_mm(*, a, weight, expert_offsets: torch.Tensor, max_rows: int,
-                     epilogue: str = "store", out=None, out_row_ptrs=None,
+                     epilogue: str = "store", out=None, out_row_ptrs=None, a16=None,
                      tiles: Optional[Nvfp4Tiles] = None, decode: Optional[str] = None,
                      num_programs: Optional[int] = None) -> None:
     """Row r of expert e gets dequant(A[r]) @ dequant(W[e])^T, in bf16 (see the module docstring).
 
     a               NVFP4 byte rows [>= R, nvfp4_row_bytes(K)] (tensor or device pointer)
+    a16             optional fp16 [>= R, K]: a's values before the rows' global scales
+                    (quant_nvfp4.dequantize_rows), read instead of decoding a in every
+                    program; each row's S_dec still comes from a
     weight          a prepared.PreparedWeight [E, N, K] (16 x 16 tile scales)
     expert_offsets  int32 [E+1] device, R = expert_offsets[E] (never read on the host)
     max_rows        host bound on R (the grid)
@@ -219,10 +189,13 @@ def nvfp4_grouped_mm(*, a, weight, expert_offsets: torch.Tensor, max_rows: int,
     senc = weight.global_scale
     assert senc.dtype == torch.float32 and senc.is_contiguous() and senc.device == dev, (
         "weight.global_scale must be a contiguous fp32 tensor on the weights' device")
-    _nvfp4_mm_kernel[grid](as_device_ptr(a, "a"), weight.packed, weight.scales.view(torch.uint8),
+    a16_addr = as_device_ptr(a16, "a16", torch.float16) if a16 is not None else expert_offsets
+    _nvfp4_mm_kernel[grid](as_device_ptr(a, "a"), a16_addr, weight.packed,
+                           weight.scales.view(torch.uint8),
                            senc, expert_offsets, out_addr, out_rows, N, K, nvfp4_row_bytes(K),
                            E=E, E_PAD=max(2, triton.next_power_of_2(E)), BLOCK_M=tiles.block_m,
                            BLOCK_N=bn, BLOCK_K=tiles.block_k, GROUP_M=8,
                            EPILOGUE=NVFP4_EPILOGUES.index(epilogue), IEEE=on_cpu,
-                           ASM=decode == "f16_asm", num_warps=tiles.num_warps,
+                           ASM=decode == "f16_asm", A_F16=a16 is not None,
+                           num_warps=tiles.num_warps,
                            num_stages=tiles.num_stages)

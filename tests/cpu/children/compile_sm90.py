@@ -243,7 +243,8 @@ VARIANTS["nvfp4_mm_store"] = lambda: GN.nvfp4_grouped_mm(a=p, weight=_W4, expert
     max_rows=R, epilogue="store", out=p, tiles=GN.LARGE_TILES, decode="f16_asm")
 VARIANTS["nvfp4_mm_scatter_decode"] = lambda: GN.nvfp4_grouped_mm(
     a=p, weight=_W4, expert_offsets=offs, max_rows=48, epilogue="scatter", out_row_ptrs=rows_tab,
-    tiles=GN.DECODE_TILES, decode="f16_asm")
+    a16=p, tiles=GN.DECODE_TILES, decode="f16_asm")
+VARIANTS["nvfp4_dequantize_rows"] = lambda: KN.dequantize_rows(p, offs[-1:], R, D, out=p)
 # the Mega forward, with the GPU's tile config
 from megatron_dist_moe.kernels.grouped_gemm import mega as GM  # noqa: E402
 _MEGA_CFG = G.CONFIG_TABLE[("fwd", "large")]
@@ -255,6 +256,7 @@ JIT = {"rows_device_check": (K_checks, "_device_check_kernel"),
        "nvfp4_mm_store": (GN, "_nvfp4_mm_kernel"),
        "nvfp4_mm_scatter_decode": (GN, "_nvfp4_mm_kernel"),
        "nvfp4_quantize_rows": (KN, "_quant_rows_kernel"),
+       "nvfp4_dequantize_rows": (KN, "_deq_rows_kernel"),
        "nvfp4_swiglu_quant": (KN, "_quant_rows_kernel"),
        "claim_status_check": (K_checks, "_check_status_kernel"),
        "mxfp8_quantize_all": (KM, "_quant_kernel"),
@@ -295,8 +297,8 @@ for name in names:
         if jit_name == "_grouped_mm_kernel":   # as on the GPU: sleeping, trapping waits, fences
             kw = dict(kw, ON_GPU=True,
                       PROXY_FENCE=bool(kw.get("A_CLAIM")) and bool(kw.get("USE_TMA")))
-        if module is GM:   # as on the GPU: tensor cores, sleeping bounded waits
-            kw = dict(kw, IEEE=False, SLEEP=True)
+        if module is GM:   # as on the GPU: tensor cores, sleeping bounded waits, TMA loads
+            kw = dict(kw, IEEE=False, SLEEP=True, USE_TMA=True)
         if module in (G8, KQ, KM, KN, GN):   # as on the GPU: TMA, fp8 tensor cores, hardware conversions
             kw = dict(kw, HW=True)
             if "IEEE" in kw:
