@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     dst = torch.empty(R, D, dtype=BF, device=dev)
     row_ptrs = dst.data_ptr() + torch.arange(R, device=dev, dtype=torch.int64) * D * 2
     scores = torch.rand(R, device=dev)
-    sbuf = torch.zeros(R, 1 + F // 128, device=dev)
+    sbuf = torch.zeros(R, 1 + F // 64, device=dev)   # parts of n-tiles down to 64 wide
     sbuf[:, 0] = scores
     sptrs = sbuf.data_ptr() + torch.arange(R, device=dev) * sbuf.shape[1] * 4
     wg13 = torch.empty(E, 2 * F, D, dtype=BF, device=dev)
@@ -88,15 +88,15 @@ def main(argv=None) -> int:
     w13d, w2d = Q.dequantize_weight(W.w13, W.w13_s), Q.dequantize_weight(W.w2, W.w2_s)
     per = lambda f: torch.cat([f(e, e * n, (e + 1) * n) for e in range(E)])  # noqa: E731
     fp8 = {
-        "w13_fprop": (lambda: fp8_grouped_mm(a=xq, w=W.w13, w_scales=W.w13_s,
+        "w13_fprop": (lambda c=None: fp8_grouped_mm(config=c, a=xq, w=W.w13, w_scales=W.w13_s,
                                              expert_offsets=offs, max_rows=R, epilogue="store",
                                              out=out_h1), 2 * R * 2 * F * D,
                       lambda: rel(out_h1, per(lambda e, a, b: deq(*xq)[a:b] @ w13d[e].T))),
-        "w2_fprop": (lambda: fp8_grouped_mm(a=h2q, w=W.w2, w_scales=W.w2_s, expert_offsets=offs,
+        "w2_fprop": (lambda c=None: fp8_grouped_mm(config=c, a=h2q, w=W.w2, w_scales=W.w2_s, expert_offsets=offs,
                                             max_rows=R, epilogue="scatter",
                                             out_row_ptrs=row_ptrs), 2 * R * D * F,
                      lambda: rel(dst, per(lambda e, a, b: deq(*h2q)[a:b] @ w2d[e].T))),
-        "w2_dgrad": (lambda: fp8_grouped_mm(a=g3q, w=W.w2_t, w_scales=W.w2_t_s,
+        "w2_dgrad": (lambda c=None: fp8_grouped_mm(config=c, a=g3q, w=W.w2_t, w_scales=W.w2_t_s,
                                             expert_offsets=offs, max_rows=R,
                                             epilogue="swiglu_bwd", out=out_h1, h1q=h1q,
                                             h2=out_h2, score_ptrs=sptrs, score_grad_delta=4,
@@ -105,16 +105,16 @@ def main(argv=None) -> int:
                                                       * torch.nn.functional.silu(deq(*h1q)[:, :F])
                                                       .mul(deq(*h1q)[:, F:]).to(BF).float())
                                  .sum(1))),
-        "w13_dgrad": (lambda: fp8_grouped_mm(a=gh1q, w=W.w13_t, w_scales=W.w13_t_s,
+        "w13_dgrad": (lambda c=None: fp8_grouped_mm(config=c, a=gh1q, w=W.w13_t, w_scales=W.w13_t_s,
                                              expert_offsets=offs, max_rows=R,
                                              epilogue="scatter", out_row_ptrs=row_ptrs),
                       2 * R * D * 2 * F,
                       lambda: rel(dst, per(lambda e, a, b: deq(*gh1q)[a:b] @ w13d[e]))),
-        "w13_wgrad": (lambda: fp8_grouped_wgrad(cols["gh1"], cols["x"], offs, wg13),
+        "w13_wgrad": (lambda c=None: fp8_grouped_wgrad(cols["gh1"], cols["x"], offs, wg13, config=c),
                       2 * R * D * 2 * F,
                       lambda: rel(wg13[0].float(), Q.dequantize_cols(*cols["gh1"])[:n].T
                                   @ Q.dequantize_cols(*cols["x"])[:n])),
-        "w2_wgrad": (lambda: fp8_grouped_wgrad(cols["g3"], cols["h2"], offs, wg2),
+        "w2_wgrad": (lambda c=None: fp8_grouped_wgrad(cols["g3"], cols["h2"], offs, wg2, config=c),
                      2 * R * D * F, None),
     }
     bf16 = {
@@ -147,6 +147,7 @@ def main(argv=None) -> int:
         return r
 
     for k, (fn, flops, check) in fp8.items():
+        sbuf[:, 1:].zero_()
         fn()
         torch.cuda.synchronize()
         if check is not None:
@@ -160,20 +161,27 @@ def main(argv=None) -> int:
         row("bf16", k, tb, flops)
         row("fp8_block", k, t8, flops, ratio=round(tb.median_ms / t8.median_ms, 3))
     if args.sweep:
+        # candidates: deeper pipelines, grouping, and one-warpgroup tiles with two programs per
+        # SM (Triton waits for each block's wgmma before scaling it; a second resident program
+        # can run its tensor-core work meanwhile: 175-255 registers fit two per SM)
         from megatron_dist_moe.kernels.grouped_gemm.fp8 import FP8_CONFIG
-        cands = [FP8_CONFIG.replace(num_stages=4), FP8_CONFIG.replace(num_stages=5),
-                 FP8_CONFIG.replace(group_m=16), FP8_CONFIG.replace(group_m=4)]
-        sweep = {
-            "w13_fprop": (lambda c: fp8_grouped_mm(a=xq, w=W.w13, w_scales=W.w13_s,
-                                                   expert_offsets=offs, max_rows=R,
-                                                   epilogue="store", out=out_h1, config=c),
-                          2 * R * 2 * F * D),
-            "w13_wgrad": (lambda c: fp8_grouped_wgrad(cols["gh1"], cols["x"], offs, wg13,
-                                                      config=c), 2 * R * D * 2 * F),
-        }
-        for k, (fn, flops) in sweep.items():
+        one_wg = FP8_CONFIG.replace(block_m=64, num_warps=4, programs_per_sm=2)
+        cands = [FP8_CONFIG.replace(num_stages=4), FP8_CONFIG.replace(group_m=16),
+                 FP8_CONFIG.replace(block_m=64, num_warps=4), one_wg,
+                 one_wg.replace(num_stages=4), one_wg.replace(group_m=16),
+                 FP8_CONFIG.replace(block_n=64, num_warps=4, programs_per_sm=2)]
+        for k, (fn, flops, check) in fp8.items():
             for c in cands:
                 try:
+                    sbuf[:, 1:].zero_()
+                    fn(c)
+                    torch.cuda.synchronize()
+                    err = check() if check is not None else 0.0
+                    if not err < 2e-2:
+                        print(f"MISMATCH {k} [{c}]: rel err {err:.2e} vs its torch twin",
+                              flush=True)
+                        failed = True
+                        continue
                     row("fp8_block", f"{k} [{c}]", time_windows(lambda c=c: fn(c), graph=True),
                         flops, note="sweep")
                 except Exception as e:   # a candidate that does not compile: say so, go on

@@ -10,7 +10,7 @@
 Block scaling on Hopper: the tensor cores accumulate the E4M3 products of one 128-wide K block
 in fp32 (`tl.dot` from zero); the block's partial sum is then scaled by its A row scale and
 the W tile scale (or, in WGRAD, the A and B column scales) and added to the fp32 accumulator
-(promotion every 128 of K, DeepSeek-V3's recipe). Tiles are 128 x 128 x 128, so one W tile
+(promotion every 128 of K, DeepSeek-V3's recipe). Tiles are 64 or 128 rows x 128 x 128, so one W tile
 scale covers a whole output tile.
 
 Epilogues of fp8_grouped_mm:
@@ -52,7 +52,10 @@ _F8 = torch.float8_e4m3fn
 
 @dataclass(frozen=True, repr=False)
 class Fp8GemmConfig:
-    """Tile and launch parameters (block_k is the 128 of the scaling blocks)."""
+    """Tile and launch parameters (block_k is the 128 of the scaling blocks). programs_per_sm
+    > 1 keeps several persistent programs resident on each SM: Triton waits for each block's
+    wgmma before scaling its partial sum, so one program's scaling and loads can only overlap
+    another program's tensor-core work."""
 
     block_m: int = 128
     block_n: int = 128
@@ -60,6 +63,7 @@ class Fp8GemmConfig:
     num_warps: int = 8
     num_stages: int = 3
     tma: bool = False
+    programs_per_sm: int = 1
 
     def __post_init__(self):
         assert self.block_n <= 128 and 128 % self.block_n == 0 and self.block_m % 16 == 0
@@ -69,12 +73,13 @@ class Fp8GemmConfig:
 
     def __repr__(self):
         return (f"{self.block_m}x{self.block_n}x128 g{self.group_m} w{self.num_warps} "
-                f"s{self.num_stages}{' tma' if self.tma else ''}")
+                f"s{self.num_stages} p{self.programs_per_sm}{' tma' if self.tma else ''}")
 
 
-# 128 x 128 x 128 with 8 warps and 3 stages: the fastest plain Triton block-scaled tile on one
-# H200 (GPU_FACTS: 763 TFLOP/s non-persistent at the W13 shape; 4 warps or BN=256 ran 180-360).
-FP8_CONFIG = Fp8GemmConfig(128, 128, 8, 8, 3, tma=HAS_TMA)
+# 64 x 128 x 128, one warpgroup, two persistent programs per SM (175-255 registers: two fit):
+# on one H200 every fp8 GEMM of the guide shape ran 11-21% faster than with 128 x 128 tiles of
+# two warpgroups and one program per SM (bench_fp8_gemm --sweep; docs/decisions.md).
+FP8_CONFIG = Fp8GemmConfig(64, 128, 16, 4, 3, tma=HAS_TMA, programs_per_sm=2)
 FP8_INTERPRETER_CONFIG = Fp8GemmConfig(32, 32, 2, 4, 1, tma=False)
 
 
@@ -275,7 +280,7 @@ def fp8_grouped_mm(*, a, w: torch.Tensor, w_scales: torch.Tensor, expert_offsets
     if config.tma and hw:
         ensure_tma_allocator()
     num_n = triton.cdiv(N, config.block_n)
-    progs = num_programs or default_num_programs(dev)
+    progs = num_programs or default_num_programs(dev) * config.programs_per_sm
     grid = (max(1, min(progs, tile_bound(max_rows, config.block_m, E, num_n))),)
     _fp8_mm_kernel[grid](
         qa, sa, w, w_scales, expert_offsets, out_addr, out_rows, h1q_a, h1s_a, h2_a, N, Kd,
@@ -374,7 +379,7 @@ def fp8_grouped_wgrad(a, b, expert_offsets: torch.Tensor, out, *, accumulate: bo
     if config.tma and hw:
         ensure_tma_allocator()
     tiles = E * triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
-    progs = num_programs or default_num_programs(dev)
+    progs = num_programs or default_num_programs(dev) * config.programs_per_sm
     out_dt = tl.float32 if out_dtype == torch.float32 else tl.bfloat16
     _fp8_wgrad_kernel[(min(tiles, progs),)](
         qa, sa, qb, sb, expert_offsets, out_ptr, M, N, E=E,

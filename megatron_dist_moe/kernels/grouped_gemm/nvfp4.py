@@ -129,8 +129,8 @@ class Nvfp4Tiles:
 # by rows per expert on average (max_rows / E): <= 16 / <= 64 / more (the best of
 # bench_nvfp4_gemm --sweep on one H200 for each); the interpreter runs small tiles
 DECODE_TILES = Nvfp4Tiles(16, 64, 128, 4, 3, 4)
-SMALL_TILES = Nvfp4Tiles(32, 64, 128, 4, 3, 2)
-LARGE_TILES = Nvfp4Tiles(128, 256, 64, 8)
+SMALL_TILES = Nvfp4Tiles(32, 128, 128, 4, 3, 2)
+LARGE_TILES = Nvfp4Tiles(256, 128, 64, 8, 4)
 INTERP_TILES = Nvfp4Tiles(16, 32, 128, 4)
 DECODES = ("f16_asm", "f16")
 
