@@ -161,15 +161,15 @@ def main(argv=None) -> int:
         row("bf16", k, tb, flops)
         row("fp8_block", k, t8, flops, ratio=round(tb.median_ms / t8.median_ms, 3))
     if args.sweep:
-        # candidates: deeper pipelines, grouping, and one-warpgroup tiles with two programs per
-        # SM (Triton waits for each block's wgmma before scaling it; a second resident program
-        # can run its tensor-core work meanwhile: 175-255 registers fit two per SM)
+        # candidates around the default (one warpgroup, 64 x 128, two programs per SM):
+        # pipeline depth, grouping, one program per SM, and the two-warpgroup 128 x 128 tile
+        # (Triton waits for each block's wgmma before scaling it, so only a second resident
+        # program overlaps that; docs/decisions.md)
         from megatron_dist_moe.kernels.grouped_gemm.fp8 import FP8_CONFIG
-        one_wg = FP8_CONFIG.replace(block_m=64, num_warps=4, programs_per_sm=2)
-        cands = [FP8_CONFIG.replace(num_stages=4), FP8_CONFIG.replace(group_m=16),
-                 FP8_CONFIG.replace(block_m=64, num_warps=4), one_wg,
-                 one_wg.replace(num_stages=4), one_wg.replace(group_m=16),
-                 FP8_CONFIG.replace(block_n=64, num_warps=4, programs_per_sm=2)]
+        two_wg = FP8_CONFIG.replace(block_m=128, num_warps=8, group_m=8, programs_per_sm=1)
+        cands = [FP8_CONFIG.replace(num_stages=4), FP8_CONFIG.replace(group_m=8),
+                 FP8_CONFIG.replace(programs_per_sm=1), two_wg, two_wg.replace(num_stages=4),
+                 FP8_CONFIG.replace(block_m=128, block_n=64)]
         for k, (fn, flops, check) in fp8.items():
             for c in cands:
                 try:

@@ -1,7 +1,7 @@
 """The NVFP4 grouped GEMM at the guide's expert shapes on one GPU: decode variants and tile shapes
 beside our bf16 GEMM on the dequantized weights.
 
-    python benchmarks/bench_nvfp4_gemm.py --out bench_out [--rows 48,192,12288] [--sweep]
+    python benchmarks/bench_nvfp4_gemm.py --out bench_out [--rows 48,192,768,12288] [--sweep]
 
 Per total row count R (spread evenly over E=6 experts: R=48 is T=8 tokens x K=6 routes, R=12288
 is the guide's training load) and GEMM (w13: N=6144, K=7168; w2: N=7168, K=3072):
@@ -52,8 +52,9 @@ DECODE_SWEEP = [Nvfp4Tiles(16, 64, 128, 4, 3, 2), Nvfp4Tiles(16, 128, 128, 4, 3,
                 Nvfp4Tiles(32, 128, 128, 4, 3, 2)]
 # 256-row tiles decode each weight tile half as often as 128-row ones (the decoded W tile sits
 # in shared memory for both warpgroups' wgmma)
-LARGE_SWEEP = [Nvfp4Tiles(128, 128, 64, 8), Nvfp4Tiles(256, 128, 64, 8),
-               Nvfp4Tiles(256, 128, 64, 8, 4), Nvfp4Tiles(128, 256, 64, 8, 3, 2)]
+LARGE_SWEEP = [Nvfp4Tiles(128, 128, 64, 8), Nvfp4Tiles(128, 256, 64, 8),
+               Nvfp4Tiles(256, 128, 64, 8), Nvfp4Tiles(256, 128, 64, 8, 4),
+               Nvfp4Tiles(256, 128, 64, 8, 5)]
 
 
 def tiles_name(t: Nvfp4Tiles) -> str:
@@ -85,7 +86,7 @@ def problem(R: int, N: int, K: int, dev):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_out")
-    ap.add_argument("--rows", default="48,192,12288")
+    ap.add_argument("--rows", default="48,192,768,12288")
     ap.add_argument("--gemms", default="w13,w2")
     ap.add_argument("--sweep", action="store_true", help="also time the tile shapes of SWEEP")
     args = ap.parse_args(argv)

@@ -79,8 +79,9 @@ def check_nvfp4_mm(device, big=False):
     """Both epilogues against the twin math (dequantized fp32 operands): one bf16 unit of the
     stored output (2^-8 of max|ref|, the kernel applies the global scales after the sum). Big:
     the guide's W13 shape with decode-regime rows (DECODE_TILES, mma.sync) and training-size
-    rows (LARGE_TILES, wgmma), and rows between (SMALL_TILES)."""
-    for lens in ([[8, 0, 1, 13, 5, 7], [40, 0, 1, 60, 64, 33], [8, 0, 1, 13, 500, 2048]] if big else
+    rows (LARGE_TILES, wgmma), and rows between (SMALL_TILES, MEDIUM_TILES)."""
+    for lens in ([[8, 0, 1, 13, 5, 7], [40, 0, 1, 60, 64, 33], [100, 0, 1, 200, 130, 90],
+                  [8, 0, 1, 13, 500, 2048]] if big else
                  [[8, 0, 1, 13, 5, 7]]):
         _check_nvfp4_mm(device, lens, (6144, 7168) if big else (96, 256))
 

@@ -38,7 +38,7 @@ from .mm import _dot   # fp32 products in the interpreter
 from .tiles import expert_segments, tile_bound, tile_coords, tile_list
 
 __all__ = ["nvfp4_grouped_mm", "NVFP4_EPILOGUES", "Nvfp4Tiles", "DECODE_TILES", "SMALL_TILES",
-           "LARGE_TILES", "default_tiles"]
+           "MEDIUM_TILES", "LARGE_TILES", "default_tiles"]
 
 NVFP4_EPILOGUES = ("store", "scatter")
 
@@ -126,10 +126,13 @@ class Nvfp4Tiles:
     programs_per_sm: int = 1
 
 
-# by rows per expert on average (max_rows / E): <= 16 / <= 64 / more (the best of
-# bench_nvfp4_gemm --sweep on one H200 for each); the interpreter runs small tiles
+# by rows per expert on average (max_rows / E): <= 16 / <= 64 / <= 128 / more (the best of
+# bench_nvfp4_gemm --sweep on one H200 for each; 256-row tiles decode each weight tile half as
+# often as 128-row ones, which pays once an expert has more than 128 rows); the interpreter
+# runs small tiles
 DECODE_TILES = Nvfp4Tiles(16, 64, 128, 4, 3, 4)
 SMALL_TILES = Nvfp4Tiles(32, 128, 128, 4, 3, 2)
+MEDIUM_TILES = Nvfp4Tiles(128, 256, 64, 8)
 LARGE_TILES = Nvfp4Tiles(256, 128, 64, 8, 4)
 INTERP_TILES = Nvfp4Tiles(16, 32, 128, 4)
 DECODES = ("f16_asm", "f16")
@@ -139,7 +142,7 @@ def default_tiles(max_rows: int, E: int) -> Nvfp4Tiles:
     """Tiles by max_rows / E: the row capacity per expert (the context's scratch bound, which
     at EP > 1 exceeds the balanced rows by the device scratch factor), not the call's rows."""
     return (DECODE_TILES if max_rows <= 16 * E else SMALL_TILES if max_rows <= 64 * E
-            else LARGE_TILES)
+            else MEDIUM_TILES if max_rows <= 128 * E else LARGE_TILES)
 
 
 def nvfp4_grouped_mm(*, a, weight, expert_offsets: torch.Tensor, max_rows: int,

@@ -241,6 +241,9 @@ _W4 = PreparedWeight(torch.empty(E, 2 * F, D // 2, dtype=torch.uint8),
 # with the GPU's tiles and decode (the launcher picks the interpreter's on CPU tensors)
 VARIANTS["nvfp4_mm_store"] = lambda: GN.nvfp4_grouped_mm(a=p, weight=_W4, expert_offsets=offs,
     max_rows=R, epilogue="store", out=p, tiles=GN.LARGE_TILES, decode="f16_asm")
+VARIANTS["nvfp4_mm_store_medium"] = lambda: GN.nvfp4_grouped_mm(a=p, weight=_W4,
+    expert_offsets=offs, max_rows=R, epilogue="store", out=p, tiles=GN.MEDIUM_TILES,
+    decode="f16_asm")
 VARIANTS["nvfp4_mm_scatter_decode"] = lambda: GN.nvfp4_grouped_mm(
     a=p, weight=_W4, expert_offsets=offs, max_rows=48, epilogue="scatter", out_row_ptrs=rows_tab,
     a16=p, tiles=GN.DECODE_TILES, decode="f16_asm")
