@@ -132,7 +132,7 @@ class Nvfp4Tiles:
 # runs small tiles
 DECODE_TILES = Nvfp4Tiles(16, 64, 128, 4, 3, 4)
 SMALL_TILES = Nvfp4Tiles(32, 128, 128, 4, 3, 2)
-MEDIUM_TILES = Nvfp4Tiles(128, 256, 64, 8)
+MEDIUM_TILES = Nvfp4Tiles(128, 128, 64, 8)
 LARGE_TILES = Nvfp4Tiles(256, 128, 64, 8, 4)
 INTERP_TILES = Nvfp4Tiles(16, 32, 128, 4)
 DECODES = ("f16_asm", "f16")
