@@ -9,7 +9,7 @@ import torch
 from ..common import HAS_TMA, interpreting
 
 __all__ = ["GroupedGemmConfig", "CONFIG_TABLE", "INTERPRETER_CONFIG", "MIN_BLOCK_M",
-           "CLAIM_SLICE_K", "select_config"]
+           "CLAIM_SLICE_K", "DECODE_ROWS", "select_config"]
 
 # Width of the column slices a claimed m-tile copy is cut into (GroupedGemmConfig.claim_slice_k
 # None takes it): every program that reaches the m-tile copies a few of them.
@@ -73,11 +73,17 @@ class GroupedGemmConfig:
 CONFIG_TABLE: dict[tuple[str, str], GroupedGemmConfig] = {
     ("fwd", "large"): GroupedGemmConfig(128, 256, 64, 8, 8, 4, tma=HAS_TMA),
     ("fwd", "small"): GroupedGemmConfig(128, 128, 64, 8, 8, 5, tma=HAS_TMA),
+    # FPROP with at most DECODE_ROWS rows per expert (inference at small T): the weights are
+    # the whole read, and 128 x 256 tiles leave a second wave of 12 tiles for W13 (144 tiles on
+    # 132 SMs); 64 x 128 x 128 tiles make 288, with 192 KB of loads in flight per SM
+    ("fwd", "decode"): GroupedGemmConfig(64, 128, 128, 8, 4, 4, tma=HAS_TMA),
     ("dgrad", "large"): GroupedGemmConfig(128, 256, 64, 8, 8, 4, tma=HAS_TMA),
     ("dgrad", "small"): GroupedGemmConfig(128, 128, 64, 8, 8, 5, tma=HAS_TMA),
     ("wgrad", "large"): GroupedGemmConfig(128, 256, 64, 8, 8, 4, tma=HAS_TMA),
     ("wgrad", "small"): GroupedGemmConfig(128, 128, 64, 8, 8, 5, tma=HAS_TMA),
 }
+DECODE_ROWS = 64
+
 # Tiny tiles so the CPU interpreter finishes quickly and small test shapes span several tiles
 # (and several claim slices).
 INTERPRETER_CONFIG = GroupedGemmConfig(16, 32, 32, 2, 4, 1, claim_slice_k=32)

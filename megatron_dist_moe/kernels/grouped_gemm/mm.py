@@ -497,7 +497,8 @@ def grouped_mm_fwd(
                                [>= max_rows]); rows whose address is 0 are skipped.
     activation      "swiglu": silu(g) * u; "swiglu_clamped": g = min(g, limit),
                     u = clamp(u, -limit, limit), h2 = g * sigmoid(alpha * g) * (u + 1).
-    config          tile config; default from `select_config("fwd", ...)`.
+    config          tile config; default from `select_config("fwd", ...)` (the decode tiles
+                    when max_rows / E is small, outside claim mode).
     num_programs    persistent grid size; default the SM count.
     timeout_s, rank claim mode: a wait for another program's slice copy gives up after
                     timeout_s and traps naming the m-tile and `rank` (checks.py).
@@ -508,7 +509,10 @@ def grouped_mm_fwd(
                     swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
                     claim_flags=claim_flags)
     width = 2 * args.n if epilogue == "swiglu" else args.n
-    config = config or select_config("fwd", n=width, kd=args.kd, device=w.device)
+    # the claimed (staged) FPROP keeps the training tiles its claim schedule was measured with
+    rows = None if claim_flags is not None else -(-max_rows // w.shape[0])
+    config = config or select_config("fwd", n=width, kd=args.kd, device=w.device,
+                                     rows_per_expert=rows)
     _launch_mm(args, config, num_programs, timeout_s, rank)
 
 

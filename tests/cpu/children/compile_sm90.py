@@ -116,6 +116,10 @@ SLICED = replace(BIG, claim_slice_k=512)
 VARIANTS = {
     "fwd_swiglu_tma": lambda: G.grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=R, a=p,
         epilogue="swiglu", h1=p, h2=p, config=BIG),
+    "fwd_swiglu_decode": lambda: G.grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=48, a=p,
+        epilogue="swiglu", h1=p, h2=p, config=G.CONFIG_TABLE[("fwd", "decode")]),
+    "fwd_w2_scatter_decode": lambda: G.grouped_mm_fwd(w=w2, expert_offsets=offs, max_rows=48,
+        a=p, epilogue="scatter", out_row_ptrs=rows_tab, config=G.CONFIG_TABLE[("fwd", "decode")]),
     "fwd_swiglu_claim_sliced": lambda: G.grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=R,
         a_row_ptrs=rows_tab, a_copy_out=p, claim_flags=flags, epilogue="swiglu", h1=p, h2=p,
         config=SLICED),
