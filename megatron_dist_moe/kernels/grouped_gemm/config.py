@@ -90,14 +90,19 @@ INTERPRETER_CONFIG = GroupedGemmConfig(16, 32, 32, 2, 4, 1, claim_slice_k=32)
 MIN_BLOCK_M = min(c.block_m for c in (*CONFIG_TABLE.values(), INTERPRETER_CONFIG))
 
 
-def select_config(kind: str, *, n: int, kd: int, device: torch.device) -> GroupedGemmConfig:
+def select_config(kind: str, *, n: int, kd: int, device: torch.device,
+                  rows_per_expert: int | None = None) -> GroupedGemmConfig:
     """Pick the table entry for `kind` in ("fwd", "dgrad", "wgrad").
 
     n is the output width a program tiles (for swiglu the full 2F), kd the contraction width
     (for wgrad: n = N and kd = M, the two output dims). Shapes whose output width is small or
     not a multiple of 256 use 128x128 tiles so that fewer columns are masked off.
+    rows_per_expert: the host bound max_rows / E of an FPROP; at most DECODE_ROWS picks the
+    decode tiles.
     """
     if device.type != "cuda" or interpreting():
         return INTERPRETER_CONFIG
+    if kind == "fwd" and rows_per_expert is not None and rows_per_expert <= DECODE_ROWS:
+        return CONFIG_TABLE[("fwd", "decode")]
     shape_class = "large" if (n % 256 == 0 and n >= 1024) else "small"
     return CONFIG_TABLE[(kind, shape_class)]
