@@ -687,3 +687,34 @@ def test_grouped_gemm_interpreter(interp_results, name):
 
 if __name__ == "__main__":
     _main(sys.argv[1:])
+
+
+def test_tile_choice_by_rows_per_expert():
+    """The GPU tile tables by rows per expert (device=cuda picks the GPU tables without a GPU):
+    bf16 FPROP decode tiles up to DECODE_ROWS rows per expert where K allows them (never for
+    DGRAD/WGRAD); nvfp4 tiers at 16 / 64 / 128 rows per expert."""
+    import torch
+    from megatron_dist_moe.kernels.grouped_gemm.config import (CONFIG_TABLE, DECODE_ROWS,
+                                                               INTERPRETER_CONFIG, select_config)
+    from megatron_dist_moe.kernels.grouped_gemm import nvfp4 as GN
+    cuda = torch.device("cuda")
+    decode = CONFIG_TABLE[("fwd", "decode")]
+    assert select_config("fwd", n=6144, kd=7168, device=cuda, rows_per_expert=8) == decode
+    assert select_config("fwd", n=6144, kd=7168, device=cuda,
+                         rows_per_expert=DECODE_ROWS) == decode
+    assert select_config("fwd", n=6144, kd=7168, device=cuda,
+                         rows_per_expert=DECODE_ROWS + 1) == CONFIG_TABLE[("fwd", "large")]
+    assert select_config("fwd", n=6144, kd=7168, device=cuda) == CONFIG_TABLE[("fwd", "large")]
+    # K = 192 is no multiple of the decode tiles' 128: the training tiles (64) take it
+    assert select_config("fwd", n=256, kd=192, device=cuda,
+                         rows_per_expert=8) == CONFIG_TABLE[("fwd", "small")]
+    assert select_config("dgrad", n=3072, kd=7168, device=cuda,
+                         rows_per_expert=8) == CONFIG_TABLE[("dgrad", "large")]
+    # the interpreter keeps its tiny tiles
+    assert select_config("fwd", n=6144, kd=7168, device=torch.device("cpu"),
+                         rows_per_expert=8) == INTERPRETER_CONFIG
+    E = 6
+    assert GN.default_tiles(16 * E, E) == GN.DECODE_TILES
+    assert GN.default_tiles(16 * E + 1, E) == GN.SMALL_TILES
+    assert GN.default_tiles(64 * E + 1, E) == GN.MEDIUM_TILES
+    assert GN.default_tiles(128 * E + 1, E) == GN.LARGE_TILES

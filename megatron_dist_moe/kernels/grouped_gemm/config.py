@@ -98,11 +98,13 @@ def select_config(kind: str, *, n: int, kd: int, device: torch.device,
     (for wgrad: n = N and kd = M, the two output dims). Shapes whose output width is small or
     not a multiple of 256 use 128x128 tiles so that fewer columns are masked off.
     rows_per_expert: the host bound max_rows / E of an FPROP; at most DECODE_ROWS picks the
-    decode tiles.
+    decode tiles (where kd is a multiple of their block_k).
     """
     if device.type != "cuda" or interpreting():
         return INTERPRETER_CONFIG
-    if kind == "fwd" and rows_per_expert is not None and rows_per_expert <= DECODE_ROWS:
-        return CONFIG_TABLE[("fwd", "decode")]
+    decode = CONFIG_TABLE[("fwd", "decode")]
+    if (kind == "fwd" and rows_per_expert is not None and rows_per_expert <= DECODE_ROWS
+            and kd % decode.block_k == 0):   # the K loop is unmasked
+        return decode
     shape_class = "large" if (n % 256 == 0 and n >= 1024) else "small"
     return CONFIG_TABLE[(kind, shape_class)]
