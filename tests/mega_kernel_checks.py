@@ -31,25 +31,29 @@ def _problem(device, big, lens):
 
 def check_mega_matches_two_launches(device, big=False):
     from megatron_dist_moe.kernels.grouped_gemm import grouped_mm_fwd
+    from megatron_dist_moe.kernels.grouped_gemm.config import select_config
     from megatron_dist_moe.kernels.grouped_gemm.mega import MegaFlags, mega_fwd
     cases = ([[8, 0, 1, 13, 5, 7], [900, 0, 2048, 1, 1800, 77]] if big
              else [[20, 0, 3, 37], [1, 1, 0, 0], [0, 0, 0, 0]])
     for lens in cases:
         for act in ("swiglu", "swiglu_clamped"):
             E, D, F, R, x, w13, w2, offs = _problem(device, big, lens)
+            mega_cfg = select_config("fwd", n=2 * F, kd=D, device=x.device)   # mega_fwd's
             flags = MegaFlags(R + 5, E, device)
             kw = dict(activation=act, swiglu_alpha=1.702, swiglu_limit=1.5)
             h1r = torch.full((max(R, 1), 2 * F), float("nan"), dtype=BF, device=device)
             h2r = torch.full((max(R, 1), F), float("nan"), dtype=BF, device=device)
+            # the reference launches run the Mega kernel's tiles (its default config), so h1
+            # and h2 must match bit for bit
             grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=R + 5, a=x, epilogue="swiglu",
-                           h1=h1r, h2=h2r, **kw)
+                           h1=h1r, h2=h2r, config=mega_cfg, **kw)
             dst_r = torch.full((R + 2, D), float("nan"), dtype=BF, device=device)
             perm = torch.randperm(R + 2, generator=torch.Generator().manual_seed(3))[:R].to(device)
             ptrs = (dst_r.data_ptr() + perm.long() * D * 2) if R else torch.zeros(
                 1, dtype=torch.int64, device=device)
             if R > 3:
                 ptrs[3] = 0
-            grouped_mm_fwd(w=w2, expert_offsets=offs, max_rows=R + 5, a=h2r,
+            grouped_mm_fwd(w=w2, expert_offsets=offs, max_rows=R + 5, a=h2r, config=mega_cfg,
                            epilogue="scatter", out_row_ptrs=torch.cat(
                                [ptrs, torch.zeros(5, dtype=torch.int64, device=device)]))
             h1 = torch.full_like(h1r, float("nan"))

@@ -21,7 +21,8 @@ from megatron_dist_moe import testing as tt
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "children", "compile_sm90.py")
 
 
-VARIANTS = ["fwd_swiglu_tma", "fwd_swiglu_claim_sliced", "fwd_w2_scatter_clamped",
+VARIANTS = ["fwd_swiglu_tma", "fwd_swiglu_decode", "fwd_w2_scatter_decode",
+            "fwd_swiglu_claim_sliced", "fwd_w2_scatter_clamped",
             "dgrad_w2_claim_sliced", "dgrad_w2_swiglu_bwd_tma",
             "dgrad_w2_swiglu_bwd_claim_sliced", "dgrad_w2_swiglu_bwd_score_grads",
             "rows_publish_grad_y", "rows_route_score_ptrs", "rows_score_grad_rows",
@@ -35,13 +36,16 @@ VARIANTS = ["fwd_swiglu_tma", "fwd_swiglu_claim_sliced", "fwd_w2_scatter_clamped
             "mxfp8_quantize_all", "mxfp8_quantize_x", "mxfp8_quantize_grad",
             "mxfp8_quantize_cols_fake", "mxfp8_swiglu_quant", "mxfp8_dequantize_rows",
             "mxfp8_dequantize_cols", "mxfp8_fake_weight", "nvfp4_quantize_rows",
-            "nvfp4_swiglu_quant", "nvfp4_mm_store", "nvfp4_mm_scatter_decode", "nvfp4_dequantize_rows", "mega_fwd"]
+            "nvfp4_swiglu_quant", "nvfp4_mm_store", "nvfp4_mm_store_medium",
+            "nvfp4_mm_scatter_decode", "nvfp4_dequantize_rows", "mega_fwd"]
 
 MAX_SPILL_BYTES = 256
 
 # What each variant's PTX must contain (the orderings the docstrings of the claim phases rely on).
 EXPECT = {
     "fwd_swiglu_tma": dict(wgmma=1, tma_load=1),
+    "fwd_swiglu_decode": dict(wgmma=1, tma_load=1),
+    "fwd_w2_scatter_decode": dict(wgmma=1, tma_load=1),
     # the claim protocol's orderings, and its bounded wait (a sleeping poll loop, a trap)
     "fwd_swiglu_claim_sliced": dict(wgmma=1, tma_load=1, ld_acquire=1, atom_release=1,
                                     atom_max=2, proxy_fence=2, nanosleep=1),
@@ -69,6 +73,7 @@ EXPECT = {
     "mega_fwd": dict(wgmma=1, tma_load=1, ld_acquire=1, atom_release=1, nanosleep=1),
     # nvfp4: the training-size tiles reach wgmma through shared memory after the decode
     "nvfp4_mm_store": dict(wgmma=1),
+    "nvfp4_mm_store_medium": dict(wgmma=1),
 }
 
 

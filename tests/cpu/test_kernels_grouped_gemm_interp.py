@@ -689,15 +689,17 @@ if __name__ == "__main__":
     _main(sys.argv[1:])
 
 
-def test_tile_choice_by_rows_per_expert():
+def test_tile_choice_by_rows_per_expert(monkeypatch):
     """The GPU tile tables by rows per expert (device=cuda picks the GPU tables without a GPU):
     bf16 FPROP decode tiles up to DECODE_ROWS rows per expert where K allows them (never for
     DGRAD/WGRAD); nvfp4 tiers at 16 / 64 / 128 rows per expert."""
     import torch
+    from megatron_dist_moe.kernels.grouped_gemm import config as C
     from megatron_dist_moe.kernels.grouped_gemm.config import (CONFIG_TABLE, DECODE_ROWS,
                                                                INTERPRETER_CONFIG, select_config)
     from megatron_dist_moe.kernels.grouped_gemm import nvfp4 as GN
     cuda = torch.device("cuda")
+    monkeypatch.setattr(C, "interpreting", lambda: False)   # also under TRITON_INTERPRET=1
     decode = CONFIG_TABLE[("fwd", "decode")]
     assert select_config("fwd", n=6144, kd=7168, device=cuda, rows_per_expert=8) == decode
     assert select_config("fwd", n=6144, kd=7168, device=cuda,
@@ -710,7 +712,7 @@ def test_tile_choice_by_rows_per_expert():
                          rows_per_expert=8) == CONFIG_TABLE[("fwd", "small")]
     assert select_config("dgrad", n=3072, kd=7168, device=cuda,
                          rows_per_expert=8) == CONFIG_TABLE[("dgrad", "large")]
-    # the interpreter keeps its tiny tiles
+    # CPU tensors (the interpreter) keep its tiny tiles
     assert select_config("fwd", n=6144, kd=7168, device=torch.device("cpu"),
                          rows_per_expert=8) == INTERPRETER_CONFIG
     E = 6
@@ -718,3 +720,29 @@ def test_tile_choice_by_rows_per_expert():
     assert GN.default_tiles(16 * E + 1, E) == GN.SMALL_TILES
     assert GN.default_tiles(64 * E + 1, E) == GN.MEDIUM_TILES
     assert GN.default_tiles(128 * E + 1, E) == GN.LARGE_TILES
+
+
+def test_fprop_passes_rows_per_expert_outside_claim_mode(monkeypatch):
+    """grouped_mm_fwd asks for tiles with ceil(max_rows / E) rows per expert, and with none in
+    claim mode (the staged pipeline keeps the tiles its claim schedule was measured with)."""
+    import torch
+    from megatron_dist_moe.kernels.grouped_gemm import (INTERPRETER_CONFIG, ClaimFlags,
+                                                        grouped_mm_fwd)
+    from megatron_dist_moe.kernels.grouped_gemm import mm
+    seen = []
+
+    def record(kind, **kw):
+        seen.append((kind, kw.get("rows_per_expert")))
+        return INTERPRETER_CONFIG
+
+    monkeypatch.setattr(mm, "select_config", record)
+    monkeypatch.setattr(mm, "_launch_mm", lambda *a, **k: None)
+    E, D, F, R = 3, 32, 16, 40
+    w13 = torch.zeros(E, 2 * F, D)
+    offs = torch.tensor([0, 10, 25, 40], dtype=torch.int32)
+    x, h1, h2 = torch.zeros(R, D), torch.zeros(R, 2 * F), torch.zeros(R, F)
+    grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=R, a=x, epilogue="swiglu", h1=h1, h2=h2)
+    rows = torch.zeros(R, dtype=torch.int64)
+    grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=R, a_row_ptrs=rows, a_copy_out=x,
+                   claim_flags=ClaimFlags(R, None, E, "cpu"), epilogue="swiglu", h1=h1, h2=h2)
+    assert seen == [("fwd", 14), ("fwd", None)], seen

@@ -88,13 +88,14 @@ class Bf16Kernels:
         else:
             K_rows.gather_rows(row_ptrs, dst, nrows, D, torch.bfloat16, self.max_rows)
 
-    def w13_swiglu(self, w13, offs, xg, h1, h2, claim=None, row_ptrs=None):
-        """h1 = x_g W13^T, h2 = act(h1); with `claim`, x_g is first copied from row_ptrs."""
+    def w13_swiglu(self, w13, offs, xg, h1, h2, claim=None, row_ptrs=None, config=None):
+        """h1 = x_g W13^T, h2 = act(h1); with `claim`, x_g is first copied from row_ptrs;
+        config: the tiles (default: the launcher's choice for this shape)."""
         from ...kernels.grouped_gemm import grouped_mm_fwd
         a = dict(a=xg) if claim is None else dict(a_row_ptrs=row_ptrs, a_copy_out=xg,
                                                   claim_flags=claim)
         grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=self.max_rows, epilogue="swiglu",
-                       h1=h1, h2=h2, **a, **self.act, **self.timeout)
+                       h1=h1, h2=h2, config=config, **a, **self.act, **self.timeout)
 
     def w2_scatter(self, w2, offs, h2, out_rows):
         """h3 = h2 W2^T, row i stored at out_rows[i] (the owners' combine rows)."""
@@ -245,6 +246,15 @@ class MegaPipeline(StandardPipeline):
         from ...kernels.grouped_gemm.mega import MegaFlags
         self.flags = MegaFlags(max_rows, num_local_experts, device)
         self.timeout = dict(timeout_s=execution.wait_timeout_s, rank=rank)
+
+    def _w13(self, tabs, w13, offs, nrows, xg, h1, h2):
+        # the Mega kernel's tiles (mega_fwd's default), so a replay's h1 and h2 are the bits
+        # the Mega forward stored
+        from ...kernels.grouped_gemm import select_config
+        cfg = select_config("fwd", n=w13[0].numel() // w13.shape[-1], kd=w13.shape[-1],
+                            device=w13.device)
+        self.k.gather(tabs, tabs.fwd_gather_ptrs, xg, nrows, "dispatch")
+        self.k.w13_swiglu(w13, offs, xg, h1, h2, config=cfg)
 
     def forward(self, tabs: RoutingTables, w13_E2FD, w2_EDF, scatter_ptrs, at: dict,
                 rows=None, prepared=None, training: bool = True) -> None:

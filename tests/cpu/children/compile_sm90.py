@@ -261,6 +261,7 @@ VARIANTS["mega_fwd"] = lambda: GM.mega_fwd(xg=p, w13=w13, w2=w2, expert_offsets=
 JIT = {"rows_device_check": (K_checks, "_device_check_kernel"),
        "mega_fwd": (GM, "_mega_fwd_kernel"),
        "nvfp4_mm_store": (GN, "_nvfp4_mm_kernel"),
+       "nvfp4_mm_store_medium": (GN, "_nvfp4_mm_kernel"),
        "nvfp4_mm_scatter_decode": (GN, "_nvfp4_mm_kernel"),
        "nvfp4_quantize_rows": (KN, "_quant_rows_kernel"),
        "nvfp4_dequantize_rows": (KN, "_deq_rows_kernel"),
