@@ -13,11 +13,13 @@ The script exits 1 when the NVFP4 loss is more than `--max-loss-increase` (defau
 the bf16 one.
 
 `--train-precisions bf16,fp8_block,mxfp8` also trains one model per precision from the same
-weights on the same batches, and `--repeat-perturb EPS` a second bf16 model from the weights
-times (1 + EPS N(0, 1)): the run-to-run noise band. A precision is "within the bf16 noise band"
-when the largest gap between its 10-step moving-average loss and bf16's is no larger than the
-largest gap between the two bf16 curves (the rule of benchmarks/megatron_loss_noise.py); the
-script then also exits 1 for a precision outside it. `--csv` writes the per-step losses.
+weights on the same batches, and `--repeat-perturb EPS` `--repeats` more bf16 models from the
+weights times (1 + EPS N(0, 1)), each its own draw: the run-to-run noise band. A precision is
+"within the bf16 noise band" when the largest gap between its 10-step moving-average loss and
+bf16's is no larger than the largest gap between two of the bf16 curves (the rule of
+benchmarks/megatron_loss_noise.py); the script then also exits 1 for a precision outside it.
+`--csv` writes the per-step losses (and, with matplotlib, a plot of their moving averages next
+to it).
 
     python examples/tiny_lm_nvfp4_eval.py                     # CPU: reference backend, 2 ranks
     torchrun --nproc-per-node=1 examples/tiny_lm_nvfp4_eval.py --device cuda --hidden 1024 \\
@@ -67,7 +69,9 @@ def parse_args(argv=None):
     p.add_argument("--train-precisions", default="bf16",
                    help="comma list; bf16 always trains (its model is the one evaluated)")
     p.add_argument("--repeat-perturb", type=float, default=0.0, metavar="EPS",
-                   help="also train a bf16 repeat from perturbed weights (the noise band)")
+                   help="also train bf16 repeats from perturbed weights (the noise band)")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="with --repeat-perturb: how many bf16 repeats (each its own draw)")
     p.add_argument("--csv", default=None, help="per-step losses of every trained model")
     p.add_argument("--json", default=None, help="write the figures here (rank 0)")
     args = p.parse_args(argv)
@@ -81,6 +85,8 @@ def parse_args(argv=None):
         p.error(f"--train-precisions: {bad} do not train (bf16, fp8_block, mxfp8 do)")
     if not 0.0 <= args.repeat_perturb < 0.1:
         p.error(f"--repeat-perturb must be in [0, 0.1), got {args.repeat_perturb}")
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
     return args
 
 
@@ -187,12 +193,12 @@ def max_gap(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(moving_average(a), moving_average(b)))
 
 
-def train(args, rank, world, device, data, precision: str, perturb: float, say):
-    """One model trained from the seed's weights (times 1 + perturb N(0, 1)) on the seed's
-    batches; returns (model, per-step mean losses over the ranks)."""
+def train(args, rank, world, device, data, precision: str, perturb: float, say, draw=0):
+    """One model trained from the seed's weights (times 1 + perturb N(0, 1), the draw's) on
+    the seed's batches; returns (model, per-step mean losses over the ranks)."""
     model = TinyMoELM(args, rank, world).to(device)
     if perturb:
-        gp = torch.Generator().manual_seed(args.seed + 77)   # one draw, every rank alike
+        gp = torch.Generator().manual_seed(args.seed + 77 + draw)   # every rank alike
         with torch.no_grad():
             for prm in model.parameters():
                 noise = torch.randn(prm.shape, generator=gp).to(device)
@@ -239,16 +245,18 @@ def run(rank: int, world: int, args) -> dict:
         f"loss floor (the chain's entropy) {data.entropy:.3f}", flush=True)
     curves = {}
     model, curves["bf16"] = train(args, rank, world, device, data, "bf16", 0.0, say)
-    if args.repeat_perturb:
-        _, curves["bf16_repeat"] = train(args, rank, world, device, data, "bf16",
-                                         args.repeat_perturb, say)
+    for i in range(args.repeats if args.repeat_perturb else 0):
+        _, curves[f"bf16_repeat{i + 1}"] = train(args, rank, world, device, data, "bf16",
+                                                 args.repeat_perturb, say, draw=i)
     for precision in args.train_precisions[1:]:
         _, curves[precision] = train(args, rank, world, device, data, precision, 0.0, say)
-    band = max_gap(curves["bf16"], curves["bf16_repeat"]) if args.repeat_perturb else None
+    bf16_curves = [v for k, v in curves.items() if k.startswith("bf16")]
+    band = (max(max_gap(a, b) for i, a in enumerate(bf16_curves) for b in bf16_curves[i + 1:])
+            if len(bf16_curves) > 1 else None)
     gaps = {q: max_gap(curves[q], curves["bf16"]) for q in args.train_precisions[1:]}
     for q, gap in gaps.items():
         say(f"[tiny-lm] {q}: largest 10-step moving-average gap to bf16 {gap:.4f}"
-            + (f" (bf16 vs its perturbed repeat: {band:.4f}; "
+            + (f" (largest gap between the bf16 curves: {band:.4f}; "
                f"{'within' if gap <= band else 'OUTSIDE'} the noise band)" if band is not None
                else ""), flush=True)
     bf16_ctxs = make_contexts(args, device, world, inference=True, num_activation_slots=0)
@@ -269,6 +277,29 @@ def run(rank: int, world: int, args) -> dict:
     return dict(loss_bf16=loss_bf16, loss_nvfp4=loss_nvfp4, increase=increase,
                 entropy=data.entropy, steps=args.steps, world=world, backend=args.backend,
                 curves=curves, gaps=gaps, band=band)
+
+
+def plot_curves(res: dict, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[tiny-lm] matplotlib missing: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, v in res["curves"].items():
+        ax.plot(range(1, len(v) + 1), moving_average(v), label=name,
+                lw=0.8 if name.startswith("bf16_repeat") else 1.4)
+    ax.axhline(res["entropy"], color="gray", ls=":", label="loss floor (entropy)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("train loss (10-step moving average)")
+    ax.set_title(f"held-out loss: bf16 {res['loss_bf16']:.4f}, nvfp4 experts "
+                 f"{res['loss_nvfp4']:.4f} ({100 * res['increase']:+.2f}%)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"[tiny-lm] wrote {path}")
 
 
 def _spawned(rank: int, world: int, args) -> dict:
@@ -298,6 +329,7 @@ def main(argv=None) -> int:
             for i in range(args.steps):
                 f.write(",".join([str(i + 1)] + [f"{res['curves'][n][i]:.6f}" for n in names])
                         + "\n")
+        plot_curves(res, args.csv.rsplit(".", 1)[0] + ".png")
     ok = res["increase"] <= args.max_loss_increase
     print(f"[tiny-lm] {'PASS' if ok else 'FAIL'}: nvfp4 held-out loss "
           f"{100 * res['increase']:+.2f}% vs bf16 (bound +{100 * args.max_loss_increase:.1f}%)")

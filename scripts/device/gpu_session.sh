@@ -13,7 +13,8 @@
 #              graph replay, no host sync, bitwise repeats, inference
 #   packing    ten layers in one slot inside one CUDA graph
 #   inference  inference at the guide's expert shapes, T = 1..4096, eager and graph, guarded arena,
-#              bf16, fp8_block and mxfp8 (INFERENCE_ARGS, e.g. "--precisions mxfp8")
+#              every precision and pipeline the backend runs (INFERENCE_ARGS, e.g.
+#              "--precisions nvfp4 --pipelines standard")
 #   traps      the device traps that end a job with a message (1 GPU: overflow, bad id, layout)
 #   layer      bench_layer (LAYER_ARGS, e.g. "--cases guide --paths dist_moe,a2a")
 #   baseline   the same bench_layer run on the tree in $BASE_TREE (a copy of an older commit, e.g.
@@ -33,6 +34,9 @@
 #   decode     bench_decode: the forward at T = 1..2048 next to its weight-read floor (DECODE_ARGS)
 #   megatron   tiny GPT, dist_moe vs alltoall (SEEDS, STEPS, MB, MOE_BACKEND, PERTURB,
 #              MEGATRON_ARGS)
+#   lmeval     examples/tiny_lm_nvfp4_eval.py on the CUDA backend: bf16 / fp8_block / mxfp8
+#              training against the bf16 noise band, then the held-out loss with nvfp4 experts
+#              (LMEVAL_ARGS)
 #   pack       fold everything under $OUT into one archive (the device tool brings back few files)
 # Knobs: CHECK_ARGS PACKING_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS FP8_ARGS (extra arguments), TMO
 # (seconds per step).
@@ -103,6 +107,10 @@ for s in $sections; do case $s in
                 ${PERTURB:+--repeat-perturb "$PERTURB"} ${MEGATRON_ARGS:-} \
                 --csv "$OUT/megatron_cmp_${MOE_BACKEND:-cuda}_$seed.csv"
             done ;;
+  lmeval) LIMIT=420 run lmeval torchrun --nproc-per-node="$NGPU" examples/tiny_lm_nvfp4_eval.py \
+              --device cuda --hidden 1024 --ffn 2048 --experts 8 --steps 300 \
+              --train-precisions bf16,fp8_block,mxfp8 --repeat-perturb 1e-3 \
+              --csv "$OUT/tiny_lm.csv" --json "$OUT/tiny_lm.json" ${LMEVAL_ARGS:-} ;;
   pack) tar czf /tmp/session.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/session.tgz "$OUT/" \
           && ls -la "$OUT" ;;
   *) echo "unknown section $s" ;;
