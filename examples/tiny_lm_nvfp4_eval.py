@@ -287,16 +287,26 @@ def plot_curves(res: dict, path: str) -> None:
     except ImportError:
         print("[tiny-lm] matplotlib missing: no plot")
         return
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, v in res["curves"].items():
-        ax.plot(range(1, len(v) + 1), moving_average(v), label=name,
-                lw=0.8 if name.startswith("bf16_repeat") else 1.4)
+    fig, (ax, gx) = plt.subplots(2, 1, figsize=(7, 6), sharex=True,
+                                 gridspec_kw=dict(height_ratios=[3, 2]))
+    ma = {name: moving_average(v) for name, v in res["curves"].items()}
+    steps = range(1, len(ma["bf16"]) + 1)
+    for name, v in ma.items():
+        thin = name.startswith("bf16_repeat")
+        line, = ax.plot(steps, v, label=name, lw=0.8 if thin else 1.4)
+        if name != "bf16":
+            gx.plot(steps, [a - b for a, b in zip(v, ma["bf16"])], label=name,
+                    color=line.get_color(), lw=0.8 if thin else 1.4, ls="--" if thin else "-")
     ax.axhline(res["entropy"], color="gray", ls=":", label="loss floor (entropy)")
-    ax.set_xlabel("step")
+    ax.set_yscale("log")
     ax.set_ylabel("train loss (10-step moving average)")
     ax.set_title(f"held-out loss: bf16 {res['loss_bf16']:.4f}, nvfp4 experts "
                  f"{res['loss_nvfp4']:.4f} ({100 * res['increase']:+.2f}%)", fontsize=9)
     ax.legend(fontsize=8)
+    gx.axhline(0, color="gray", lw=0.5)
+    gx.set_xlabel("step")
+    gx.set_ylabel("minus bf16's")
+    gx.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"[tiny-lm] wrote {path}")
