@@ -120,6 +120,53 @@ def test_fwd_swiglu_dense(lens, d, f, activation, tma):
     assert torch.isnan(h1[r:]).all() and torch.isnan(h2[r:]).all(), "rows past R were written"
 
 
+# decode-regime rows (<= DECODE_ROWS per expert): the FPROP's decode tiles
+DECODE_SHAPES = [
+    pytest.param([0, 7, 64, 1, 33, 16], 7168, 3072, id="E6-D7168-F3072"),
+    pytest.param([5, 0, 2, 64], 512, 256, id="E4-D512-F256"),
+]
+
+
+@pytest.mark.parametrize("tma", TMA)
+@pytest.mark.parametrize("lens,d,f", DECODE_SHAPES)
+def test_fwd_decode_tiles(lens, d, f, tma):
+    """SwiGLU and scatter FPROPs on the decode tiles, against the oracle; with max_rows / E
+    <= DECODE_ROWS the launcher's own choice is those tiles (the same bits)."""
+    from megatron_dist_moe.kernels.grouped_gemm.config import DECODE_ROWS
+    torch.manual_seed(5)
+    e, r, offs = len(lens), sum(lens), _offsets(lens)
+    max_rows = e * DECODE_ROWS
+    cfg = replace(CONFIG_TABLE[("fwd", "decode")], tma=tma)
+    x = torch.randn(max_rows, d, device=DEV).to(BF16)
+    w13 = _weights(e, 2 * f, d, d ** -0.5 * 2)
+    w2 = _weights(e, d, f, f ** -0.5)
+    h1, h2 = _poisoned(max_rows, 2 * f), _poisoned(max_rows, f)
+    grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=max_rows, a=x, epilogue="swiglu",
+                   h1=h1, h2=h2, config=cfg)
+    r1_64, r1_32, r2_64, r2_32 = _swiglu_refs(x[:r], w13, offs)
+    _check("h1 (decode tiles)", h1[:r], r1_64, r1_32)
+    _check("h2 (decode tiles)", h2[:r], r2_64, r2_32)
+    assert torch.isnan(h1[r:]).all() and torch.isnan(h2[r:]).all(), "rows past R were written"
+    if tma:
+        h1d, h2d = _poisoned(max_rows, 2 * f), _poisoned(max_rows, f)
+        grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=max_rows, a=x, epilogue="swiglu",
+                       h1=h1d, h2=h2d)
+        assert torch.equal(h1d[:r], h1[:r]) and torch.equal(h2d[:r], h2[:r]), (
+            "the launcher's default at this row bound is not the decode tiles")
+    out = _poisoned(max_rows + 9, d)
+    dst_idx = torch.randperm(max_rows + 9, device=DEV)[:max_rows]
+    dst_idx[torch.randperm(r, device=DEV)[:3]] = -1
+    grouped_mm_fwd(w=w2, expert_offsets=offs, max_rows=max_rows, a=h2, epilogue="scatter",
+                   out_row_ptrs=_row_ptrs(out, dst_idx), config=cfg)
+    ok = dst_idx[:r] >= 0
+    ref64 = grouped_mm_fwd_ref(h2[:r], w2, offs, compute_dtype=F64, out_dtype=F64)[ok]
+    ref32 = grouped_mm_fwd_ref(h2[:r], w2, offs, compute_dtype=F32, out_dtype=BF16)[ok]
+    _check("scatter (decode tiles)", out[dst_idx[:r][ok]], ref64, ref32)
+    untouched = torch.ones(max_rows + 9, dtype=torch.bool, device=DEV)
+    untouched[dst_idx[:r][ok]] = False
+    assert torch.isnan(out[untouched]).all(), "scatter wrote rows it must skip"
+
+
 @pytest.mark.parametrize("tma", TMA)
 @pytest.mark.parametrize("lens,d,f", SHAPES)
 def test_fwd_claimed_rows_and_scatter(lens, d, f, tma):
