@@ -185,7 +185,11 @@ class Context:
 
     def explain(self) -> str:
         """The memory plan and how this context executes (what runs, which kernels)."""
-        return f"{self.plan.explain()}\n\n{self.execution.explain()}"
+        ex, cfg = self.execution, self.config
+        tiles = (ex.gemm_tiles(self.plan.total_scratch_rows, self.num_local_experts,
+                               cfg.hidden_dim, cfg.intermediate_dim, self.device)
+                 if ex.backend == "cuda" else None)
+        return f"{self.plan.explain()}\n\n{ex.explain(tiles)}"
 
     def __repr__(self) -> str:
         ex = self.execution

@@ -199,6 +199,33 @@ def test_cuda_execution_explains_every_step(precision, pipeline, gemm):
     assert ("quantization" in text) == (precision != "bf16")
 
 
+@pytest.mark.parametrize("precision, pipeline, inference, rows, want", [
+    ("bf16", "standard", True, 48, "W13 FPROP 64x128x128 4w 4st, W2 FPROP 64x128x128"),
+    ("bf16", "standard", False, 12288, "W13 FPROP 128x256x64 8w 4st, W2 FPROP 128x256x64"),
+    ("bf16", "mega", True, 48, "W13 FPROP 128x256x64 8w 4st, W2 FPROP 128x256x64"),
+    ("bf16", "staged", False, 48, "W13 FPROP 128x256x64 8w 4st, W2 FPROP 64x128x128"),
+    ("fp8_block", "standard", False, 48, "64x128x128 4w 3st, 2 programs per SM, every GEMM"),
+    ("nvfp4", "standard", True, 48, "16x64x128 4w 3st, 4 programs per SM"),
+    ("nvfp4", "standard", True, 12288, "256x128x64 8w 4st, 1 program per SM")])
+def test_explain_names_the_gemm_tiles(monkeypatch, precision, pipeline, inference, rows, want):
+    """explain() shows the tiles the context's GEMMs launch with at its row bound (the decode
+    tiles of a small T, the staged pipeline's claimed W13 and the Mega kernel keeping theirs);
+    the GPU tables, read without a GPU."""
+    import torch
+    from megatron_dist_moe.execution import Execution
+    from megatron_dist_moe.kernels import common
+    from megatron_dist_moe.kernels.grouped_gemm import config, fp8
+    for module in (common, config, fp8):   # also under TRITON_INTERPRET=1
+        monkeypatch.setattr(module, "interpreting", lambda: False)
+    ex = Execution(backend="cuda", precision=precision, pipeline=pipeline, inference=inference,
+                   save_route_outputs=False, wait_timeout_s=600.0)
+    tiles = ex.gemm_tiles(rows, 6, 7168, 3072, torch.device("cuda"))
+    assert want in tiles and f"{rows} rows = {-(-rows // 6)} per expert" in tiles, tiles
+    assert ("DGRAD" in tiles) == (not inference and precision != "fp8_block")
+    line = [ln for ln in ex.explain(tiles).splitlines() if ln.startswith("GEMM tiles")]
+    assert line and line[0].endswith(tiles), line
+
+
 @pytest.mark.parametrize("precision, pipeline", [("bf16", "mega"), ("bf16", "staged"),
                                                  ("fp8_block", "standard")])
 def test_torch_gemm_oracle_runs_bf16_standard_only(precision, pipeline):
@@ -208,3 +235,26 @@ def test_torch_gemm_oracle_runs_bf16_standard_only(precision, pipeline):
     with pytest.raises(ValueError, match="gemm_engine='torch'"):
         Execution(backend="cuda", precision=precision, pipeline=pipeline, inference=False,
                   save_route_outputs=False, wait_timeout_s=600.0, gemm_engine="torch")
+
+
+def test_context_explain_passes_its_row_bound_to_the_tiles(monkeypatch):
+    """Context.explain hands the plan's scratch rows, E_local and the shape to gemm_tiles on the
+    CUDA backend (and nothing on the reference backend)."""
+    import types
+
+    import torch
+    from megatron_dist_moe.context import Context
+    from megatron_dist_moe.execution import Execution
+    seen = []
+    monkeypatch.setattr(Execution, "gemm_tiles", lambda self, *a: seen.append(a) or "TILES")
+    cfg = dm.Config(num_local_input_tokens=8, hidden_dim=256, intermediate_dim=128, top_k=2,
+                    num_experts=4)
+    plan = types.SimpleNamespace(total_scratch_rows=40, explain=lambda: "PLAN")
+    for backend in ("cuda", "reference"):
+        ex = Execution(backend=backend, precision="bf16", pipeline="standard", inference=True,
+                       save_route_outputs=False, wait_timeout_s=600.0)
+        fake = types.SimpleNamespace(execution=ex, config=cfg, plan=plan, num_local_experts=2,
+                                     device=torch.device("cpu"))
+        text = Context.explain(fake)
+        assert text.startswith("PLAN") and (("TILES" in text) == (backend == "cuda")), text
+    assert seen == [(40, 2, 256, 128, torch.device("cpu"))]
