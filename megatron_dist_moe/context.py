@@ -186,9 +186,11 @@ class Context:
     def explain(self) -> str:
         """The memory plan and how this context executes (what runs, which kernels)."""
         ex, cfg = self.execution, self.config
-        tiles = (ex.gemm_tiles(self.plan.total_scratch_rows, self.num_local_experts,
+        tiles = None
+        if ex.backend == "cuda":
+            from .kernels.grouped_gemm.choice import gemm_tiles
+            tiles = gemm_tiles(ex, self.plan.total_scratch_rows, self.num_local_experts,
                                cfg.hidden_dim, cfg.intermediate_dim, self.device)
-                 if ex.backend == "cuda" else None)
         return f"{self.plan.explain()}\n\n{ex.explain(tiles)}"
 
     def __repr__(self) -> str:

@@ -163,45 +163,9 @@ class Execution:
         return ("expert side, <W2^T grad_y, h2> per route, summed over tiles in a fixed order"
                 if self.backend == "cuda" else "expert side, <W2^T grad_y, h2> per route")
 
-    def gemm_tiles(self, max_rows: int, num_local_experts: int, hidden_dim: int,
-                   intermediate_dim: int, device: torch.device) -> str:
-        """The tiles this context's GEMMs launch with at its row bound (CUDA backend, our
-        GEMMs): the tables of kernels/grouped_gemm by kernel, shape and rows per expert."""
-        from .kernels.common import interpreting
-        from .kernels.grouped_gemm.config import select_config
-        E, D, F = max(1, num_local_experts), hidden_dim, intermediate_dim
-        per_expert = -(-max_rows // E)
-        on_gpu = device.type == "cuda" and not interpreting()
-
-        def bf16(c):
-            return f"{c.block_m}x{c.block_n}x{c.block_k} {c.num_warps}w {c.num_stages}st"
-        where = f"{max_rows} rows = {per_expert} per expert"
-        if not on_gpu:
-            where += "; the interpreter's tiles"
-        if self.precision == "fp8_block":
-            from .kernels.grouped_gemm.fp8 import fp8_config
-            c = fp8_config(device)
-            return (f"{c.block_m}x{c.block_n}x128 {c.num_warps}w {c.num_stages}st, "
-                    f"{_per_sm(c.programs_per_sm)}, every GEMM ({where})")
-        if self.precision == "nvfp4":
-            from .kernels.grouped_gemm.nvfp4 import INTERP_TILES, default_tiles
-            t = default_tiles(max_rows, E) if on_gpu else INTERP_TILES
-            return (f"{t.block_m}x{t.block_n}x{t.block_k} {t.num_warps}w {t.num_stages}st, "
-                    f"{_per_sm(t.programs_per_sm)} ({where})")
-        if self.pipeline == "mega":
-            w13 = w2 = select_config("fwd", n=2 * F, kd=D, device=device)
-        else:
-            rows = None if self.pipeline == "staged" else per_expert
-            w13 = select_config("fwd", n=2 * F, kd=D, device=device, rows_per_expert=rows)
-            w2 = select_config("fwd", n=D, kd=F, device=device, rows_per_expert=per_expert)
-        text = f"W13 FPROP {bf16(w13)}, W2 FPROP {bf16(w2)}"
-        if not self.inference:
-            text += (f"; DGRAD {bf16(select_config('dgrad', n=F, kd=D, device=device))}, "
-                     f"WGRAD {bf16(select_config('wgrad', n=D, kd=2 * F, device=device))}")
-        return f"{text} ({where})"
-
     def explain(self, tiles: str | None = None) -> str:
-        """tiles: `gemm_tiles` of the context (Context.explain passes it)."""
+        """tiles: the GEMM tiles at the context's row bound (kernels/grouped_gemm/choice.py;
+        Context.explain passes them)."""
         rows = [("backend", self.backend), ("precision", self.precision),
                 ("mode", "inference" if self.inference else "training")]
         if self.backend == "cuda":
@@ -260,7 +224,3 @@ class Execution:
             rows += [("score gradients", self.score_gradients)]
         w = max(len(k) for k, _ in rows)
         return "\n".join(["Dist-MoE execution", "=" * 18] + [f"{k:<{w}}  {v}" for k, v in rows])
-
-
-def _per_sm(n: int) -> str:
-    return f"{n} program{'s' if n > 1 else ''} per SM"

@@ -214,12 +214,12 @@ def test_explain_names_the_gemm_tiles(monkeypatch, precision, pipeline, inferenc
     import torch
     from megatron_dist_moe.execution import Execution
     from megatron_dist_moe.kernels import common
-    from megatron_dist_moe.kernels.grouped_gemm import config, fp8
-    for module in (common, config, fp8):   # also under TRITON_INTERPRET=1
+    from megatron_dist_moe.kernels.grouped_gemm import choice, config, fp8
+    for module in (common, choice, config, fp8):   # also under TRITON_INTERPRET=1
         monkeypatch.setattr(module, "interpreting", lambda: False)
     ex = Execution(backend="cuda", precision=precision, pipeline=pipeline, inference=inference,
                    save_route_outputs=False, wait_timeout_s=600.0)
-    tiles = ex.gemm_tiles(rows, 6, 7168, 3072, torch.device("cuda"))
+    tiles = choice.gemm_tiles(ex, rows, 6, 7168, 3072, torch.device("cuda"))
     assert want in tiles and f"{rows} rows = {-(-rows // 6)} per expert" in tiles, tiles
     assert ("DGRAD" in tiles) == (not inference and precision != "fp8_block")
     line = [ln for ln in ex.explain(tiles).splitlines() if ln.startswith("GEMM tiles")]
@@ -238,15 +238,16 @@ def test_torch_gemm_oracle_runs_bf16_standard_only(precision, pipeline):
 
 
 def test_context_explain_passes_its_row_bound_to_the_tiles(monkeypatch):
-    """Context.explain hands the plan's scratch rows, E_local and the shape to gemm_tiles on the
-    CUDA backend (and nothing on the reference backend)."""
+    """Context.explain hands the plan's scratch rows, E_local and the shape to
+    choice.gemm_tiles on the CUDA backend (and nothing on the reference backend)."""
     import types
 
     import torch
     from megatron_dist_moe.context import Context
     from megatron_dist_moe.execution import Execution
+    from megatron_dist_moe.kernels.grouped_gemm import choice
     seen = []
-    monkeypatch.setattr(Execution, "gemm_tiles", lambda self, *a: seen.append(a) or "TILES")
+    monkeypatch.setattr(choice, "gemm_tiles", lambda ex, *a: seen.append(a) or "TILES")
     cfg = dm.Config(num_local_input_tokens=8, hidden_dim=256, intermediate_dim=128, top_k=2,
                     num_experts=4)
     plan = types.SimpleNamespace(total_scratch_rows=40, explain=lambda: "PLAN")
