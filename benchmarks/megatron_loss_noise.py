@@ -34,6 +34,8 @@ import sys
 
 from plotting import pyplot
 
+from megatron_dist_moe.testing import moving_average
+
 
 def load_curves(paths: list[str]) -> dict[str, list[float]]:
     """{'alltoall#0': [...], 'dist_moe#0': [...], ...}, one pair per CSV, in file order."""
@@ -50,14 +52,6 @@ def load_curves(paths: list[str]) -> dict[str, list[float]]:
             if f"loss_{kind}_repeat" in rows[0]:
                 curves[f"{kind}#{i}r"] = [float(r[f"loss_{kind}_repeat"]) for r in rows]
     return curves
-
-
-def moving_average(v: list[float], width: int = 10) -> list[float]:
-    out, acc = [], 0.0
-    for i, x in enumerate(v):
-        acc += x - (v[i - width] if i >= width else 0.0)
-        out.append(acc / min(i + 1, width))
-    return out
 
 
 def default_windows(n: int) -> list[tuple[int, int]]:

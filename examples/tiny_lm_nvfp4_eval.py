@@ -43,6 +43,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 import megatron_dist_moe as dm  # noqa: E402
+from megatron_dist_moe.testing import moving_average  # noqa: E402
 
 BF = torch.bfloat16
 
@@ -179,14 +180,6 @@ def evaluate(model, ctxs, data, args, device, rank, prepared=None) -> float:
             total += model(data.batch(args.batch, args.seq, g).to(device), ctxs, prepared)
     dist.all_reduce(total)
     return float(total) / (args.eval_batches * dist.get_world_size())
-
-
-def moving_average(v: list[float], width: int = 10) -> list[float]:
-    out, acc = [], 0.0
-    for i, x in enumerate(v):
-        acc += x - (v[i - width] if i >= width else 0.0)
-        out.append(acc / min(i + 1, width))
-    return out
 
 
 def max_gap(a: list[float], b: list[float]) -> float:

@@ -35,6 +35,7 @@ __all__ = [
     "nvfp4_emulation",
     "nvfp4_oracle_y",
     "spawn", "SpawnedRankDied", "run_child_checks", "assert_child_check", "RESULT_NAMES",
+    "moving_average",
 ]
 
 RESULT_NAMES = ("y", "grad_x", "grad_scores", "grad_w13", "grad_w2")
@@ -542,3 +543,13 @@ def assert_child_check(results: dict[str, dict], name: str) -> None:
     res = results.get(name)
     assert res is not None, f"check {name} did not report (child crashed?)"
     assert res["ok"], f"{res['error']}\n{res.get('trace', '')}"
+
+
+def moving_average(v: list[float], width: int = 10) -> list[float]:
+    """The `width`-step trailing mean of a loss curve (shorter at its start): what the loss
+    comparisons (benchmarks/megatron_loss_noise.py, examples/tiny_lm_nvfp4_eval.py) judge."""
+    out, acc = [], 0.0
+    for i, x in enumerate(v):
+        acc += x - (v[i - width] if i >= width else 0.0)
+        out.append(acc / min(i + 1, width))
+    return out

@@ -31,14 +31,13 @@ def _problem(device, big, lens):
 
 def check_mega_matches_two_launches(device, big=False):
     from megatron_dist_moe.kernels.grouped_gemm import grouped_mm_fwd
-    from megatron_dist_moe.kernels.grouped_gemm.config import select_config
-    from megatron_dist_moe.kernels.grouped_gemm.mega import MegaFlags, mega_fwd
+    from megatron_dist_moe.kernels.grouped_gemm.mega import MegaFlags, mega_config, mega_fwd
     cases = ([[8, 0, 1, 13, 5, 7], [900, 0, 2048, 1, 1800, 77]] if big
              else [[20, 0, 3, 37], [1, 1, 0, 0], [0, 0, 0, 0]])
     for lens in cases:
         for act in ("swiglu", "swiglu_clamped"):
             E, D, F, R, x, w13, w2, offs = _problem(device, big, lens)
-            mega_cfg = select_config("fwd", n=2 * F, kd=D, device=x.device)   # mega_fwd's
+            mega_cfg = mega_config(2 * F, D, x.device)   # mega_fwd's default
             flags = MegaFlags(R + 5, E, device)
             kw = dict(activation=act, swiglu_alpha=1.702, swiglu_limit=1.5)
             h1r = torch.full((max(R, 1), 2 * F), float("nan"), dtype=BF, device=device)

@@ -154,9 +154,13 @@ class StandardPipeline:
         return True
 
     # the first GEMM of each direction: what the staged pipeline changes
+    def _w13_tiles(self, w13):
+        """The W13 launch's tiles (None: the launcher's choice for this shape)."""
+        return None
+
     def _w13(self, tabs, w13, offs, nrows, xg, h1, h2):
         self.k.gather(tabs, tabs.fwd_gather_ptrs, xg, nrows, "dispatch")
-        self.k.w13_swiglu(w13, offs, xg, h1, h2)
+        self.k.w13_swiglu(w13, offs, xg, h1, h2, config=self._w13_tiles(w13))
 
     def _w2_dgrad(self, tabs, w2, offs, nrows, gather_ptrs, g3, h1, h2, score):
         # grad_y is published once per token without saved route outputs (score)
@@ -247,14 +251,10 @@ class MegaPipeline(StandardPipeline):
         self.flags = MegaFlags(max_rows, num_local_experts, device)
         self.timeout = dict(timeout_s=execution.wait_timeout_s, rank=rank)
 
-    def _w13(self, tabs, w13, offs, nrows, xg, h1, h2):
-        # the Mega kernel's tiles (mega_fwd's default), so a replay's h1 and h2 are the bits
-        # the Mega forward stored
-        from ...kernels.grouped_gemm import select_config
-        cfg = select_config("fwd", n=w13[0].numel() // w13.shape[-1], kd=w13.shape[-1],
-                            device=w13.device)
-        self.k.gather(tabs, tabs.fwd_gather_ptrs, xg, nrows, "dispatch")
-        self.k.w13_swiglu(w13, offs, xg, h1, h2, config=cfg)
+    def _w13_tiles(self, w13):
+        # the W13-only replay runs the Mega kernel's tiles: the bits its forward stored
+        from ...kernels.grouped_gemm.mega import mega_config
+        return mega_config(w13[0].numel() // w13.shape[-1], w13.shape[-1], w13.device)
 
     def forward(self, tabs: RoutingTables, w13_E2FD, w2_EDF, scatter_ptrs, at: dict,
                 rows=None, prepared=None, training: bool = True) -> None:

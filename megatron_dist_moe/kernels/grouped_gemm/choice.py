@@ -9,7 +9,8 @@ import torch
 from ..common import interpreting
 from .config import select_config
 from .fp8 import fp8_config
-from .nvfp4 import INTERP_TILES, default_tiles
+from .mega import mega_config
+from .nvfp4 import launch_tiles
 
 __all__ = ["gemm_tiles"]
 
@@ -32,11 +33,11 @@ def gemm_tiles(execution, max_rows: int, num_local_experts: int, hidden_dim: int
         return (f"{c.block_m}x{c.block_n}x128 {c.num_warps}w {c.num_stages}st, "
                 f"{_per_sm(c.programs_per_sm)}, every GEMM ({where})")
     if execution.precision == "nvfp4":
-        t = default_tiles(max_rows, E) if on_gpu else INTERP_TILES
+        t = launch_tiles(max_rows, E, device)
         return (f"{t.block_m}x{t.block_n}x{t.block_k} {t.num_warps}w {t.num_stages}st, "
                 f"{_per_sm(t.programs_per_sm)} ({where})")
     if execution.pipeline == "mega":
-        w13 = w2 = select_config("fwd", n=2 * F, kd=D, device=device)
+        w13 = w2 = mega_config(2 * F, D, device)
     else:
         rows = None if execution.pipeline == "staged" else per_expert
         w13 = select_config("fwd", n=2 * F, kd=D, device=device, rows_per_expert=rows)

@@ -44,7 +44,7 @@ from .config import MIN_BLOCK_M, GroupedGemmConfig, select_config
 from .mm import _dot   # fp32 products in the interpreter
 from .tiles import expert_segments, tile_bound, tile_coords, tile_list
 
-__all__ = ["MegaFlags", "mega_fwd"]
+__all__ = ["MegaFlags", "mega_fwd", "mega_config"]
 
 SHIFT = 20           # per-launch counts stay below 2^20 (n-tiles of one m-tile; claimed items)
 _SHIFT = tl.constexpr(SHIFT)
@@ -66,6 +66,13 @@ class MegaFlags:
 
     def next_epoch(self) -> None:
         self.epoch.add_(1)
+
+
+def mega_config(F2: int, D: int, device: torch.device) -> GroupedGemmConfig:
+    """The Mega forward's default tiles for W13 [E, F2, D] (the FPROP table's training tiles;
+    the W13-only replay of the Mega pipeline runs them too, so its h1 and h2 are the bits the
+    Mega forward stored)."""
+    return select_config("fwd", n=F2, kd=D, device=device)
 
 
 @triton.jit
@@ -194,7 +201,7 @@ def mega_fwd(*, xg, w13: torch.Tensor, w2: torch.Tensor, expert_offsets: torch.T
     check_offsets(expert_offsets, E, dev)
     check_rows(out_row_ptrs, "out_row_ptrs", max_rows, dev)
     assert flags.capacity >= triton.cdiv(max_rows, MIN_BLOCK_M) + E, "MegaFlags too small"
-    cfg = config or select_config("fwd", n=F2, kd=D, device=dev)
+    cfg = config or mega_config(F2, D, dev)
     bn13, bn2 = cfg.block_n // 2, cfg.block_n
     assert D % cfg.block_k == 0 and F % cfg.block_k == 0, (
         f"D={D} and F={F} must be multiples of block_k={cfg.block_k}")

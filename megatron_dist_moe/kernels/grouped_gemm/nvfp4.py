@@ -145,6 +145,12 @@ def default_tiles(max_rows: int, E: int) -> Nvfp4Tiles:
             else MEDIUM_TILES if max_rows <= 128 * E else LARGE_TILES)
 
 
+def launch_tiles(max_rows: int, E: int, device: torch.device) -> Nvfp4Tiles:
+    """The launcher's default: default_tiles on a GPU, the interpreter's small tiles on CPU."""
+    on_cpu = device.type != "cuda" or interpreting()
+    return INTERP_TILES if on_cpu else default_tiles(max_rows, E)
+
+
 def nvfp4_grouped_mm(*, a, weight, expert_offsets: torch.Tensor, max_rows: int,
                      epilogue: str = "store", out=None, out_row_ptrs=None, a16=None,
                      tiles: Optional[Nvfp4Tiles] = None, decode: Optional[str] = None,
@@ -179,8 +185,7 @@ def nvfp4_grouped_mm(*, a, weight, expert_offsets: torch.Tensor, max_rows: int,
         check_rows(out_row_ptrs, "out_row_ptrs", max_rows, dev)
         out_rows = out_row_ptrs
     on_cpu = dev.type != "cuda" or interpreting()
-    if tiles is None:
-        tiles = INTERP_TILES if on_cpu else default_tiles(max_rows, E)
+    tiles = tiles or launch_tiles(max_rows, E, dev)
     decode = decode or ("f16" if on_cpu else "f16_asm")
     assert decode in DECODES, f"decode must be one of {sorted(DECODES)}"
     assert not (interpreting() and decode == "f16_asm"), "the interpreter cannot run inline PTX"
