@@ -37,7 +37,7 @@ def check_mega_matches_two_launches(device, big=False):
     for lens in cases:
         for act in ("swiglu", "swiglu_clamped"):
             E, D, F, R, x, w13, w2, offs = _problem(device, big, lens)
-            mega_cfg = mega_config(2 * F, D, x.device)   # mega_fwd's default
+            mega_cfg = mega_config(2 * F, D, x.device, R + 5, E)   # mega_fwd's default
             flags = MegaFlags(R + 5, E, device)
             kw = dict(activation=act, swiglu_alpha=1.702, swiglu_limit=1.5)
             h1r = torch.full((max(R, 1), 2 * F), float("nan"), dtype=BF, device=device)

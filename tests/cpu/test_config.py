@@ -202,14 +202,16 @@ def test_cuda_execution_explains_every_step(precision, pipeline, gemm):
 @pytest.mark.parametrize("precision, pipeline, inference, rows, want", [
     ("bf16", "standard", True, 48, "W13 FPROP 64x128x128 4w 4st, W2 FPROP 64x128x128"),
     ("bf16", "standard", False, 12288, "W13 FPROP 128x256x64 8w 4st, W2 FPROP 128x256x64"),
-    ("bf16", "mega", True, 48, "W13 FPROP 128x256x64 8w 4st, W2 FPROP 128x256x64"),
+    ("bf16", "mega", True, 48, "W13 FPROP 64x128x128 4w 4st, W2 FPROP 64x128x128"),
+    ("bf16", "mega", False, 12288, "W13 FPROP 128x256x64 8w 4st, W2 FPROP 128x256x64"),
     ("bf16", "staged", False, 48, "W13 FPROP 128x256x64 8w 4st, W2 FPROP 64x128x128"),
     ("fp8_block", "standard", False, 48, "64x128x128 4w 3st, 2 programs per SM, every GEMM"),
     ("nvfp4", "standard", True, 48, "16x64x128 4w 3st, 4 programs per SM"),
     ("nvfp4", "standard", True, 12288, "256x128x64 8w 4st, 1 program per SM")])
 def test_explain_names_the_gemm_tiles(monkeypatch, precision, pipeline, inference, rows, want):
     """explain() shows the tiles the context's GEMMs launch with at its row bound (the decode
-    tiles of a small T, the staged pipeline's claimed W13 and the Mega kernel keeping theirs);
+    tiles of a small T, also in the Mega kernel, whose W2 items share its W13 tiles; the staged
+    pipeline's claimed W13 keeping the training tiles);
     the GPU tables, read without a GPU."""
     import torch
     from megatron_dist_moe.execution import Execution

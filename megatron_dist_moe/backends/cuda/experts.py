@@ -254,7 +254,8 @@ class MegaPipeline(StandardPipeline):
     def _w13_tiles(self, w13):
         # the W13-only replay runs the Mega kernel's tiles: the bits its forward stored
         from ...kernels.grouped_gemm.mega import mega_config
-        return mega_config(w13[0].numel() // w13.shape[-1], w13.shape[-1], w13.device)
+        return mega_config(w13[0].numel() // w13.shape[-1], w13.shape[-1], w13.device,
+                           self.max_rows, self.E)
 
     def forward(self, tabs: RoutingTables, w13_E2FD, w2_EDF, scatter_ptrs, at: dict,
                 rows=None, prepared=None, training: bool = True) -> None:

@@ -37,7 +37,7 @@ def gemm_tiles(execution, max_rows: int, num_local_experts: int, hidden_dim: int
         return (f"{t.block_m}x{t.block_n}x{t.block_k} {t.num_warps}w {t.num_stages}st, "
                 f"{_per_sm(t.programs_per_sm)} ({where})")
     if execution.pipeline == "mega":
-        w13 = w2 = mega_config(2 * F, D, device)
+        w13 = w2 = mega_config(2 * F, D, device, max_rows, E)
     else:
         rows = None if execution.pipeline == "staged" else per_expert
         w13 = select_config("fwd", n=2 * F, kd=D, device=device, rows_per_expert=rows)

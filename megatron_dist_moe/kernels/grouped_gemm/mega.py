@@ -29,6 +29,7 @@ counter to it, so CUDA-graph replays need no reset.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -68,11 +69,16 @@ class MegaFlags:
         self.epoch.add_(1)
 
 
-def mega_config(F2: int, D: int, device: torch.device) -> GroupedGemmConfig:
-    """The Mega forward's default tiles for W13 [E, F2, D] (the FPROP table's training tiles;
-    the W13-only replay of the Mega pipeline runs them too, so its h1 and h2 are the bits the
-    Mega forward stored)."""
-    return select_config("fwd", n=F2, kd=D, device=device)
+def mega_config(F2: int, D: int, device: torch.device, max_rows: int | None = None,
+                num_experts: int | None = None) -> GroupedGemmConfig:
+    """The Mega forward's default tiles for W13 [E, F2, D], which its W2 items share (the W13-only
+    replay of the Mega pipeline runs them too, so its h1 and h2 are the bits the Mega forward
+    stored). With the host bound max_rows over num_experts experts given, few rows per expert
+    pick the FPROP table's decode tiles, as the standard W13 launch does; both contractions (D
+    and F) must then be multiples of their block_k."""
+    rows = -(-max_rows // num_experts) if max_rows is not None and num_experts else None
+    return select_config("fwd", n=F2, kd=math.gcd(D, F2 // 2), device=device,
+                         rows_per_expert=rows)
 
 
 @triton.jit
@@ -201,7 +207,7 @@ def mega_fwd(*, xg, w13: torch.Tensor, w2: torch.Tensor, expert_offsets: torch.T
     check_offsets(expert_offsets, E, dev)
     check_rows(out_row_ptrs, "out_row_ptrs", max_rows, dev)
     assert flags.capacity >= triton.cdiv(max_rows, MIN_BLOCK_M) + E, "MegaFlags too small"
-    cfg = config or mega_config(F2, D, dev)
+    cfg = config or mega_config(F2, D, dev, max_rows, E)
     bn13, bn2 = cfg.block_n // 2, cfg.block_n
     assert D % cfg.block_k == 0 and F % cfg.block_k == 0, (
         f"D={D} and F={F} must be multiples of block_k={cfg.block_k}")
