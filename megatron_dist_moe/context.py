@@ -18,6 +18,7 @@ from .config import Config, ConfigError
 from .execution import Execution
 from .memory_plan import MemoryPlan, plan_memory
 from .planner import PlannerState
+from .weight_cache import WeightCache
 
 if TYPE_CHECKING:
     from .backends.base import Backend
@@ -68,6 +69,8 @@ class Context:
         self.num_local_experts = plan.num_local_experts
         self.execution = execution
         self.planner = PlannerState.create(plan, device)
+        # quantized expert weights kept across calls (routed_experts(is_first_microbatch=...))
+        self.weight_cache = WeightCache(execution.precision)
         self._closed = False
         # Saved state of training forwards awaiting their backward: saved id -> (token, saved).
         # See _stash_saved / _pop_saved; the lock guards against finalizers on other threads.
@@ -163,6 +166,7 @@ class Context:
         if self._closed:
             return
         self.backend.close()
+        self.weight_cache.clear()
         self._closed = True
         _CONTEXTS.pop(self.id, None)
         with self._saved_lock:

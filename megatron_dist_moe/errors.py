@@ -11,7 +11,7 @@ from __future__ import annotations
 __all__ = ["ConfigError", "RoutedExpertsInputError", "ARG_NAMES"]
 
 # Argument order used to name a peer's rejected argument in collective checks.
-ARG_NAMES = ("x", "expert_ids", "scores", "w13", "w2", "ctx")
+ARG_NAMES = ("x", "expert_ids", "scores", "w13", "w2", "ctx", "wgrad_into", "is_first_microbatch")
 
 
 class ConfigError(ValueError):

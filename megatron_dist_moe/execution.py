@@ -202,13 +202,16 @@ class Execution:
             if self.precision == "fp8_block":
                 rows += [("quantization", "x_g rows (and columns, saved) after the gather; "
                           "SwiGLU writes the h2 row bundle (and the saved h1 row bundle); "
-                          "weights by every forward (both orientations), reused by its backward")]
+                          "weights by every forward (both orientations), reused by its "
+                          "backward, or once per step into the context's weight cache "
+                          "(routed_experts(is_first_microbatch=True), reused by False calls)")]
             if self.precision == "mxfp8":
                 rows += [("quantization", "x_g after the gather (fake rows in place; training: "
                           "the saved column bundle); SwiGLU writes h2's fake rows (and the "
                           "saved h1 row bundle); backward: g3 and grad_h1 rows and the WGRAD "
                           "operands' columns; weights (32 x 32 tiles) by every forward, reused by its "
-                          "backward")]
+                          "backward, or once per step into the context's weight cache "
+                          "(routed_experts(is_first_microbatch=True), reused by False calls)")]
             if self.precision == "nvfp4":
                 rows += [("quantization", "token rows by their source rank (NVFP4 byte rows in "
                           "the dispatch buffer); W13 stores h1 (bf16), one launch applies the "

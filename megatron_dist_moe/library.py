@@ -2,7 +2,8 @@
 
     dist_moe::routed_experts_fwd(Tensor x, Tensor expert_ids, Tensor scores, Tensor w13,
                                  Tensor w2, SymInt ctx_id, bool training,
-                                 Tensor[] wgrad_into_w13, Tensor[] wgrad_into_w2)
+                                 Tensor[] wgrad_into_w13, Tensor[] wgrad_into_w2,
+                                 SymInt weight_cache)
         -> (Tensor y, Tensor saved_id)
     dist_moe::routed_experts_bwd(Tensor grad_y, Tensor saved_id, SymInt ctx_id, SymInt top_k,
                                  SymInt[] w13_shape, SymInt[] w2_shape)
@@ -75,12 +76,18 @@ def _score_grad_dtype(dtype: torch.dtype) -> torch.dtype:
 @torch.library.custom_op("dist_moe::routed_experts_fwd", mutates_args=())
 def routed_experts_fwd(x: torch.Tensor, expert_ids: torch.Tensor, scores: torch.Tensor,
                        w13: torch.Tensor, w2: torch.Tensor, ctx_id: int, training: bool,
-                       wgrad_into_w13: Sequence[torch.Tensor], wgrad_into_w2: Sequence[torch.Tensor]
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       wgrad_into_w13: Sequence[torch.Tensor], wgrad_into_w2: Sequence[torch.Tensor],
+                       weight_cache: int) -> tuple[torch.Tensor, torch.Tensor]:
     """y [T, D] and saved_id (0-d int64, CPU; -1 when not training). Arguments must already be
-    validated (ops.routed_experts does it); w13 is [E_local, 2F, D]."""
+    validated (ops.routed_experts does it); w13 is [E_local, 2F, D]. weight_cache: the
+    is_first_microbatch argument as -1 (None), 0 (False), 1 (True)."""
     ctx = context_from_id(ctx_id)
-    y, saved = ctx.backend.forward(x, expert_ids, scores, w13, w2, training=training)
+    mode = None if weight_cache < 0 else bool(weight_cache)
+    # routed_experts checked this already (collectively); a direct call of the op, or one
+    # traced with fake tensors, is checked here, still before the backend writes anything
+    ctx.weight_cache.check(w13, w2, mode)
+    y, saved = ctx.backend.forward(x, expert_ids, scores, w13, w2, training=training,
+                                   weight_cache=mode)
     if not training:
         return y, torch.tensor(-1, dtype=torch.int64)
     saved.wgrad_into = (list(wgrad_into_w13), list(wgrad_into_w2)) if wgrad_into_w13 else None
@@ -89,7 +96,7 @@ def routed_experts_fwd(x: torch.Tensor, expert_ids: torch.Tensor, scores: torch.
 
 @routed_experts_fwd.register_fake
 def _routed_experts_fwd_fake(x, expert_ids, scores, w13, w2, ctx_id, training,
-                             wgrad_into_w13, wgrad_into_w2):
+                             wgrad_into_w13, wgrad_into_w2, weight_cache):
     return x.new_empty(x.shape), torch.empty((), dtype=torch.int64, device="cpu")
 
 
@@ -171,8 +178,10 @@ def _backward(ctx, grad_y, _grad_saved_id):
             "called with training=False")
     grad_x, grad_scores, grad_w13, grad_w2 = torch.ops.dist_moe.routed_experts_bwd(
         grad_y, saved_id, ctx.ctx_id, ctx.top_k, ctx.w13_shape, ctx.w2_shape)
+    # one entry per input; weight_cache has no default: torch 2.11 drops a trailing argument
+    # that equals its default from the inputs the backward's structure is checked against
     return (grad_x, None, grad_scores.to(ctx.score_dtype), grad_w13, grad_w2, None, None,
-            [None] * ctx.n_into[0], [None] * ctx.n_into[1])
+            [None] * ctx.n_into[0], [None] * ctx.n_into[1], None)
 
 
 routed_experts_fwd.register_autograd(_backward, setup_context=_setup_context)

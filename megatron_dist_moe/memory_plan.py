@@ -47,6 +47,23 @@ def score_parts_count(F: int) -> int:
     return -(-F // SCORE_PART_COLS)
 
 
+def weight_cache_bytes(config: Config, num_local_experts: int) -> int:
+    """Bytes of one layer's weight cache entry (weight_cache.py): fp8_block E4M3 W13 and W2
+    with fp32 128 x 128 block scales (a training context's entry holds both orientations, for
+    the backward); mxfp8 their bf16 copies of the 32 x 32 tile quantization. (What the CUDA
+    backend keeps; the reference backend's entry is a bf16 copy of the weights, which its
+    math quantizes per call.)"""
+    E, D, F = num_local_experts, config.hidden_dim, config.intermediate_dim
+    mats = ((2 * F, D), (D, F))
+    if config.precision == "fp8_block":
+        one = sum(align128(E * n * k) + align128(E * (n // 128) * (k // 128) * 4)
+                  for n, k in mats)
+        return one * (1 if config.inference else 2)
+    if config.precision == "mxfp8":
+        return sum(align128(E * n * k * 2) for n, k in mats)
+    return 0
+
+
 def align128(n):
     """Round a byte count up to a multiple of 128 (a host int, or an int64 tensor elementwise)."""
     return -(-n // 128) * 128
@@ -161,6 +178,10 @@ class MemoryPlan:
     symmetric_bytes: int
     total_device_bytes: int
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # what one layer's entry of the weight cache holds (routed_experts(is_first_microbatch=...),
+    # weight_cache.py): allocated on the first True call for that layer's weights, not part
+    # of total_device_bytes; 0 for precisions without quantized weights
+    weight_cache_bytes_per_layer: int = 0
 
     # -- layout -----------------------------------------------------------------------------
     @property
@@ -204,6 +225,10 @@ class MemoryPlan:
         out.append(f"  forward scratch at device R   {self.layer.forward_scratch(self.device_scratch_rows):>16,} B")
         if not c.inference:
             out.append(f"  backward peak at device R     {self.layer.backward_peak(self.device_scratch_rows):>16,} B")
+        if self.weight_cache_bytes_per_layer:
+            b = self.weight_cache_bytes_per_layer
+            out.append(f"  weight cache entry            {b:>16,} B  ({_fmt(b)}; with "
+                       "is_first_microbatch, per cached layer)")
         out.append("")
         if not c.inference:
             out.append(f"activation slot ({L} layer(s) per slot, {self.num_slots} slot(s), "
@@ -302,6 +327,7 @@ def plan_memory(config: Config, ep_size: int) -> MemoryPlan:
                      "even balanced routing will overflow")
 
     return MemoryPlan(
+        weight_cache_bytes_per_layer=weight_cache_bytes(config, E_local),
         config=config, ep_size=ep_size, num_local_experts=E_local, layer=layer,
         balanced_rows=balanced, topology_max_rows=topo, device_scratch_rows=dev_rows,
         total_scratch_rows=total_rows, input_bytes=input_bytes,

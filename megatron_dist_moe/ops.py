@@ -13,6 +13,7 @@ from . import library
 from .context import Context
 from .errors import ARG_NAMES, RoutedExpertsInputError  # noqa: F401  (re-exported)
 from .prepared import PREPARED_PRECISIONS, PreparedWeight
+from .weight_cache import weight_cache_mode
 
 __all__ = ["routed_experts", "RoutedExpertsInputError", "validate_inputs", "validate_wgrad_into"]
 
@@ -166,7 +167,7 @@ def validate_wgrad_into(wgrad_into, ctx: Context) -> tuple[list, list]:
 
 def routed_experts(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: torch.Tensor,
                    w13: torch.Tensor, w2_EDF: torch.Tensor, ctx: Context, *,
-                   wgrad_into=None) -> torch.Tensor:
+                   wgrad_into=None, is_first_microbatch: bool | None = None) -> torch.Tensor:
     """Run the routed expert MLPs of every rank's tokens on the experts' owners.
 
     Args:
@@ -187,6 +188,12 @@ def routed_experts(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: t
                        GEMMs accumulate in place: no bf16 rounding, no stacked gradient) and
                        w13 and w2 receive zero gradients. Needs Config.wgrad_dtype="fp32";
                        ignored by calls that keep no state for backward.
+        is_first_microbatch: TransformerEngine's weight-cache protocol, for the precisions that
+                       quantize the weights (fp8_block, mxfp8; others ignore it). None: quantize
+                       them in this call. True: quantize them into this context's cache entry
+                       for these weight tensors, then run. False: run on the entry the last
+                       True call wrote (the weights must not have changed since, as within one
+                       optimizer step); raises when there is none. See weight_cache.py.
 
     Returns:
         y_TD [T, D] in x's dtype: for each token the FP32 score-weighted sum over its active routes
@@ -218,6 +225,9 @@ def routed_experts(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: t
                         "wgrad_into", "is not supported under make_fx / torch.compile tracing; "
                         "call eagerly (CUDA-graph capture is fine) or drop wgrad_into")
                 wgrad_into = validate_wgrad_into(wgrad_into, ctx)
+            cache_mode = weight_cache_mode(is_first_microbatch)
+            if not isinstance(w13, PreparedWeight) and not fake:
+                ctx.weight_cache.check(w13, w2_EDF, cache_mode)
             local_error = None
         except RoutedExpertsInputError as e:
             local_error = e
@@ -237,6 +247,7 @@ def routed_experts(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: t
         y_TD, _ = ctx.backend.forward(x_TD, expert_ids_TK, scores_TK, w13, w2_EDF,
                                       training=False)
         return y_TD
+    cache_code = {None: -1, False: 0, True: 1}[cache_mode]
     if w13.dim() == 4:       # [E_local, 2, F, D] -> [E_local, 2F, D], a view (traced)
         w13 = w13.reshape(w13.shape[0], -1, w13.shape[-1])
     training = torch.is_grad_enabled() and any(
@@ -253,5 +264,6 @@ def routed_experts(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: t
     # the accumulators travel as the op's tensor-list arguments; its saved record keeps them
     into = wgrad_into if training and not fake and wgrad_into is not None else ([], [])
     y_TD, _ = torch.ops.dist_moe.routed_experts_fwd(x_TD, expert_ids_TK, scores_TK, w13, w2_EDF,
-                                                    ctx.id, training, into[0], into[1])
+                                                    ctx.id, training, into[0], into[1],
+                                                    cache_code)
     return y_TD

@@ -17,9 +17,13 @@ class Backend(Protocol):
         return normally on the failing rank (the caller raises its own error)."""
 
     def forward(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: torch.Tensor,
-                w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor, training: bool
-                ) -> tuple[torch.Tensor, Any]:
+                w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor, training: bool,
+                weight_cache: bool | None = None) -> tuple[torch.Tensor, Any]:
         """y_TD and an opaque `saved` object for backward (None when not training).
+
+        weight_cache: routed_experts' is_first_microbatch (weight_cache.py): the quantized
+        weights come from the context's WeightCache (refreshed first when True) instead of
+        this call's own quantization; the backward uses the same weights.
 
         w13 arrives as [E_local, 2F, D]. When `training`, the backend runs planner.plan_forward
         for this layer (using the context's selected slot) and keeps the LayerRecord in `saved`.

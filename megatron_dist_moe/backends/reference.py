@@ -256,7 +256,21 @@ class ReferenceBackend:
         flat[routes.send_flat_idx] = self._return(h3, routes)
 
     # -- Backend API ----------------------------------------------------------------------------
-    def forward(self, x_TD, expert_ids_TK, scores_TK, w13_END, w2_EDF, training: bool):
+    def _cached_weights(self, w13_END, w2_EDF, mode):
+        """The weights a call quantizes: its own, or (is_first_microbatch) the bf16 snapshot the
+        last True call took for these tensors, which the math quantizes as the CUDA backend's
+        cached copies were quantized (bit-exact twins: the same bits)."""
+        def make(entry):
+            if entry is None:
+                return w13_END.detach().clone(), w2_EDF.detach().clone()
+            entry[0].copy_(w13_END)
+            entry[1].copy_(w2_EDF)
+            return entry
+        entry = self.ctx.weight_cache.resolve(w13_END, w2_EDF, mode, make)
+        return (w13_END, w2_EDF) if entry is None else entry
+
+    def forward(self, x_TD, expert_ids_TK, scores_TK, w13_END, w2_EDF, training: bool,
+                weight_cache: bool | None = None):
         ctx, plan, cfg = self.ctx, self.plan, self.ctx.config
         if training and cfg.inference:
             raise RuntimeError("routed_experts: this context has Config.inference=True and keeps "
@@ -296,6 +310,7 @@ class ReferenceBackend:
             routes_TKD = torch.empty(T, K, D, dtype=dtype, device=x_TD.device)
 
         views = self._views(dtype, "train_forward" if training else "inference", R, saved_at)
+        w13_END, w2_EDF = self._cached_weights(w13_END, w2_EDF, weight_cache)
         self._replay(x_TD, w13_END, w2_EDF, routes, views, routes_TKD, training)
         acc = self._acc_dtype(dtype)
         y_TD = (scores_TK.to(acc).unsqueeze(-1) * routes_TKD.to(acc)).sum(dim=1).to(dtype)

@@ -251,19 +251,28 @@ def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, POW2: tl.con
 
 
 def quantize_weight(w_ENK: torch.Tensor, recipe: BlockScaling = BlockScaling(),
-                    transposed: bool = True):
+                    transposed: bool = True, out=None):
     """(q [E, N, K], s [E, N/128, K/128], q_t [E, K, N], s_t [E, K/128, N/128]); without
-    `transposed` q_t and s_t are None."""
+    `transposed` q_t and s_t are None. out: such a tuple to write into (a weight cache entry:
+    the same addresses every time)."""
     E, N, K = w_ENK.shape
     assert w_ENK.is_contiguous() and w_ENK.dtype == torch.bfloat16
     assert N % BLOCK == 0 and K % BLOCK == 0, f"[{N}, {K}] must be multiples of {BLOCK}"
     f8 = torch.float8_e4m3fn
-    q = torch.empty(E, N, K, dtype=f8, device=w_ENK.device)
-    s = torch.empty(E, N // BLOCK, K // BLOCK, dtype=torch.float32, device=w_ENK.device)
-    qt = st = None
-    if transposed:
-        qt = torch.empty(E, K, N, dtype=f8, device=w_ENK.device)
-        st = torch.empty(E, K // BLOCK, N // BLOCK, dtype=torch.float32, device=w_ENK.device)
+    if out is not None:
+        q, s, qt, st = out
+        shapes = [(E, N, K), (E, N // BLOCK, K // BLOCK)] + (
+            [(E, K, N), (E, K // BLOCK, N // BLOCK)] if transposed else [])
+        assert [tuple(t.shape) for t in (q, s, qt, st)[:len(shapes)]] == shapes, (
+            "quantize_weight(out=): the tensors do not match the weight's shapes")
+    else:
+        q = torch.empty(E, N, K, dtype=f8, device=w_ENK.device)
+        s = torch.empty(E, N // BLOCK, K // BLOCK, dtype=torch.float32, device=w_ENK.device)
+        qt = st = None
+        if transposed:
+            qt = torch.empty(E, K, N, dtype=f8, device=w_ENK.device)
+            st = torch.empty(E, K // BLOCK, N // BLOCK, dtype=torch.float32,
+                             device=w_ENK.device)
     _quant_weight_kernel[(E, N // BLOCK, K // BLOCK)](w_ENK, q, s, q if qt is None else qt,
                                                       s if st is None else st, N, K,
                                                       POW2=recipe.power_2_scales,

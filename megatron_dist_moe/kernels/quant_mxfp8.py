@@ -309,11 +309,14 @@ def _fake_weight_kernel(w_ptr, out_ptr, N, K, HW: tl.constexpr):
     tl.store(out_ptr + off, tl.reshape(f, (32, 128)))
 
 
-def fake_weight(w_ENK: torch.Tensor) -> torch.Tensor:
-    """bf16 [E, N, K] = quant/mxfp8.fake_weight(w): 32 x 32 tiles, N % 32 == 0, K % 128 == 0."""
+def fake_weight(w_ENK: torch.Tensor, out=None) -> torch.Tensor:
+    """bf16 [E, N, K] = quant/mxfp8.fake_weight(w): 32 x 32 tiles, N % 32 == 0, K % 128 == 0.
+    out: a bf16 tensor of w's shape to write into (a weight cache entry)."""
     E, N, K = w_ENK.shape
     assert w_ENK.is_contiguous() and w_ENK.dtype == torch.bfloat16
     assert N % BLOCK == 0 and K % 128 == 0, f"[{N}, {K}]: N % 32 and K % 128 must be 0"
-    out = torch.empty_like(w_ENK)
+    if out is None:
+        out = torch.empty_like(w_ENK)
+    assert out.shape == w_ENK.shape and out.dtype == w_ENK.dtype and out.is_contiguous()
     _fake_weight_kernel[(E, N // BLOCK, K // 128)](w_ENK, out, N, K, HW=_hw(w_ENK), num_warps=4)
     return out

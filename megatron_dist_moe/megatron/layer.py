@@ -367,6 +367,12 @@ class DistMoELayer(MoELayer):
         dm.plan_memory(probe, ep_size=get_pg_size(self.ep_group))
         self._dm_config = probe if self._num_local_input_tokens else None
         self._weights_layout_logged = False
+        # TransformerEngine's weight-cache flag: Megatron's set_is_first_microbatch() sets it
+        # True on each step's first microbatch (when its config has fp8); the forward then
+        # quantizes the fp8_block / mxfp8 expert weights once into the context's cache and
+        # the step's later microbatches (and recomputations) reuse them. None: quantize in
+        # every forward (nobody sets the flag).
+        self.is_first_microbatch = None
         get_runtime().register_layer(self)
 
     # -- Dist-MoE plumbing ----------------------------------------------------------------
@@ -424,9 +430,31 @@ class DistMoELayer(MoELayer):
             x_in = torch.cat([x_in, x_in.new_zeros(pad, D)])
             ids_TK = torch.cat([ids_TK, ids_TK.new_full((pad, ids_TK.shape[1]), -1)])
             scores_TK = torch.cat([scores_TK, scores_TK.new_zeros(pad, scores_TK.shape[1])])
+        first = self._weight_cache_flag()
         y_TD = dm.routed_experts(x_in.contiguous(), ids_TK, scores_TK, w13, w2, ctx,
-                                 wgrad_into=into)
+                                 wgrad_into=into, is_first_microbatch=first)
+        if first:
+            self.is_first_microbatch = False
         return y_TD[:T].to(hidden_states.dtype).reshape(shape)
+
+    def _weight_cache_flag(self):
+        """What this forward passes as routed_experts(is_first_microbatch=): the flag, or None
+        (quantize in this call) where a cached copy could go stale or never be found:
+          * weights not packed: the cache is keyed by the weights' storage, and a per-call copy
+            has a new one;
+          * Megatron CUDA graphs (cuda_graph_impl / enable_cuda_graph) or any capture: a
+            replay repeats the captured host decision, so a False captured once would never
+            see the optimizer's updates;
+          * disable_parameter_transpose_cache: the run asked for no weight copies (as TE's
+            layers read it)."""
+        cfg, w = self.config, self.experts.local_experts[0].linear_fc1.weight
+        capturing = w.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if (not self.experts.weights_packed() or capturing
+                or (getattr(cfg, "cuda_graph_impl", "none") or "none") != "none"
+                or getattr(cfg, "enable_cuda_graph", False)
+                or getattr(cfg, "disable_parameter_transpose_cache", False)):
+            return None
+        return self.is_first_microbatch
 
     # -- MoELayer API ---------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None,

@@ -24,6 +24,7 @@ import megatron_dist_moe.backends.cuda as cb
 from megatron_dist_moe.backends.cuda import symmetric as sy
 from megatron_dist_moe.execution import Execution, check_overrides
 from megatron_dist_moe.planner import PlannerState
+from megatron_dist_moe.weight_cache import WeightCache
 
 
 class ThreadGroup:
@@ -89,7 +90,8 @@ def make_backend(cfg: dm.Config, group: ThreadGroup,
     ctx = types.SimpleNamespace(config=cfg, plan=plan, device=torch.device("cpu"), group=group,
                                 rank=group.rank, ep_size=group.size,
                                 num_local_experts=cfg.num_local_experts(group.size),
-                                planner=PlannerState.create(plan, "cpu"))
+                                planner=PlannerState.create(plan, "cpu"),
+                                weight_cache=WeightCache(cfg.precision))
     execution = Execution(backend="cuda", precision=cfg.precision,
                           pipeline=cfg.pipeline,
                           inference=cfg.inference, save_route_outputs=cfg.save_route_outputs,

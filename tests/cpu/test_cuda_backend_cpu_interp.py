@@ -48,6 +48,18 @@ def results():
     return tt.run_child_checks([CHILD], timeout_s=900, paths=(HERE,))[0]
 
 
+@pytest.mark.parametrize("precision", ["fp8_block", "mxfp8"])
+def test_weight_cache_reuses_the_first_microbatch_quantization(results, precision):
+    """forward(weight_cache=True) quantizes into the cache and gives a self-quantizing call's
+    bits (forward and every gradient); False reuses the entry even after an in-place weight
+    update; the next True requantizes (weight_cache.py)."""
+    r = results.get("weight_cache")
+    assert r is not None and r["ok"], r and f"{r.get('error')}\n{r.get('trace')}"
+    c = r[precision]
+    assert c["first_eq_own"] and c["reuse_eq_first"], c
+    assert c["new_differs"] and c["stale_eq_old"] and c["refresh_eq_new"], c
+
+
 @pytest.mark.parametrize("name", QUANT_NAMES)
 def test_block_scaled_within_twice_the_emulated_quantization_error(results, name):
     """fp8_block, mxfp8: every output and gradient within 2x of the error that the same

@@ -113,6 +113,44 @@ def _two_rank_worker(rank: int, world: int) -> dict:
     r["spec_loss_diff"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
     r["spec_grad_rel"] = tiny_gpt.max_rel_diff(ref_grads, grads)
 
+    # 2b. TE's weight-cache flag: Megatron's own set_is_first_microbatch() (it acts when the
+    #     config has fp8) sets it on the dist_moe layers; their first forward passes True to
+    #     routed_experts, later ones False; unset, every forward passes None.
+    import megatron_dist_moe.megatron.layer as layer_mod
+    moe = [layer.mlp for layer in spec_model.decoder.layers if hasattr(layer.mlp, "experts")]
+    seen, real = [], layer_mod.dm.routed_experts
+
+    def spy(*args, **kw):
+        seen.append(kw.get("is_first_microbatch"))
+        return real(*args, **kw)
+    layer_mod.dm.routed_experts = spy
+    try:
+        r["cache_flag_unset"] = [m.is_first_microbatch for m in moe]
+        tiny_gpt.train_step(spec_model, M, seed=3 + rank)
+        r["cache_flag_seen_unset"] = list(seen)
+        seen.clear()
+        spec_model.config.fp8 = "e4m3"
+        spec_model.set_is_first_microbatch()
+        spec_model.config.fp8 = None
+        r["cache_flag_set"] = [m.is_first_microbatch for m in moe]
+        tiny_gpt.train_step(spec_model, M, seed=3 + rank)
+        r["cache_flag_seen"] = list(seen)
+        r["cache_flag_after"] = [m.is_first_microbatch for m in moe]
+        # where a cached copy could go stale the layer passes None: Megatron CUDA graphs, no
+        # transpose cache wanted
+        moe[0].is_first_microbatch = True
+        flags = {"plain": moe[0]._weight_cache_flag()}
+        for field, value in (("cuda_graph_impl", "local"),
+                             ("disable_parameter_transpose_cache", True)):
+            old_value = getattr(spec_model.config, field)
+            setattr(spec_model.config, field, value)
+            flags[field] = moe[0]._weight_cache_flag()
+            setattr(spec_model.config, field, old_value)
+        moe[0].is_first_microbatch = False
+        r["cache_flag_guards"] = flags
+    finally:
+        layer_mod.dm.routed_experts = real
+
     # 3. TEGroupedMLP plain-checkpoint layout loads into the dist_moe experts.
     fresh = tiny_gpt.build_gpt(ref_cfg, get_gpt_layer_spec_dist_moe(ref_cfg), seed=2)
     fresh.load_state_dict(_te_grouped_layout(ref.state_dict()), strict=True)
@@ -226,6 +264,14 @@ def test_tiny_gpt_ep2_matches_alltoall(two_rank_results):
         for key in ("packed_after_load", "packed_after_float", "packed_after_training"):
             assert r[key] == [True, True], (rank, key, r[key])
         assert r["stack_is_view"], rank
+        # the weight-cache flag (routed_experts(is_first_microbatch=...)): 2 MoE layers x M=2
+        assert r["cache_flag_unset"] == [None, None], r
+        assert r["cache_flag_seen_unset"] == [None] * 4, r
+        assert r["cache_flag_set"] == [True, True], r
+        assert r["cache_flag_seen"] == [True, True, False, False], r
+        assert r["cache_flag_after"] == [False, False], r
+        assert r["cache_flag_guards"] == {"plain": True, "cuda_graph_impl": None,
+                                          "disable_parameter_transpose_cache": None}, r
         assert r["round_trip"], f"rank {rank}: alltoall -> dist_moe -> alltoall changed weights"
         for path in ("spec", "install"):
             assert r[f"{path}_loss_diff"] <= FP64_RTOL * 10, (rank, path, r)

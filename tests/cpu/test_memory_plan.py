@@ -127,3 +127,24 @@ def test_plan_rejects_bad_arguments():
         dm.plan_memory(c, ep_size=3)
     with pytest.raises(TypeError):
         dm.plan_memory({"hidden_dim": 64}, ep_size=1)
+
+
+def test_weight_cache_entry_bytes():
+    """MemoryPlan.weight_cache_bytes_per_layer (routed_experts(is_first_microbatch=...)): E4M3
+    W13 and W2 plus fp32 128 x 128 scales, both orientations in training, one in inference;
+    mxfp8 the bf16 copies; nothing for bf16. At the guide's experts (E_local=6)."""
+    import megatron_dist_moe as dm
+    base = dict(num_local_input_tokens=2048, hidden_dim=7168, intermediate_dim=3072, top_k=6,
+                num_experts=6)
+    elems = 6 * (2 * 3072 * 7168 + 7168 * 3072)
+    scales = 6 * ((2 * 3072 // 128) * (7168 // 128) + (7168 // 128) * (3072 // 128)) * 4
+    fp8 = dm.plan_memory(dm.Config(**base, precision="fp8_block"), ep_size=1)
+    assert fp8.weight_cache_bytes_per_layer == 2 * (elems + scales)
+    assert "weight cache entry" in fp8.explain()
+    inf = dm.plan_memory(dm.Config(**base, precision="fp8_block", inference=True,
+                                   num_activation_slots=0), ep_size=1)
+    assert inf.weight_cache_bytes_per_layer == elems + scales
+    mx = dm.plan_memory(dm.Config(**base, precision="mxfp8"), ep_size=1)
+    assert mx.weight_cache_bytes_per_layer == 2 * elems
+    bf = dm.plan_memory(dm.Config(**base), ep_size=1)
+    assert bf.weight_cache_bytes_per_layer == 0 and "weight cache" not in bf.explain()

@@ -253,7 +253,7 @@ def case_opcheck(rank, ws):
 
             def fwd_args(training, grad):
                 x, ids, s, w13, w2 = _inputs(p, rank, grad=grad, layout="E2F_D")
-                return (x, ids, s, w13, w2, ctx.id, training, [], [])
+                return (x, ids, s, w13, w2, ctx.id, training, [], [], -1)
 
             for util in utils:
                 res["fwd_train"][util] = opcheck(FWD, fwd_args(True, True), util)
@@ -305,7 +305,7 @@ def case_errors(rank, ws):
     out["twice_at_start"] = _at_start(ctx)
 
     # the bwd op called again on a consumed saved id
-    y, sid = FWD(*_inputs(p, rank, grad=False, layout="E2F_D"), ctx.id, True, [], [])
+    y, sid = FWD(*_inputs(p, rank, grad=False, layout="E2F_D"), ctx.id, True, [], [], -1)
     args = (gy, sid, ctx.id, cfg.top_k, [2, 2 * 128, 64], [2, 64, 128])
     BWD(*args)
     try:
@@ -317,7 +317,7 @@ def case_errors(rank, ws):
 
     # a stateless forward (training=False) under autograd has no backward
     x, ids, s, w13, w2 = _inputs(p, rank, layout="E2F_D")
-    y, _ = FWD(x, ids, s, w13, w2, ctx.id, False, [], [])
+    y, _ = FWD(x, ids, s, w13, w2, ctx.id, False, [], [], -1)
     try:
         y.backward(gy)
         out["stateless_backward"] = None
@@ -338,7 +338,7 @@ def case_errors(rank, ws):
     cid = ctx.id
     ctx.close()
     try:
-        FWD(*_inputs(p, rank, grad=False, layout="E2F_D"), cid, False, [], [])
+        FWD(*_inputs(p, rank, grad=False, layout="E2F_D"), cid, False, [], [], -1)
         out["closed"] = None
     except ValueError as e:
         out["closed"] = dict(arg=getattr(e, "arg", None), msg=str(e))
@@ -523,7 +523,7 @@ def test_schemas():
     assert str(FWD._schema) == (
         "dist_moe::routed_experts_fwd(Tensor x, Tensor expert_ids, Tensor scores, Tensor w13, "
         "Tensor w2, SymInt ctx_id, bool training, Tensor[] wgrad_into_w13, "
-        "Tensor[] wgrad_into_w2) -> (Tensor, Tensor)")
+        "Tensor[] wgrad_into_w2, SymInt weight_cache) -> (Tensor, Tensor)")
     assert str(BWD._schema) == (
         "dist_moe::routed_experts_bwd(Tensor grad_y, Tensor saved_id, SymInt ctx_id, "
         "SymInt top_k, SymInt[] w13_shape, SymInt[] w2_shape) -> (Tensor, Tensor, Tensor, Tensor)")
@@ -537,7 +537,7 @@ def test_fake_kernels_describe_outputs(dtype):
     with FakeTensorMode():
         x = torch.empty(T, D, dtype=dtype)
         y, sid = FWD(x, torch.empty(T, K, dtype=torch.int32), torch.empty(T, K), torch.empty(
-            E, 2 * F, D, dtype=dtype), torch.empty(E, D, F, dtype=dtype), 12345, True, [], [])
+            E, 2 * F, D, dtype=dtype), torch.empty(E, D, F, dtype=dtype), 12345, True, [], [], -1)
         gx, gs, g13, g2 = BWD(torch.empty(T, D, dtype=dtype), sid, 12345, K, [E, 2 * F, D],
                               [E, D, F])
     assert (y.shape, y.dtype, y.device.type) == ((T, D), dtype, "cpu")
@@ -554,7 +554,7 @@ def test_symbolic_make_fx_of_the_ops():
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def f(x, ids, s, w13, w2, gy):
-        y, sid = FWD(x, ids, s, w13, w2, 7, True, [], [])
+        y, sid = FWD(x, ids, s, w13, w2, 7, True, [], [], -1)
         return (y,) + BWD(gy, sid, 7, ids.shape[1], w13.shape, w2.shape)
 
     T, K, D, F, E = 8, 2, 64, 128, 2

@@ -296,6 +296,72 @@ def run_deterministic_case(name, cfg, ctx, EP, rank, results, T):
                         **({"msg": f"not bitwise reproducible: {differ}"} if differ else {})))
 
 
+def run_weight_cache_case(name, cfg, ctx, EP, rank, results, T):
+    """routed_experts(is_first_microbatch=...) (weight_cache.py), forward + backward, every
+    output bitwise: True gives the bits of a call that quantizes its own weights, False reuses
+    them, also after the weights changed in place, until the next True; a CUDA graph captured
+    with False reads the entry at its fixed address, so an eager True call refreshes what the
+    graph's replays read."""
+    E_loc = cfg.num_experts // EP
+    sl = slice(rank * E_loc, (rank + 1) * E_loc)
+    p = make_problem(cfg, EP, T, seed=43, routing="hot_expert")
+    x = p["x"][rank].clone().requires_grad_()
+    s = p["s"][rank].clone().requires_grad_()
+    w13 = p["w13"][sl].clone().requires_grad_()
+    w2 = p["w2"][sl].clone().requires_grad_()
+
+    def step(mode):
+        y = dm.routed_experts(x, p["ids"][rank], s, w13, w2, ctx, is_first_microbatch=mode)
+        return [y] + list(torch.autograd.grad(y, (x, s, w13, w2), p["gy"][rank]))
+
+    def same(a, b):
+        return all(torch.equal(u, v) for u, v in zip(a, b))
+
+    def update(scale):   # an optimizer step: in place, through .data
+        w13.data.mul_(scale)
+        w2.data.add_(0.01)
+    checks = {}
+    own0 = [t.clone() for t in step(None)]
+    checks["first_eq_own"] = same(step(True), own0)
+    checks["reuse_eq_first"] = same(step(False), own0)
+    update(1.25)
+    checks["stale_eq_old"] = same(step(False), own0)
+    own1 = [t.clone() for t in step(None)]
+    checks["new_differs"] = not same(own1, own0)
+    checks["refresh_eq_new"] = same(step(True), own1)
+    # the graph on new leaves sharing the weights' storage (the cache key is the address):
+    # leaves that eager calls already differentiated keep AccumulateGrad nodes of the default
+    # stream, which a capture cannot depend on
+    xg, sg = x.detach().requires_grad_(), s.detach().requires_grad_()
+    w13g, w2g = w13.detach().requires_grad_(), w2.detach().requires_grad_()
+
+    def gstep():
+        y = dm.routed_experts(xg, p["ids"][rank], sg, w13g, w2g, ctx, is_first_microbatch=False)
+        return [y] + list(torch.autograd.grad(y, (xg, sg, w13g, w2g), p["gy"][rank]))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            gstep()
+    torch.cuda.current_stream().wait_stream(side)
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = gstep()
+    update(0.8)
+    own2 = [t.clone() for t in step(None)]
+    graph.replay()
+    checks["graph_reuses_entry"] = same(outs, own1)
+    step(True)                                  # refresh in place, eagerly
+    graph.replay()
+    checks["graph_sees_refresh"] = same(outs, own2)
+    torch.cuda.synchronize()
+    del graph
+    bad = [k for k, v in checks.items() if not v]
+    results.append(dict(case=name, rank=rank, ok=not bad,
+                        **({"msg": f"failed: {bad}"} if bad else {})))
+
+
 def run_inference_case(name, cfg, ctx, EP, rank, results, T, graph=False):
     """Forward under no_grad against the fp64 oracle (eager; with graph, also captured once and
     replayed with new routing and inputs at the same addresses)."""
@@ -396,6 +462,9 @@ def main():
                         run_sync_free_case(cfg, ctx, EP, rank, results, T)
                         run_deterministic_case(f"{tag}_bitwise_3x", cfg, ctx, EP, rank, results,
                                                T)
+                        if precision in ("fp8_block", "mxfp8"):
+                            run_weight_cache_case(f"{tag}_weight_cache", cfg, ctx, EP, rank,
+                                                  results, T)
                         run_inference_case(f"{tag}_inference_after_training", cfg, ctx, EP,
                                            rank, results, T)
                 # an inference context of the same shape: eager and graph-replayed forwards

@@ -149,7 +149,8 @@ class CudaBackend:
         return buf[: T * K * D].view(T, K, D)
 
     # -- forward ----------------------------------------------------------------------------
-    def forward(self, x_TD, ids_TK, scores_TK, w13_E2FD, w2_EDF, training: bool):
+    def forward(self, x_TD, ids_TK, scores_TK, w13_E2FD, w2_EDF, training: bool,
+                weight_cache: bool | None = None):
         T = x_TD.shape[0]
         D = self.cfg.hidden_dim
         self._publish(x_TD, ids_TK)
@@ -160,7 +161,13 @@ class CudaBackend:
         fa = self.bk.forward(tabs, T, training)
         if training and self.decision_trace is not None:
             self.decision_trace.append(fa.record.need_recompute)
-        prepared = self.experts.prepare(w13_E2FD, w2_EDF, training)
+        # the quantized weights: this call's, or the context's cache entry (weight_cache.py;
+        # an entry of a training context holds both orientations, for any later backward)
+        prepared = self.ctx.weight_cache.resolve(
+            w13_E2FD, w2_EDF, weight_cache, lambda into: self.experts.prepare(
+                w13_E2FD, w2_EDF, not self.cfg.inference, into=into))
+        if prepared is None:
+            prepared = self.experts.prepare(w13_E2FD, w2_EDF, training)
         self.experts.forward(tabs, w13_E2FD, w2_EDF, tabs.combine_ptrs, fa.at, prepared=prepared,
                              training=training)
         self.sym.barrier(1)

@@ -167,8 +167,9 @@ class StandardPipeline:
         self.k.gather(tabs, gather_ptrs, g3, nrows, "combine" if score is not None else None)
         self.k.w2_dgrad_swiglu_bwd(w2, offs, g3, h1, h2, score)
 
-    def prepare(self, w13_E2FD, w2_EDF, training: bool):
-        """What the GEMMs read of the weights: the bf16 weights themselves."""
+    def prepare(self, w13_E2FD, w2_EDF, training: bool, into=None):
+        """What the GEMMs read of the weights: the bf16 weights themselves. (Pipelines that
+        quantize them write into `into`, a weight cache entry of an earlier prepare, when given.)"""
         return None
 
     def forward(self, tabs: RoutingTables, w13_E2FD, w2_EDF, scatter_ptrs, at: dict,
@@ -288,7 +289,7 @@ class TorchPipeline:
         c = self.cfg
         return (c.intermediate_dim, self.max_rows, self.clamped, c.swiglu_alpha, c.swiglu_limit)
 
-    def prepare(self, w13_E2FD, w2_EDF, training: bool):
+    def prepare(self, w13_E2FD, w2_EDF, training: bool, into=None):
         return None
 
     def forward(self, tabs, w13_E2FD, w2_EDF, scatter_ptrs, at, rows=None, prepared=None,
@@ -366,12 +367,18 @@ class Fp8BlockKernels:
         swiglu_quant(h1, nrows, self.max_rows, self.cfg.intermediate_dim, h2q=h2q, h1q=h1q,
                      recipe=self.recipe, **self.act)
 
-    def weights(self, w13_E2FD, w2_EDF, transposed: bool):
-        """Fp8Weights of one version (both orientations when `transposed`, for a backward)."""
+    def weights(self, w13_E2FD, w2_EDF, transposed: bool, into=None):
+        """Fp8Weights of one version (both orientations when `transposed`, for a backward),
+        written into the tensors of `into` (an Fp8Weights) when given."""
         from ...kernels.quant_fp8 import quantize_weight
         from ...quant.fp8_block import Fp8Weights
-        q13, s13, q13t, s13t = quantize_weight(w13_E2FD, self.recipe, transposed=transposed)
-        q2, s2, q2t, s2t = quantize_weight(w2_EDF, self.recipe, transposed=transposed)
+        o13 = o2 = None
+        if into is not None:
+            o13 = (into.w13, into.w13_s, into.w13_t, into.w13_t_s)
+            o2 = (into.w2, into.w2_s, into.w2_t, into.w2_t_s)
+        q13, s13, q13t, s13t = quantize_weight(w13_E2FD, self.recipe, transposed=transposed,
+                                               out=o13)
+        q2, s2, q2t, s2t = quantize_weight(w2_EDF, self.recipe, transposed=transposed, out=o2)
         return Fp8Weights(q13, s13, q13t, s13t, q2, s2, q2t, s2t)
 
     def mm(self, a, w, w_s, offs, epilogue, **kw):
@@ -400,9 +407,10 @@ class Fp8BlockPipeline:
     and h2 (columns), W2 WGRAD, W13 DGRAD + scatter, W13 WGRAD.
 
     Weights are quantized by every forward (`prepare`: both orientations, one byte per element
-    each); its backward reuses that forward's copies. No copy is kept across calls: a weight's
-    version counter does not see Megatron's optimizer, which writes the weights through
-    `.data`, so a cache keyed by it served stale weights (docs/decisions.md)."""
+    each); its backward reuses that forward's copies. Across calls only through the caller's
+    routed_experts(is_first_microbatch=...) (weight_cache.py: `prepare(..., into=entry)`
+    rewrites the context's entry in place): a weight's version counter does not see
+    Megatron's optimizer, which writes the weights through `.data` (docs/decisions.md)."""
 
     name = "standard"
     uses_fanout = True
@@ -414,9 +422,9 @@ class Fp8BlockPipeline:
         self.bf = Bf16Kernels(cfg, num_local_experts, max_rows, execution.wait_timeout_s, rank)
         self.score_parts = self.k.score_parts(device)
 
-    def prepare(self, w13_E2FD, w2_EDF, training: bool):
-        """The Fp8Weights of these weights (see the class docstring)."""
-        return self.k.weights(w13_E2FD, w2_EDF, transposed=training)
+    def prepare(self, w13_E2FD, w2_EDF, training: bool, into=None):
+        """The Fp8Weights of these weights (see the class docstring), written into `into`."""
+        return self.k.weights(w13_E2FD, w2_EDF, transposed=training, into=into)
 
     def forward(self, tabs: RoutingTables, w13_E2FD, w2_EDF, scatter_ptrs, at: dict,
                 rows=None, prepared=None, training: bool = True) -> None:
@@ -493,11 +501,14 @@ class Mxfp8Kernels:
         dequantize_cols(q, e, offs, self.max_rows, K, out=out)
 
     @staticmethod
-    def weights(w13_E2FD, w2_EDF):
+    def weights(w13_E2FD, w2_EDF, into=None):
         """(W13, W2) as bf16 copies of their 32 x 32 tile quantization (one serves FPROP and
-        DGRAD, as the guide's grouped 32 x 32 weight quantization intends)."""
+        DGRAD, as the guide's grouped 32 x 32 weight quantization intends), written into the
+        pair `into` when given."""
         from ...kernels.quant_mxfp8 import fake_weight
-        return fake_weight(w13_E2FD.contiguous()), fake_weight(w2_EDF.contiguous())
+        o13, o2 = into if into is not None else (None, None)
+        return (fake_weight(w13_E2FD.contiguous(), out=o13),
+                fake_weight(w2_EDF.contiguous(), out=o2))
 
 
 class Mxfp8Pipeline(StandardPipeline):
@@ -508,15 +519,15 @@ class Mxfp8Pipeline(StandardPipeline):
     columns g3_wg, then fake rows in place), h1 from the saved bundle into gh1, W2 DGRAD with
     the SwiGLU backward over gh1 (+ h2, + score parts), fake columns of h2 and grad_h1 and grad_h1's
     fake rows in place, W2 WGRAD, W13 DGRAD + scatter, x_wg from x_c, W13 WGRAD. Weights: bf16
-    copies of their quantization, made by every forward (as Fp8BlockPipeline's) and reused by
-    its backward."""
+    copies of their quantization, made by every forward (as Fp8BlockPipeline's, also the
+    weight cache) and reused by its backward."""
 
     def __init__(self, cfg, execution, num_local_experts, max_rows, device, rank):
         super().__init__(cfg, execution, num_local_experts, max_rows, device, rank)
         self.mx = Mxfp8Kernels(cfg, max_rows)
 
-    def prepare(self, w13_E2FD, w2_EDF, training: bool):
-        return self.mx.weights(w13_E2FD, w2_EDF)    # one copy serves both directions
+    def prepare(self, w13_E2FD, w2_EDF, training: bool, into=None):
+        return self.mx.weights(w13_E2FD, w2_EDF, into)    # one copy serves both directions
 
     def forward(self, tabs: RoutingTables, w13_E2FD, w2_EDF, scatter_ptrs, at: dict,
                 rows=None, prepared=None, training: bool = True) -> None:
@@ -589,7 +600,7 @@ class Nvfp4Pipeline:
         self._T.fill_(T)
         quantize_rows(x_TD, self._T, T, D, out=dispatch, out_stride=2 * D)
 
-    def prepare(self, w13, w2, training: bool):
+    def prepare(self, w13, w2, training: bool, into=None):
         assert not training, "nvfp4 runs inference only"
         return w13, w2
 

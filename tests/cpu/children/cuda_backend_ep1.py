@@ -83,6 +83,37 @@ TORCH = {"gemm_engine": "torch"}
 TRITON = {"gemm_engine": "triton"}
 # The defaults are Triton routing tables and bookkeeping; their torch twins stay covered here.
 TORCH_TABLES = {"routing": "torch", "bookkeeping": "torch"}
+def run_weight_cache(seed):
+    """CudaBackend.forward(weight_cache=...) for fp8_block and mxfp8 training (one layer,
+    forward + backward): True gives the bits of a call that quantizes its own weights, False
+    reuses them, also after the weights changed in place, until the next True."""
+    out = {}
+    for precision in ("fp8_block", "mxfp8"):
+        cfg = dm.Config(**{**SHAPE, "max_moe_layers_per_activation_slot": 1},
+                        precision=precision, pipeline="standard")
+        p = tt.make_problem(cfg, 1, seed=seed, dtype=torch.bfloat16)
+        be = H.make_backend(cfg, H.ThreadGroup(0, H.new_shared(1)), {})
+        x, ids, s, w13, w2 = H.rank_inputs(p, 0)
+        gy = p.grad_y[p.tokens(0)].contiguous()
+
+        def step(mode):
+            be.ctx.planner.select(0, 1)
+            y, saved = be.forward(x, ids, s, w13, w2, training=True, weight_cache=mode)
+            return [y] + list(be.backward(gy, saved))
+
+        def same(a, b):
+            return all(torch.equal(u, v) for u, v in zip(a, b))
+        own0, first, again = step(None), step(True), step(False)
+        w13.add_(0.05 * torch.randn_like(w13))
+        w2.mul_(1.1)
+        stale, own1, fresh = step(False), step(None), step(True)
+        be.close()
+        out[precision] = dict(first_eq_own=same(first, own0), reuse_eq_first=same(again, first),
+                              stale_eq_old=same(stale, own0), new_differs=not same(own1, own0),
+                              refresh_eq_new=same(fresh, own1))
+    return out
+
+
 VARIANTS = {
     "torch_gemm": dict(overrides=dict(TORCH), pipeline="standard"),
     "torch_gemm,torch_routing,torch_bookkeeping,saved_routes": dict(
@@ -143,6 +174,13 @@ if __name__ == "__main__":
               flush=True)
     except Exception as ex:
         print("RESULT " + json.dumps(dict(name="nvfp4_inference", ok=False,
+                                          error=f"{type(ex).__name__}: {ex}",
+                                          trace=traceback.format_exc()[-3000:])), flush=True)
+    try:
+        print("RESULT " + json.dumps(dict(name="weight_cache", ok=True,
+                                          **run_weight_cache(11))), flush=True)
+    except Exception as ex:
+        print("RESULT " + json.dumps(dict(name="weight_cache", ok=False,
                                           error=f"{type(ex).__name__}: {ex}",
                                           trace=traceback.format_exc()[-3000:])), flush=True)
     for v, (name, variant) in enumerate(VARIANTS.items()):
