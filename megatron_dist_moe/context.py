@@ -56,6 +56,9 @@ class Context:
                  by it (graphs traced with make_fx hold this int, not the object)
         planner: PlannerState (device tensors: cursors, saved bytes, positions, selector)
         backend: the backend instance serving routed_experts on this context
+        weight_cache: WeightCache, the quantized expert weights that routed_experts(
+                 is_first_microbatch=True) keeps for later False calls (weight_cache.py);
+                 emptied by close()
     """
 
     def __init__(self, group, config: Config, device: torch.device, plan: MemoryPlan,

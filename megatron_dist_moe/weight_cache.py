@@ -124,15 +124,3 @@ class WeightCache:
 
     def clear(self) -> None:
         self._entries.clear()
-
-    def nbytes(self) -> int:
-        """Device bytes the entries hold."""
-        def size(obj) -> int:
-            if isinstance(obj, torch.Tensor):
-                return obj.numel() * obj.element_size()
-            if isinstance(obj, (tuple, list)):
-                return sum(size(o) for o in obj)
-            if hasattr(obj, "__dataclass_fields__"):
-                return sum(size(getattr(obj, f)) for f in obj.__dataclass_fields__)
-            return 0
-        return sum(size(e) for _, e in self._entries.values())
