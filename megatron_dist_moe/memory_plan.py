@@ -327,7 +327,6 @@ def plan_memory(config: Config, ep_size: int) -> MemoryPlan:
                      "even balanced routing will overflow")
 
     return MemoryPlan(
-        weight_cache_bytes_per_layer=weight_cache_bytes(config, E_local),
         config=config, ep_size=ep_size, num_local_experts=E_local, layer=layer,
         balanced_rows=balanced, topology_max_rows=topo, device_scratch_rows=dev_rows,
         total_scratch_rows=total_rows, input_bytes=input_bytes,
@@ -337,4 +336,5 @@ def plan_memory(config: Config, ep_size: int) -> MemoryPlan:
         host_scratch_bytes=host_scratch, activation_buffer_bytes=act, routing_bytes=routing,
         dispatch_bytes=dispatch, combine_bytes=combine, symmetric_bytes=symmetric,
         total_device_bytes=act + symmetric, notes=tuple(notes),
+        weight_cache_bytes_per_layer=weight_cache_bytes(config, E_local),
     )

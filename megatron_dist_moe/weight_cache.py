@@ -85,19 +85,22 @@ class WeightCache:
             found = None
         return None if found is None else found[1]
 
-    def check(self, w13: torch.Tensor, w2: torch.Tensor, mode: Optional[bool]) -> None:
-        """Raise (naming is_first_microbatch) where a reuse call has no entry to reuse
-        (routed_experts runs it with the other checks, before anything is written, and again
-        the registered op, for calls that reach it directly or through a traced graph)."""
+    def check(self, w13: torch.Tensor, w2: torch.Tensor, mode: Optional[bool]):
+        """Raise (naming is_first_microbatch) where a reuse call has no entry to reuse; return
+        that entry otherwise (None where mode is not False). routed_experts runs it with the
+        other checks, before anything is written, and again the registered op, for calls that
+        reach it directly or through a traced graph."""
         if not self.enabled or mode is not False:
-            return
-        if self._entry(w13, w2) is None:
+            return None
+        entry = self._entry(w13, w2)
+        if entry is None:
             raise RoutedExpertsInputError(
                 "is_first_microbatch",
                 f"is False, but no call with is_first_microbatch=True quantized these "
                 f"{self.precision} expert weights (w13 {tuple(w13.shape)} at "
                 f"{w13.data_ptr():#x}) on this context: pass True on each step's first "
                 "microbatch (or None to quantize in every call)")
+        return entry
 
     def resolve(self, w13: torch.Tensor, w2: torch.Tensor, mode: Optional[bool],
                 make: Callable[[Any], Any]):
@@ -106,15 +109,15 @@ class WeightCache:
         make(entry) (make(None) allocates the first); False: the entry as the last True left it."""
         if not self.enabled or mode is None:
             return None
-        if mode:
-            self._drop_dead()
-            entry = make(self._entry(w13, w2))
-            self._entries[_key(w13, w2)] = (_identity(w13, w2), entry)
-            self.fills += 1
+        if not mode:
+            entry = self.check(w13, w2, mode)
+            self.hits += 1
             return entry
-        self.check(w13, w2, mode)
-        self.hits += 1
-        return self._entry(w13, w2)
+        self._drop_dead()
+        entry = make(self._entry(w13, w2))
+        self._entries[_key(w13, w2)] = (_identity(w13, w2), entry)
+        self.fills += 1
+        return entry
 
     def _drop_dead(self) -> None:
         """Drop the entries whose weight tensors were freed (rebuilt or re-packed models)."""

@@ -206,6 +206,22 @@ def run_case(name, cfg, ctx, prob, rank, EP, results, w13_4d=False, repeat=1, wg
     return ok
 
 
+def capture(step):
+    """(graph, outputs) of step() captured once, after two warm-up runs on a side stream (every
+    rank at a barrier before the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    return graph, outs
+
+
 def run_graph_case(cfg, ctx, EP, rank, results, T):
     """Capture forward+backward once, replay with new routing/inputs at the same addresses."""
     E_loc = cfg.num_experts // EP
@@ -222,16 +238,7 @@ def run_graph_case(cfg, ctx, EP, rank, results, T):
         y = dm.routed_experts(x, ids, s, w13, w2, ctx)
         return (y,) + torch.autograd.grad(y, (x, s, w13, w2), gy)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    dist.barrier()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = capture(step)
     ok_all = True
     for seed, routing in ((101, "random"), (102, "hot_expert"), (103, "inactive")):
         p = make_problem(cfg, EP, T, seed=seed, routing=routing)
@@ -338,16 +345,7 @@ def run_weight_cache_case(name, cfg, ctx, EP, rank, results, T):
     def gstep():
         y = dm.routed_experts(xg, p["ids"][rank], sg, w13g, w2g, ctx, is_first_microbatch=False)
         return [y] + list(torch.autograd.grad(y, (xg, sg, w13g, w2g), p["gy"][rank]))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            gstep()
-    torch.cuda.current_stream().wait_stream(side)
-    dist.barrier()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = gstep()
+    graph, outs = capture(gstep)
     update(0.8)
     own2 = [t.clone() for t in step(None)]
     graph.replay()
