@@ -117,8 +117,13 @@ def padded_block(offsets_ptr, E, E_PAD: tl.constexpr, pb):
 @triton.jit
 def _quant_rows_cols_kernel(x_addr, offsets_ptr, q_addr, s_addr, qc_addr, sc_addr, K, E,
                             E_PAD: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-                            POW2: tl.constexpr, EPS: tl.constexpr, HW: tl.constexpr):
-    # one program per 128-row block of the padded row space x 128 columns
+                            POW2: tl.constexpr, EPS: tl.constexpr, HW: tl.constexpr,
+                            CHUNK: tl.constexpr):
+    # One program per 128-row block of the padded row space x 128 columns, walked in column
+    # chunks of CHUNK: each chunk's column blocks are final at once, and the row amax grows
+    # over the chunks; the rows are then quantized from a second read of the same 32 KB (an
+    # L2 hit). Holding the whole 128 x 128 tile in fp32 registers instead leaves room for one
+    # program per SM, which then waits on each load with nothing else in flight.
     pb = tl.program_id(0)
     cb = tl.program_id(1)
     found, p0, start, n, pstart, Rp = padded_block(offsets_ptr, E, E_PAD, pb)
@@ -128,26 +133,31 @@ def _quant_rows_cols_kernel(x_addr, offsets_ptr, q_addr, s_addr, qc_addr, sc_add
     local = p0 - pstart + i                     # row within the expert's segment
     ok = local < n
     rows = start + local                        # compact row
-    cols = cb * 128 + tl.arange(0, 128)
-    x_base = load_ptr(x_addr, tl.bfloat16)
-    x = tl.load(x_base + rows[:, None] * K + cols[None, :], mask=ok[:, None], other=0.0)
-    x = x.to(tl.float32)
-    ax = abs_nan0(x)
+    x_rows = load_ptr(x_addr, tl.bfloat16) + rows[:, None] * K
+    amax_r = tl.zeros((128,), tl.float32)
+    for c in tl.static_range(128 // CHUNK):
+        cols = cb * 128 + c * CHUNK + tl.arange(0, CHUNK)
+        x = tl.load(x_rows + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        ax = abs_nan0(x)
+        if ROWS:
+            amax_r = tl.maximum(amax_r, tl.max(ax, 1))
+        if COLS:
+            qc_base = load_ptr(qc_addr, tl.float8e4nv)
+            prow = p0 + i
+            sc_base = load_ptr(sc_addr, tl.float32)
+            scale, s_inv = block_scales(tl.max(ax, 0), POW2, EPS)
+            q = to_e4m3(x * scale[None, :], HW)
+            tl.store(qc_base + cols[None, :].to(tl.int64) * Rp + prow[:, None], q)
+            tl.store(sc_base + pb.to(tl.int64) * K + cols, s_inv)
     if ROWS:
-        scale, s_inv = block_scales(tl.max(ax, 1), POW2, EPS)
-        q = to_e4m3(x * scale[:, None], HW)
-        q_base = load_ptr(q_addr, tl.float8e4nv)
-        tl.store(q_base + rows[:, None] * K + cols[None, :], q, mask=ok[:, None])
+        scale, s_inv = block_scales(amax_r, POW2, EPS)
+        q_rows = load_ptr(q_addr, tl.float8e4nv) + rows[:, None] * K
+        for c in tl.static_range(128 // CHUNK):
+            cols = cb * 128 + c * CHUNK + tl.arange(0, CHUNK)
+            x = tl.load(x_rows + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+            tl.store(q_rows + cols[None, :], to_e4m3(x * scale[:, None], HW), mask=ok[:, None])
         s_base = load_ptr(s_addr, tl.float32)
         tl.store(s_base + rows * (K // 128) + cb, s_inv, mask=ok)
-    if COLS:
-        scale, s_inv = block_scales(tl.max(ax, 0), POW2, EPS)
-        q = to_e4m3(x * scale[None, :], HW)
-        qc_base = load_ptr(qc_addr, tl.float8e4nv)
-        prow = p0 + i
-        tl.store(qc_base + cols[None, :].to(tl.int64) * Rp + prow[:, None], q)
-        sc_base = load_ptr(sc_addr, tl.float32)
-        tl.store(sc_base + pb.to(tl.int64) * K + cols, s_inv)
 
 
 def quantize_rows_cols(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows=None,
@@ -169,11 +179,15 @@ def quantize_rows_cols(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows=
     qc, sc = (as_device_ptr(cols[0], "q_t"), as_device_ptr(cols[1], "s_t")) if cols else (
         dummy, dummy)
     grid = (max(1, Rp // BLOCK), K // BLOCK)
+    # (column chunk, warps) per output set, the fastest of a sweep at the guide's shapes on
+    # one H200 (docs/decisions.md): with both bundles 64 x 4 warps, rows alone 64 x 8 (3.3 TB/s),
+    # columns alone the whole tile at once, 8 warps
+    chunk, warps = (64, 4) if rows and cols else (64, 8) if rows else (128, 8)
     _quant_rows_cols_kernel[grid](xa, offsets, q, s, qc, sc, K, E,
                                   E_PAD=max(2, triton.next_power_of_2(E)), ROWS=rows is not None,
                                   COLS=cols is not None, POW2=recipe.power_2_scales,
                                   EPS=float(recipe.amax_epsilon), HW=_hw(offsets),
-                                  num_warps=8)
+                                  CHUNK=chunk, num_warps=warps)
 
 
 @triton.jit

@@ -155,12 +155,15 @@ def quantize(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows_fake=None,
     cq, ce = (as_device_ptr(cols[0], "q_t"), as_device_ptr(cols[1], "e_t")) if cols else (
         dummy, dummy)
     cf = as_device_ptr(cols_fake, "cols_fake", torch.bfloat16) if cols_fake is not None else dummy
-    BLOCK_C = 64     # 128 x 128 tiles spill registers with all three outputs
+    # 128 x 32 tiles at 4 warps: the fastest in a sweep at the guide's shapes on one H200 for
+    # every output set (x, grad_y, grad_h1, h2: 1.4 -> 1.85-2.15 TB/s; docs/decisions.md); a
+    # 128 x 128 tile spills registers with all three outputs
+    BLOCK_C = 32
     grid = (max(1, Rp // 128), K // BLOCK_C)
     _quant_kernel[grid](as_device_ptr(x, "x", torch.bfloat16), offsets, rf, cq, ce, cf, K, E,
                         E_PAD=max(2, triton.next_power_of_2(E)), ROWS_FAKE=rows_fake is not None,
                         COLS=cols is not None, COLS_FAKE=cols_fake is not None, HW=_hw(offsets),
-                        BLOCK_C=BLOCK_C, num_warps=8)
+                        BLOCK_C=BLOCK_C, num_warps=4)
 
 
 @triton.jit
