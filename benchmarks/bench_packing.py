@@ -54,8 +54,9 @@ def build_layers(T, D, F, K, E_local, EP, rank, dev):
     return layers
 
 
-def run_all(ctx, layers, slots):
-    """All forwards (slot per layer as given), then reverse-order backwards."""
+def run_all(ctx, layers, slots, first_microbatch=None):
+    """All forwards (slot per layer as given), then reverse-order backwards; first_microbatch:
+    routed_experts(is_first_microbatch=...) (weight_cache.py)."""
     ys = []
     for i, p in enumerate(layers):
         if slots == "shared":
@@ -63,7 +64,8 @@ def run_all(ctx, layers, slots):
                 ctx.select_activation_slot(0, L)
         else:
             ctx.select_activation_slot(i, 1)
-        ys.append(dm.routed_experts(p["x"], p["ids"], p["s"], p["w13"], p["w2"], ctx))
+        ys.append(dm.routed_experts(p["x"], p["ids"], p["s"], p["w13"], p["w2"], ctx,
+                                    is_first_microbatch=first_microbatch))
     saved_after_fwd = ctx.planner.saved_bytes.clone()
     grads = [None] * L
     for i in reversed(range(L)):
@@ -94,7 +96,10 @@ def run_case(args, factor, precision, layers, T, D, F, K, E_local, EP, rank, dev
             torch.cuda.synchronize()
             ctx_bytes = torch.cuda.memory_allocated() - base_alloc
             ctx.backend.decision_trace = []
-            grads, saved = run_all(ctx, layers, policy)
+            # with the weight cache: this eager iteration quantizes each layer's weights into
+            # its entry, the timed ones reuse them (a step's later microbatches)
+            cached = args.weight_cache and precision != "bf16"
+            grads, saved = run_all(ctx, layers, policy, True if cached else None)
             torch.cuda.synchronize()
             # The peak of one eager iteration (context + saved state + scratch + the ten
             # layers' outputs and gradients), read before the fp32 comparison copies and the
@@ -105,11 +110,13 @@ def run_case(args, factor, precision, layers, T, D, F, K, E_local, EP, rank, dev
             # bf16 copies for the comparison (outputs may live in reused context buffers)
             grads_by[policy] = [tuple(g.clone() for g in gs) for gs in grads]
             del grads
-            t = time_windows(lambda: run_all(ctx, layers, policy), graph=True)
+            t = time_windows(lambda: run_all(ctx, layers, policy, False if cached else None),
+                             graph=True)
             saved_rank = int(saved.sum(0)[rank]) if policy == "per_layer" else int(saved[0, rank])
         n_replay = flags.count("R")
         case = (f"packing_f{factor}" + ("_routes" if args.save_route_outputs else "")
-                + ("" if precision == "bf16" else f"_{precision}"))
+                + ("" if precision == "bf16" else f"_{precision}")
+                + ("_cached" if cached else ""))
         rows.append(dict(commit=commit, gpu=gpu, ep=EP, case=case, T=T, D=D,
                          F=F, K=K, E_local=E_local, imbalance="/".join(map(str, IMBALANCE)),
                          precision=precision,
@@ -145,6 +152,9 @@ def main():
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--factors", default="2.5,1.0")
     ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--weight-cache", action="store_true",
+                    help="fp8_block / mxfp8: weights quantized once (is_first_microbatch=True "
+                         "in the untimed iteration, False in the timed ones)")
     ap.add_argument("--precisions", default="bf16",
                     help="comma-separated; each runs at bf16's slot bytes for the factor")
     ap.add_argument("--save-route-outputs", type=int, choices=[0, 1], default=0,
