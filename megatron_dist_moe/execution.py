@@ -17,6 +17,9 @@ Development overrides select the plain-torch twins that the tests and baselines 
                   gather / SwiGLU / scatter kernels: the GEMM oracle and a baseline)
     routing       "triton" (two launches) | "torch" (sort / scatter ops: the routing oracle)
     bookkeeping   "triton" (one launch) | "torch" (the shared planner functions: its oracle)
+    fp8_wgrad     fp8_block training's two WGRADs: "cutlass" (CUTLASS's sm_90a blockwise-scaled
+                  grouped kernel, csrc/; the default wherever its library can be built or is
+                  cached) | "triton" (our kernel, the default elsewhere)
 
 Pass them to `create_context(..., execution_overrides={"gemm_engine": "torch"})`, or set
 `DIST_MOE_EXECUTION="gemm_engine=torch,routing=torch"`; an unknown name or value raises.
@@ -47,6 +50,7 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "gemm_engine": ("triton", "torch"),
     "routing": ("triton", "torch"),
     "bookkeeping": ("triton", "torch"),
+    "fp8_wgrad": ("cutlass", "triton"),
 }
 ENV_OVERRIDES = "DIST_MOE_EXECUTION"
 
@@ -92,6 +96,18 @@ def check_overrides(overrides: Mapping[str, Any], source: str) -> dict[str, str]
     return out
 
 
+def _cutlass_fp8_wgrad(device: torch.device) -> bool:
+    """Whether fp8_block's WGRADs run on CUTLASS here: a Hopper GPU (not the Triton
+    interpreter) where the csrc/ library can be built or loaded from its cache."""
+    from .kernels.common import interpreting
+    if device.type != "cuda" or interpreting():
+        return False
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    from .kernels import grouped_gemm_sm90
+    return grouped_gemm_sm90.available()
+
+
 @dataclass(frozen=True)
 class Execution:
     """How one context runs (frozen; built by `resolve`)."""
@@ -105,6 +121,7 @@ class Execution:
     gemm_engine: str = "triton"  # cuda backend only; see the module docstring
     routing: str = "triton"
     bookkeeping: str = "triton"
+    fp8_wgrad: str = "triton"    # fp8_block training on the cuda backend; see the docstring
 
     @classmethod
     def resolve(cls, config, device: torch.device,
@@ -129,11 +146,18 @@ class Execution:
         if backend == "reference" and chosen:
             raise ValueError(f"execution overrides {sorted(chosen)} select CUDA-backend twins; "
                              "this context runs the reference backend")
+        if (backend == "cuda" and config.precision == "fp8_block" and not config.inference
+                and "fp8_wgrad" not in chosen):
+            chosen["fp8_wgrad"] = "cutlass" if _cutlass_fp8_wgrad(device) else "triton"
         return cls(backend=backend, precision=config.precision, pipeline=config.pipeline,
                    inference=config.inference, save_route_outputs=config.save_route_outputs,
                    wait_timeout_s=float(config.wait_timeout_s), **chosen)
 
     def __post_init__(self):
+        if self.fp8_wgrad == "cutlass" and (self.backend != "cuda"
+                                            or self.precision != "fp8_block"):
+            raise ValueError(f"fp8_wgrad='cutlass' is fp8_block's CUDA-backend WGRAD; this "
+                             f"context runs precision={self.precision!r} on {self.backend!r}")
         if self.gemm_engine == "torch" and self.precision != "bf16":
             raise ValueError(f"gemm_engine='torch' is the bf16 GEMM oracle; precision="
                              f"{self.precision!r} runs our kernels only")
@@ -220,6 +244,10 @@ class Execution:
                 rows += [("backward", "W2 DGRAD with the SwiGLU backward in its epilogue, "
                           "W2 WGRAD, W13 DGRAD scattering to the owners, W13 WGRAD"
                           if self.gemm_engine == "triton" else "torch._grouped_mm")]
+                if self.precision == "fp8_block":
+                    rows += [("WGRADs", "CUTLASS sm_90a FP8 blockwise-scaled grouped GEMM "
+                              "(csrc/, 128x128x128 cooperative tiles)" if self.fp8_wgrad ==
+                              "cutlass" else "Triton FP8 block-scaled grouped WGRAD")]
             rows += [("device waits", f"give up after {self.wait_timeout_s:g} s")]
         else:
             rows += [("kernels", "plain PyTorch over torch.distributed (the oracle)")]

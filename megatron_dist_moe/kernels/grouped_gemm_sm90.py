@@ -2,6 +2,9 @@
 
     FPROP  out[r] = a[r] @ w[e]^T    for the rows r of expert e, [offsets[e], offsets[e+1])
     WGRAD  out[e] = a_e^T @ b_e      over the same rows (K = the expert's row count)
+    FP8 WGRAD  out[e] (+)= A_e B_e^T over expert e's padded token blocks, from the FP8 column
+           bundles (`GroupedFp8WgradSm90`: the contract of grouped_gemm.fp8.fp8_grouped_wgrad,
+           on CUTLASS's blockwise-scaled FP8 kernels)
 
 The same contracts as `grouped_gemm.grouped_mm_fwd(epilogue="store")` and
 `grouped_gemm.grouped_mm_wgrad` (torch twins: `grouped_gemm_ref.grouped_mm_fwd_ref` and
@@ -36,18 +39,26 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CONFIGS", "WGRAD_CONFIGS", "GroupedFpropSm90", "GroupedWgradSm90", "available",
-           "load_library", "build_library"]
+__all__ = ["CONFIGS", "WGRAD_CONFIGS", "FP8_WGRAD_CONFIGS", "GroupedFpropSm90",
+           "GroupedWgradSm90", "GroupedFp8WgradSm90", "available", "load_library",
+           "build_library"]
 
 # Tile configurations, one translation unit each: FPROP csrc/grouped_gemm_sm90_<name>.cu, WGRAD
 # csrc/grouped_gemm_sm90_wgrad_<name>_<bf16|f32>.cu (one per stored weight-gradient dtype).
 CONFIGS = ("coop", "pingpong")
 WGRAD_CONFIGS = ("coop",)   # pingpong ran even with it on 2xH200 and was dropped
 _WGRAD_DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
+# FP8 block-scaled WGRAD, csrc/grouped_gemm_sm90_fp8_wgrad_<name>_<bf16|f32>.cu: "coop" 128x128x128
+# tiles, 1x2 clusters; the f32 unit can also accumulate (C = D). A ping-pong unit (64x128x128)
+# ran even with our Triton WGRAD on one H200 and was dropped (docs/decisions.md)
+FP8_WGRAD_CONFIGS = ("coop",)
 _UNITS = ([f"grouped_gemm_sm90_{c}" for c in CONFIGS]
           + [f"grouped_gemm_sm90_wgrad_{c}_{d}" for c in WGRAD_CONFIGS
+             for d in _WGRAD_DTYPES.values()]
+          + [f"grouped_gemm_sm90_fp8_wgrad_{c}_{d}" for c in FP8_WGRAD_CONFIGS
              for d in _WGRAD_DTYPES.values()])
 _HEADER = "grouped_gemm_sm90.cuh"
+_HEADERS = (_HEADER, "grouped_gemm_sm90_fp8.cuh")
 _NVCC_FLAGS = ["-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr",
                "-gencode=arch=compute_90a,code=sm_90a", "-Xcompiler", "-fPIC"]
 _ZERO_ROWS = 8   # kZeroRows in csrc/grouped_gemm_sm90.cuh: the rows an empty expert reads
@@ -58,6 +69,9 @@ _STATUS = {
     4: "CUTLASS initialize failed",
     5: "a kernel launch failed",
 }
+_FP8_STATUS = {**_STATUS,
+               1: "bad shape: E < 1, M or N not a multiple of 16, Rp not a multiple of 128, or "
+                  "accumulate on a unit without a source operand"}
 
 
 def csrc_dir() -> Path:
@@ -110,7 +124,7 @@ def available() -> bool:
 
 def _sources() -> list[Path]:
     d = csrc_dir()
-    return [d / _HEADER] + [d / f"{u}.cu" for u in _UNITS]
+    return [d / h for h in _HEADERS] + [d / f"{u}.cu" for u in _UNITS]
 
 
 def _cache_key(nvcc: str, cutlass: Path) -> str:
@@ -193,6 +207,23 @@ class _Lib:
                 run.argtypes = [i32, i32, i32, vp, vp, vp, vp, vp, vp, vp, i64, i32, i32, vp]
                 run.restype = i32
                 self.wgrad_fns[(cfg, dt)] = (args_bytes, ws_bytes, run)
+        self.fp8_wgrad_fns = {}
+        for cfg in FP8_WGRAD_CONFIGS:
+            for dt in _WGRAD_DTYPES.values():
+                name = f"dm_sm90_fp8_wgrad_{cfg}_{dt}"
+                args_bytes = getattr(self.dll, f"{name}_args_bytes")
+                args_bytes.argtypes, args_bytes.restype = [i32], i64
+                ws_bytes = getattr(self.dll, f"{name}_workspace_bytes")
+                ws_bytes.argtypes, ws_bytes.restype = [i32, i32], i64
+                zero_bytes = getattr(self.dll, f"{name}_zero_bytes")
+                zero_bytes.argtypes, zero_bytes.restype = [i32, i32], i64
+                run = getattr(self.dll, f"{name}_run")
+                # E, M, N, rp_cap, offsets, qa, sa, qb, sb (device pointers), out, out_table,
+                # accumulate, zeros, args, workspace, workspace_size, device, sm_count, stream
+                run.argtypes = [i32, i32, i32, i64, vp, vp, vp, vp, vp, vp, vp, i32, vp, vp, vp,
+                                i64, i32, i32, vp]
+                run.restype = i32
+                self.fp8_wgrad_fns[(cfg, dt)] = (args_bytes, ws_bytes, zero_bytes, run)
 
 
 @functools.lru_cache(maxsize=1)
@@ -342,3 +373,140 @@ class GroupedWgradSm90(_GroupedCallSm90):
         if status != 0:
             raise RuntimeError(f"grouped_wgrad_sm90[{self.config}, {self.out_dtype}] E={E} M={M} "
                                f"N={N}: {_STATUS.get(status, f'status {status}')}")
+
+
+_F8 = torch.float8_e4m3fn
+
+
+def _fp8_bundle(pair, name: str, mn_name: str, device: torch.device):
+    """(data, scales) of a column bundle as device pointers (int64 [1]), with its Rp (the data's
+    second dimension; 0 when given as pointers). Tensors are checked: data e4m3 [MN, Rp], scales
+    fp32 [Rp/128, MN], both contiguous on `device`; returns (q_ptr, s_ptr, MN or None, Rp)."""
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+        raise ValueError(f"{name}: expected a column bundle (data, scales), tensors or device "
+                         f"pointers, got {type(pair).__name__}")
+    q, s = pair
+    ptrs = [x for x in (q, s) if x.dtype == torch.int64 and x.numel() == 1]
+    if len(ptrs) == 2:
+        for x, what in ((q, name), (s, f"{name} scales")):
+            if x.device != device:
+                raise ValueError(f"{what} is on {x.device}, expected {device}")
+        return q, s, None, 0
+    if ptrs:
+        raise ValueError(f"{name}: data and scales must both be tensors or both device pointers")
+    if q.dim() != 2 or q.dtype != _F8 or not q.is_contiguous():
+        raise ValueError(f"{name}: expected contiguous float8_e4m3fn data [{mn_name}, Rp], got "
+                         f"{q.dtype} {tuple(q.shape)}")
+    mn, rp = q.shape
+    if rp % 128:
+        raise ValueError(f"{name}: Rp={rp} (the data's second dimension) must be a multiple of "
+                         "128")
+    if s.dtype != torch.float32 or s.shape != (rp // 128, mn) or not s.is_contiguous():
+        raise ValueError(f"{name} scales: expected contiguous float32 [{rp // 128}, {mn}] "
+                         f"(Rp/128, {mn_name}), got {s.dtype} {tuple(s.shape)}")
+    for x, what in ((q, name), (s, f"{name} scales")):
+        if x.device != device:
+            raise ValueError(f"{what} is on {x.device}, expected {device}")
+        if x.data_ptr() % 16:
+            raise ValueError(f"{what}: address {x.data_ptr():#x} is not 16-byte aligned")
+    from .rows import device_ptr
+    return device_ptr(q), device_ptr(s), mn, rp
+
+
+class GroupedFp8WgradSm90:
+    """out[e] (+)= A_e B_e^T over each expert's padded token blocks, from FP8 column bundles, on
+    CUTLASS's ptr-array blockwise-scaled FP8 kernels (sm_90a): the contract of
+    `grouped_gemm.fp8.fp8_grouped_wgrad` (1 x 128 scales along the tokens on both operands,
+    fp32 accumulation promoted every 128 tokens).
+
+    config "coop": 128x128x128 tiles, two warpgroups on each tile, 1x2 clusters. One instance
+    per (device, number of experts): it owns the device argument block, workspace and zero block, so its calls must be
+    ordered on one stream. Nothing is read on the host; a call can be captured in a CUDA graph
+    (make the first call of a shape outside the capture: it sizes the zero block).
+    """
+
+    def __init__(self, num_experts: int, device, config: str = "coop"):
+        if config not in FP8_WGRAD_CONFIGS:
+            raise ValueError(f"config={config!r}: expected one of {FP8_WGRAD_CONFIGS}")
+        device = _hopper_device(device)
+        self.config, self.E, self.device, self.dev_index = config, int(num_experts), device, \
+            device.index
+        self.sm_count = torch.cuda.get_device_properties(self.dev_index).multi_processor_count
+        lib = load_library()
+        self._fns = {dt: lib.fp8_wgrad_fns[(config, name)] for dt, name in _WGRAD_DTYPES.items()}
+        # one argument block and workspace serve both out dtypes (sized for the larger)
+        args_bytes = max(int(f[0](self.E)) for f in self._fns.values())
+        self.workspace_bytes = max(int(f[1](self.E, self.sm_count)) for f in self._fns.values())
+        self.args = torch.zeros(args_bytes, dtype=torch.uint8, device=device)
+        self.workspace = torch.zeros(max(self.workspace_bytes, 16), dtype=torch.uint8,
+                                     device=device)
+        self.zeros = torch.zeros(0, dtype=torch.uint8, device=device)   # grown on first use
+
+    def reserve(self, M: int, N: int) -> None:
+        """Size the zero block for out[e] of M x N now (outside any capture), so that a first
+        call of this shape inside a CUDA graph allocates nothing."""
+        need = max(int(f[2](M, N)) for f in self._fns.values())
+        if self.zeros.numel() < need:
+            self.zeros = torch.zeros(need, dtype=torch.uint8, device=self.device)
+
+    def _out(self, out, accumulate: bool):
+        """(base address or 0, table tensor or None, dtype, M, N) of `out`."""
+        from .grouped_gemm.wgrad import ExpertOutTable
+        if isinstance(out, ExpertOutTable):
+            E, M, N = out.shape
+            addrs = out.addrs
+            if addrs.dtype != torch.int64 or addrs.dim() != 1 or not addrs.is_contiguous():
+                raise ValueError(f"out.addrs: expected a contiguous int64 [E] tensor, got "
+                                 f"{addrs.dtype} {tuple(addrs.shape)}")
+            base, table, dtype = 0, addrs, out.dtype
+        elif isinstance(out, torch.Tensor):
+            if out.dim() != 3 or not out.is_contiguous():
+                raise ValueError(f"out: expected a contiguous [E, M, N] tensor, got "
+                                 f"{tuple(out.shape)}")
+            (E, M, N), base, table, dtype = out.shape, out.data_ptr(), None, out.dtype
+            if base % 16:
+                raise ValueError(f"out: address {base:#x} is not 16-byte aligned")
+        else:
+            raise ValueError(f"out: expected an [E, M, N] tensor or an ExpertOutTable, got "
+                             f"{type(out).__name__}")
+        if dtype not in _WGRAD_DTYPES:
+            raise ValueError(f"out: dtype {dtype}, expected torch.bfloat16 or torch.float32")
+        if accumulate and dtype != torch.float32:
+            raise ValueError(f"out: accumulate=True needs an fp32 out, got {dtype}")
+        if E != self.E:
+            raise ValueError(f"out has {E} experts; this GEMM was built for {self.E}")
+        if out.device != self.device:
+            raise ValueError(f"out is on {out.device}, expected {self.device}")
+        if M % 128 or N % 128:
+            raise ValueError(f"out: M={M} and N={N} must be multiples of 128")
+        return base, table, dtype, M, N
+
+    def __call__(self, a, b, expert_offsets: torch.Tensor, out, accumulate: bool = False) -> None:
+        """a, b: column bundles (q_t [M, Rp] / [N, Rp] e4m3, s_t [Rp/128, M] / [Rp/128, N]
+        fp32), tensors or device pointers (int64 [1]); Rp = layout.padded_rows(R, E) for the R
+        = expert_offsets[-1] on the device. out: [E, M, N] bf16 / fp32 tensor, or an
+        ExpertOutTable; accumulate=True (fp32 only) adds into it."""
+        base, table, dtype, M, N = self._out(out, accumulate)
+        _check_offsets(expert_offsets, self.E, self.device)
+        qa, sa, am, rpa = _fp8_bundle(a, "a", "M", self.device)
+        qb, sb, bn, rpb = _fp8_bundle(b, "b", "N", self.device)
+        if am is not None and am != M:
+            raise ValueError(f"a: {am} rows, expected out's M={M}")
+        if bn is not None and bn != N:
+            raise ValueError(f"b: {bn} rows, expected out's N={N}")
+        if rpa and rpb and rpa != rpb:
+            raise ValueError(f"a and b: Rp={rpa} and Rp={rpb} differ (one padded token space)")
+        args_bytes, _, zero_bytes, run = self._fns[dtype]
+        need = int(zero_bytes(M, N))
+        if self.zeros.numel() < need:
+            # allocated outside any capture on the first call of a shape (graph warm-up)
+            self.zeros = torch.zeros(need, dtype=torch.uint8, device=self.device)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        status = run(self.E, M, N, max(rpa, rpb), expert_offsets.data_ptr(), qa.data_ptr(),
+                     sa.data_ptr(), qb.data_ptr(), sb.data_ptr(), base,
+                     table.data_ptr() if table is not None else None, int(bool(accumulate)),
+                     self.zeros.data_ptr(), self.args.data_ptr(), self.workspace.data_ptr(),
+                     self.workspace.numel(), self.dev_index, self.sm_count, stream)
+        if status != 0:
+            raise RuntimeError(f"grouped_fp8_wgrad_sm90[{self.config}, {dtype}] E={self.E} M={M} "
+                               f"N={N}: {_FP8_STATUS.get(status, f'status {status}')}")

@@ -50,6 +50,12 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache}
 # the csrc/ CUTLASS library: a build made on the CPU machine can be carried in .csrc_cache (its
 # key covers the sources, flags, nvcc version and CUTLASS version; a mismatch rebuilds here)
 export DIST_MOE_CSRC_CACHE=${DIST_MOE_CSRC_CACHE:-$PWD/.csrc_cache}
+# no CUTLASS wheel there: .csrc_cache/cutlass_min (cutlass/cutlass.h and version.h copied from the
+# wheel here) lets the carried build's cache key resolve, so fp8_block's WGRADs run on CUTLASS
+if [ -z "${DIST_MOE_CUTLASS_DIR:-}" ] && [ -d "$DIST_MOE_CSRC_CACHE/cutlass_min" ] \
+   && ! python3 -c 'import cutlass_library' 2>/dev/null; then
+  export DIST_MOE_CUTLASS_DIR=$DIST_MOE_CSRC_CACHE/cutlass_min
+fi
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/megatron ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl

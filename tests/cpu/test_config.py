@@ -261,3 +261,27 @@ def test_context_explain_passes_its_row_bound_to_the_tiles(monkeypatch):
         text = Context.explain(fake)
         assert text.startswith("PLAN") and (("TILES" in text) == (backend == "cuda")), text
     assert seen == [(40, 2, 256, 128, torch.device("cpu"))]
+
+
+def test_fp8_wgrad_engine_is_chosen_at_creation(monkeypatch):
+    """fp8_block training's WGRADs: CUTLASS where the csrc/ library can be built on a Hopper GPU,
+    Triton elsewhere (here: no GPU), shown by explain(); the override forces either, and is
+    refused where it means nothing."""
+    import torch
+    from megatron_dist_moe import execution as X
+    from megatron_dist_moe.kernels import grouped_gemm_sm90
+
+    monkeypatch.setattr(grouped_gemm_sm90, "available", lambda: True)
+    # a CPU device (the interpreter's CUDA backend) never takes the CUTLASS units
+    assert not X._cutlass_fp8_wgrad(torch.device("cpu"))
+    ex = X.Execution(backend="cuda", precision="fp8_block", pipeline="standard",
+                     inference=False, save_route_outputs=False, wait_timeout_s=600.0,
+                     fp8_wgrad="cutlass")
+    assert "CUTLASS sm_90a FP8 blockwise-scaled grouped GEMM" in ex.explain()
+    assert "Triton FP8 block-scaled grouped WGRAD" in ex.replace(fp8_wgrad="triton").explain()
+    assert "WGRADs" not in ex.replace(fp8_wgrad="triton", inference=True).explain()
+    with pytest.raises(ValueError, match="fp8_wgrad='cutlass' is fp8_block's"):
+        ex.replace(precision="bf16")
+    assert X.parse_overrides("fp8_wgrad=triton") == {"fp8_wgrad": "triton"}
+    with pytest.raises(ValueError, match="fp8_wgrad='torch'"):
+        X.parse_overrides("fp8_wgrad=torch")

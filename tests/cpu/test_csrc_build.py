@@ -1,7 +1,8 @@
 """csrc/: the CUTLASS grouped GEMM library builds for sm_90a here (no GPU needed) and exports
 its entry points; its Python wrapper rejects what it cannot run, with the argument named.
 
-The build compiles every tile configuration (about two minutes on 2 cores) into a temporary
+The build compiles every tile configuration (bf16 FPROP / WGRAD and the FP8 WGRAD units; about
+8-15 minutes on 2 cores) into a temporary
 cache folder, then calls the library's host-only functions (argument-block and workspace
 sizes). Skipped where nvcc or the CUTLASS headers (`pip install nvidia-cutlass`, in the dev
 extra) are missing. The kernels themselves run in tests/gpu/test_grouped_gemm_sm90_gpu.py.
@@ -21,6 +22,7 @@ needs_build = pytest.mark.skipif(not sm90.available(),
 
 
 @needs_build
+@pytest.mark.timeout(2400)   # eight nvcc units: 8-15 min on 2 cores, near the 900 s default
 def test_library_builds_and_exports_every_configuration(tmp_path, monkeypatch):
     monkeypatch.setenv("DIST_MOE_CSRC_CACHE", str(tmp_path))
     lib_path = sm90.build_library()
@@ -47,6 +49,31 @@ def test_library_builds_and_exports_every_configuration(tmp_path, monkeypatch):
         # M (the contiguous dimension of a) must be a multiple of 8, and E >= 1
         assert run(6, 100, 512, null, null, null, null, null, null, null, 0, 0, 132, null) == 1
         assert run(0, 128, 128, null, null, null, null, null, null, null, 0, 0, 132, null) == 1
+    assert sorted(lib.fp8_wgrad_fns) == sorted((c, d) for c in sm90.FP8_WGRAD_CONFIGS
+                                               for d in ("bf16", "f32"))
+    for (cfg, dt), (args_bytes, ws_bytes, zero_bytes, run) in lib.fp8_wgrad_fns.items():
+        # 6 pointer arrays + 3 stride arrays + 2 scale layouts + the shapes, 16-byte aligned
+        assert args_bytes(6) >= 6 * (6 * 8 + 3 * 8 + 3 * 4) and args_bytes(6) % 16 == 0
+        assert args_bytes(12) > args_bytes(6)
+        assert ws_bytes(6, 132) > 0 and ws_bytes(6, 132) >= ws_bytes(6, 66)
+        # an empty expert reads max(M, N) rows of 128 zero bytes
+        assert zero_bytes(6144, 7168) == 7168 * 128 and zero_bytes(7168, 3072) == 7168 * 128
+        null = ctypes.c_void_p(0)
+
+        def fp8_run(E, M, N, rp_cap, accumulate=0, run=run):
+            return run(E, M, N, rp_cap, null, null, null, null, null, null, null, accumulate,
+                       null, null, null, 0, 0, 132, null)
+        # refused before anything is launched: M or N not a multiple of 16, E < 1, an Rp that
+        # is not a multiple of 128
+        assert fp8_run(6, 100, 512, 1024) == 1
+        assert fp8_run(6, 512, 520, 1024) == 1
+        assert fp8_run(0, 128, 128, 1024) == 1
+        assert fp8_run(6, 128, 128, 1000) == 1
+        assert fp8_run(6, 128, 128, -128) == 1
+        # the bf16 units have no source operand: accumulate is refused; the f32 units pass the
+        # checks and then find the workspace (0 bytes here) too small
+        assert fp8_run(6, 128, 128, 1024, accumulate=1) == (1 if dt == "bf16" else 2)
+        assert fp8_run(6, 128, 128, 1024) == 2
 
 
 def test_cache_key_follows_the_sources(tmp_path, monkeypatch):
@@ -75,6 +102,10 @@ def test_wrapper_names_what_it_cannot_run(monkeypatch, tmp_path):
         sm90.GroupedWgradSm90(2, "cpu", "coop", torch.float16)
     with pytest.raises(ValueError, match="device=cpu"):
         sm90.GroupedWgradSm90(2, "cpu", "coop")
+    with pytest.raises(ValueError, match="config='fastest'"):
+        sm90.GroupedFp8WgradSm90(2, "cpu", "fastest")
+    with pytest.raises(ValueError, match="device=cpu"):
+        sm90.GroupedFp8WgradSm90(2, "cpu", "coop")
     monkeypatch.setenv("DIST_MOE_CSRC_DIR", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="DIST_MOE_CSRC_DIR"):
         sm90.csrc_dir()

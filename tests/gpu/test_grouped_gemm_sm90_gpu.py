@@ -9,6 +9,12 @@ norm-wise relative error is ~2.3e-3; we require err <= 1e-2 and err <= 2 * err_t
 Outputs are poisoned with NaN: rows inside [0, R) must be written, rows past R must stay NaN; a
 WGRAD writes every expert's [M, N] block (zeros for an expert with no rows).
 
+The FP8 block-scaled WGRAD (`GroupedFp8WgradSm90`) is checked against the torch twin of
+`fp8_grouped_wgrad`: the same product on the dequantized column bundles (quant/fp8_block), in
+fp64, with that check's bounds (tests/fp8_kernel_checks.py: norm-wise 1e-3 for fp32 out, 8e-3
+for bf16). Its fp32 outputs are poisoned with NaN too, so a store that read its source operand
+(beta = 0 must skip C) would fail.
+
     pytest -m gpu tests/gpu/test_grouped_gemm_sm90_gpu.py -v
 """
 
@@ -27,7 +33,10 @@ from megatron_dist_moe.kernels.grouped_gemm_ref import (  # noqa: E402
     grouped_mm_fwd_ref,
     grouped_mm_wgrad_ref,
 )
+from megatron_dist_moe.kernels.grouped_gemm.wgrad import ExpertOutTable  # noqa: E402
 from megatron_dist_moe.kernels.rows import device_ptr  # noqa: E402
+from megatron_dist_moe.layout import padded_rows  # noqa: E402
+from megatron_dist_moe.quant import fp8_block as Q  # noqa: E402
 
 if not sm90.available():
     pytest.skip("nvcc or the CUTLASS headers (nvidia-cutlass) are missing", allow_module_level=True)
@@ -240,3 +249,172 @@ def test_wgrad_rejects_bad_arguments():
         gemm(a, b.float(), offs, out)
     with pytest.raises(ValueError, match="out_dtype="):
         sm90.GroupedWgradSm90(2, "cuda", "coop", torch.float16)
+
+
+# -- FP8 block-scaled WGRAD ----------------------------------------------------------------------
+def _fp8_bundles(counts, M, N, seed=0, rows_cap=None):
+    """Expert offsets and the column bundles of random a [R, M], b [R, N] (Rp of R, or of
+    rows_cap when given: a graph's capacity)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    E, R = len(counts), sum(counts)
+    offs = torch.tensor([0] + list(torch.tensor(counts).cumsum(0)), dtype=torch.int32,
+                        device="cuda")
+    a = torch.randn(R, M, device="cuda", generator=g).to(BF16)
+    b = (torch.randn(R, N, device="cuda", generator=g) * max(R, 1) ** -0.5).to(BF16)
+    Rp = padded_rows(R, E)
+    return offs, Q.quantize_cols(a, offs.long(), Rp), Q.quantize_cols(b, offs.long(), Rp)
+
+
+def _fp8_twin(ac, bc, offs):
+    """The torch twin of fp8_grouped_wgrad: A_e B_e^T over each padded segment of the
+    dequantized bundles, in fp64; [E, M, N]."""
+    po = Q.padded_offsets(offs).tolist()
+    ad, bd = Q.dequantize_cols(*ac).double(), Q.dequantize_cols(*bc).double()   # [Rp, M / N]
+    return torch.stack([ad[po[e]:po[e + 1]].T @ bd[po[e]:po[e + 1]]
+                        for e in range(offs.numel() - 1)])
+
+
+def _check_fp8_wgrad(out, ref, offs, prev=None):
+    """out (the matrices, stacked) against the twin; prev: what accumulate added to."""
+    got = out.double() if prev is None else out.double() - prev.double()
+    assert not out.isnan().any(), "weight-gradient entries left unwritten"
+    for e in range(out.shape[0]):
+        if offs[e + 1] == offs[e]:
+            want = 0 if prev is None else prev[e]
+            assert (out[e] == want).all(), f"expert {e} has no rows: it must get exact zeros"
+    if ref.norm() == 0:
+        return
+    err = _rel(got, ref)
+    assert err <= (1e-3 if out.dtype == torch.float32 else 8e-3), err
+
+
+@pytest.mark.parametrize("out_dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("config", sm90.FP8_WGRAD_CONFIGS)
+@pytest.mark.parametrize("counts", [
+    [256, 256, 256],                 # whole 128-token blocks
+    [300, 0, 77, 1, 513],            # ragged, an empty expert, a single token
+    [0, 0, 0],                       # no tokens at all: zeros everywhere
+    [1000, 3, 0, 0, 129, 64, 7, 2],  # 8 experts, imbalanced
+])
+def test_fp8_wgrad_matches_twin(config, out_dtype, counts):
+    M, N = 384, 512
+    offs, ac, bc = _fp8_bundles(counts, M, N)
+    out = torch.full((len(counts), M, N), float("nan"), dtype=out_dtype, device="cuda")
+    sm90.GroupedFp8WgradSm90(len(counts), "cuda", config)(ac, bc, offs, out)
+    torch.cuda.synchronize()
+    _check_fp8_wgrad(out, _fp8_twin(ac, bc, offs), offs)
+
+
+@pytest.mark.parametrize("config", sm90.FP8_WGRAD_CONFIGS)
+@pytest.mark.parametrize("M, N", [(6144, 7168), (7168, 3072)], ids=["w13", "w2"])
+def test_fp8_wgrad_guide_widths(config, M, N):
+    """The guide's W13 / W2 WGRAD widths at fewer tokens, experts ragged, one empty."""
+    offs, ac, bc = _fp8_bundles([700, 1500, 0, 333, 1029, 3], M, N, seed=4)
+    out = torch.full((6, M, N), float("nan"), dtype=BF16, device="cuda")
+    gemm = sm90.GroupedFp8WgradSm90(6, "cuda", config)
+    gemm((device_ptr(ac[0]), device_ptr(ac[1])), bc, offs, out)   # device pointers work too
+    torch.cuda.synchronize()
+    _check_fp8_wgrad(out, _fp8_twin(ac, bc, offs), offs)
+
+
+@pytest.mark.parametrize("config", sm90.FP8_WGRAD_CONFIGS)
+def test_fp8_wgrad_accumulates_into_expert_table(config):
+    """accumulate=True adds into per-expert fp32 matrices anywhere in memory (Megatron's
+    main_grad); an expert without tokens leaves its matrix as it was."""
+    counts, M, N = [300, 0, 77, 513], 256, 384
+    offs, ac, bc = _fp8_bundles(counts, M, N, seed=7)
+    g = torch.Generator(device="cuda").manual_seed(8)
+    prev = torch.randn(len(counts), M, N, device="cuda", generator=g)
+    accs = [prev[e].clone() for e in range(len(counts))]
+    gemm = sm90.GroupedFp8WgradSm90(len(counts), "cuda", config)
+    gemm(ac, bc, offs, ExpertOutTable.of(accs), accumulate=True)
+    torch.cuda.synchronize()
+    _check_fp8_wgrad(torch.stack(accs), _fp8_twin(ac, bc, offs), offs, prev=prev)
+    # a plain store into the table: the previous values must not be read
+    for t in accs:
+        t.fill_(float("nan"))
+    gemm(ac, bc, offs, ExpertOutTable.of(accs))
+    torch.cuda.synchronize()
+    _check_fp8_wgrad(torch.stack(accs), _fp8_twin(ac, bc, offs), offs)
+
+
+@pytest.mark.parametrize("config", sm90.FP8_WGRAD_CONFIGS)
+def test_fp8_wgrad_bf16_store_equals_rounded_fp32_store(config):
+    """One mainloop for both out dtypes: the bf16 units round the fp32 units' sums once."""
+    counts, M, N = [700, 1500, 0, 333, 1029, 3], 1024, 768
+    offs, ac, bc = _fp8_bundles(counts, M, N, seed=6)
+    out16 = torch.full((6, M, N), float("nan"), dtype=BF16, device="cuda")
+    out32 = torch.full((6, M, N), float("nan"), dtype=torch.float32, device="cuda")
+    gemm = sm90.GroupedFp8WgradSm90(6, "cuda", config)
+    gemm(ac, bc, offs, out16)
+    gemm(ac, bc, offs, out32)
+    torch.cuda.synchronize()
+    rounded = out32.to(BF16)
+    assert torch.equal(out16, rounded), (
+        f"bf16 store differs from the rounded fp32 store in {int((out16 != rounded).sum())} of "
+        f"{rounded.numel()} values")
+
+
+@pytest.mark.parametrize("config", sm90.FP8_WGRAD_CONFIGS)
+def test_fp8_wgrad_in_cuda_graph_with_new_offsets(config):
+    """Captured once, replayed with new device offsets: the padded segments, the row stride Rp
+    of this call's R and the zero-block groups are all rebuilt on the device. The bundles live
+    in capacity buffers, written with each call's Rp (as quantize_rows_cols writes them)."""
+    M, N, E, cap = 256, 384, 4, 2000
+    Rp_cap = padded_rows(cap, E)
+    qa = torch.zeros(M, Rp_cap, dtype=torch.float8_e4m3fn, device="cuda")
+    sa = torch.zeros(Rp_cap // 128, M, device="cuda")
+    qb = torch.zeros(N, Rp_cap, dtype=torch.float8_e4m3fn, device="cuda")
+    sb = torch.zeros(Rp_cap // 128, N, device="cuda")
+    out = torch.empty(E, M, N, dtype=torch.float32, device="cuda")
+    acc = [torch.zeros(M, N, device="cuda") for _ in range(E)]
+    table = ExpertOutTable.of(acc)
+    offs = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
+    gemm = sm90.GroupedFp8WgradSm90(E, "cuda", config)
+    gemm((qa, sa), (qb, sb), offs, out)   # warm-up (module load, zero block) outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemm((qa, sa), (qb, sb), offs, out)
+        gemm((qa, sa), (qb, sb), offs, table, accumulate=True)
+    total = torch.zeros(E, M, N, dtype=torch.float64, device="cuda")
+    for seed, counts in enumerate([[100, 0, 900, 17], [0, 1999, 0, 1], [5, 5, 5, 5]]):
+        o, ac, bc = _fp8_bundles(counts, M, N, seed=seed)
+        for dst, src in ((qa, ac[0]), (sa, ac[1]), (qb, bc[0]), (sb, bc[1])):
+            dst.view(-1)[:src.numel()].copy_(src.reshape(-1))
+        offs.copy_(o)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = _fp8_twin(ac, bc, o)
+        _check_fp8_wgrad(out, ref, o)
+        total += ref
+        assert _rel(torch.stack(acc), total) <= 1e-3
+
+
+def test_fp8_wgrad_rejects_bad_arguments():
+    gemm = sm90.GroupedFp8WgradSm90(2, "cuda", "coop")
+    offs, ac, bc = _fp8_bundles([100, 60], 256, 128)
+    out = torch.zeros(2, 256, 128, device="cuda")
+    with pytest.raises(ValueError, match="out has 3 experts"):
+        gemm(ac, bc, offs, torch.zeros(3, 256, 128, device="cuda"))
+    with pytest.raises(ValueError, match="accumulate=True needs an fp32 out"):
+        gemm(ac, bc, offs, out.to(BF16), accumulate=True)
+    with pytest.raises(ValueError, match="out: dtype torch.float16"):
+        gemm(ac, bc, offs, out.half())
+    with pytest.raises(ValueError, match="multiples of 128"):
+        gemm(ac, bc, offs, torch.zeros(2, 256, 136, device="cuda"))
+    with pytest.raises(ValueError, match="b: 128 rows, expected out's N=256"):
+        gemm(ac, bc, offs, torch.zeros(2, 256, 256, device="cuda"))
+    with pytest.raises(ValueError, match="a: expected contiguous float8_e4m3fn"):
+        gemm((ac[0].float(), ac[1]), bc, offs, out)
+    with pytest.raises(ValueError, match="a scales: expected contiguous float32"):
+        gemm((ac[0], ac[1][:-1]), bc, offs, out)
+    with pytest.raises(ValueError, match="a: expected a column bundle"):
+        gemm(ac[0], bc, offs, out)
+    with pytest.raises(ValueError, match="differ"):
+        gemm(ac, (torch.cat([bc[0], bc[0]], 1), torch.cat([bc[1], bc[1]], 0)), offs, out)
+    with pytest.raises(ValueError, match="expert_offsets"):
+        gemm(ac, bc, offs.long(), out)
+    with pytest.raises(ValueError, match="config="):
+        sm90.GroupedFp8WgradSm90(2, "cuda", "fastest")

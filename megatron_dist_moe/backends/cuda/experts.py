@@ -351,12 +351,22 @@ class Fp8BlockKernels:
     block-scaled grouped GEMMs with their epilogues, the SwiGLU with the quantization of its
     input and output (kernels/quant_fp8.py, kernels/grouped_gemm/fp8.py)."""
 
-    def __init__(self, cfg: Config, num_local_experts: int, max_rows: int):
+    def __init__(self, cfg: Config, num_local_experts: int, max_rows: int,
+                 wgrad_engine: str = "triton", device: torch.device | None = None):
         from ...quant.fp8_block import BlockScaling
         self.cfg, self.E, self.max_rows = cfg, num_local_experts, max_rows
         self.recipe = BlockScaling.of(cfg)
         self.act = dict(activation=cfg.activation, swiglu_alpha=cfg.swiglu_alpha,
                         swiglu_limit=cfg.swiglu_limit)
+        # Execution.fp8_wgrad: CUTLASS's WGRAD owns device argument and zero blocks, made here
+        # (context creation, outside any capture) for the two weight shapes
+        self.cutlass_wgrad = None
+        if wgrad_engine == "cutlass":
+            from ...kernels.grouped_gemm_sm90 import GroupedFp8WgradSm90
+            D, F = cfg.hidden_dim, cfg.intermediate_dim
+            self.cutlass_wgrad = GroupedFp8WgradSm90(num_local_experts, device, "coop")
+            for M, N in ((2 * F, D), (D, F)):
+                self.cutlass_wgrad.reserve(M, N)
 
     def quantize(self, x, offs, K: int, rows=None, cols=None):
         from ...kernels.quant_fp8 import quantize_rows_cols
@@ -388,8 +398,12 @@ class Fp8BlockKernels:
 
     def wgrad(self, a, b, offs, out):
         from ...kernels.grouped_gemm import ExpertOutTable
+        accumulate = isinstance(out, ExpertOutTable)
+        if self.cutlass_wgrad is not None:
+            self.cutlass_wgrad(a, b, offs, out, accumulate=accumulate)
+            return
         from ...kernels.grouped_gemm.fp8 import fp8_grouped_wgrad
-        fp8_grouped_wgrad(a, b, offs, out, accumulate=isinstance(out, ExpertOutTable))
+        fp8_grouped_wgrad(a, b, offs, out, accumulate=accumulate)
 
     def score_parts(self, device) -> int:
         """Score-gradient parts per route the FP8 W2 DGRAD writes (its n-tiles over F)."""
@@ -404,7 +418,8 @@ class Fp8BlockPipeline:
     bundle; training: the saved h1 row bundle), W2 FP8 GEMM + scatter to the owners. Backward:
     gather g3, quantize its rows and columns, W2 DGRAD (+ SwiGLU backward from the saved h1
     bundle, + score-gradient parts) -> grad_h1 and h2 (bf16), quantize grad_h1 (rows, columns)
-    and h2 (columns), W2 WGRAD, W13 DGRAD + scatter, W13 WGRAD.
+    and h2 (columns), W2 WGRAD, W13 DGRAD + scatter, W13 WGRAD (the WGRADs on CUTLASS or
+    Triton: Execution.fp8_wgrad).
 
     Weights are quantized by every forward (`prepare`: both orientations, one byte per element
     each); its backward reuses that forward's copies. Across calls only through the caller's
@@ -418,7 +433,7 @@ class Fp8BlockPipeline:
     def __init__(self, cfg: Config, execution: Execution, num_local_experts: int, max_rows: int,
                  device: torch.device, rank: int):
         self.cfg, self.E, self.max_rows, self.device = cfg, num_local_experts, max_rows, device
-        self.k = Fp8BlockKernels(cfg, num_local_experts, max_rows)
+        self.k = Fp8BlockKernels(cfg, num_local_experts, max_rows, execution.fp8_wgrad, device)
         self.bf = Bf16Kernels(cfg, num_local_experts, max_rows, execution.wait_timeout_s, rank)
         self.score_parts = self.k.score_parts(device)
 
