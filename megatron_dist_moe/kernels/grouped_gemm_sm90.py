@@ -34,6 +34,7 @@ import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -156,6 +157,10 @@ def build_library(verbose: bool = False) -> Path:
             return lib
         includes = [f"-I{cutlass / 'include'}", f"-I{cutlass / 'tools' / 'util' / 'include'}",
                     f"-I{csrc_dir()}"]
+        # a first use can take minutes: say so once, where a user waits for it
+        print(f"megatron_dist_moe: building the CUTLASS kernels of csrc/ ({len(_UNITS)} units "
+              f"with {nvcc}: minutes, once; cached in {out_dir})",
+              file=sys.stderr, flush=True)
 
         def compile_one(unit: str) -> Path:
             obj = out_dir / f"{unit}.o"

@@ -364,7 +364,12 @@ class Fp8BlockKernels:
         if wgrad_engine == "cutlass":
             from ...kernels.grouped_gemm_sm90 import GroupedFp8WgradSm90
             D, F = cfg.hidden_dim, cfg.intermediate_dim
-            self.cutlass_wgrad = GroupedFp8WgradSm90(num_local_experts, device, "coop")
+            try:
+                self.cutlass_wgrad = GroupedFp8WgradSm90(num_local_experts, device, "coop")
+            except RuntimeError as err:      # nvcc or the link failed on this machine
+                raise RuntimeError(f"fp8_block's CUTLASS WGRAD (Execution.fp8_wgrad='cutlass') "
+                                   f"could not be loaded: {err}\nRun our Triton WGRAD instead "
+                                   "with DIST_MOE_EXECUTION=fp8_wgrad=triton") from err
             for M, N in ((2 * F, D), (D, F)):
                 self.cutlass_wgrad.reserve(M, N)
 
