@@ -271,4 +271,7 @@ def create_context(group=None, config: Config | None = None,
         check_same_config(config, group)
     plan = plan_memory(config, ep_size=ep)
     execution = Execution.resolve(config, device, execution_overrides)
+    if ep > 1:
+        from .execution import agree_fp8_wgrad
+        execution = agree_fp8_wgrad(execution, group)
     return Context(group, config, device, plan, execution)

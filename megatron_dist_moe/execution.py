@@ -18,8 +18,9 @@ Development overrides select the plain-torch twins that the tests and baselines 
     routing       "triton" (two launches) | "torch" (sort / scatter ops: the routing oracle)
     bookkeeping   "triton" (one launch) | "torch" (the shared planner functions: its oracle)
     fp8_wgrad     fp8_block training's two WGRADs: "cutlass" (CUTLASS's sm_90a blockwise-scaled
-                  grouped kernel, csrc/; the default wherever its library can be built or is
-                  cached) | "triton" (our kernel, the default elsewhere)
+                  grouped kernel, csrc/; the default on a Hopper GPU where its library loads:
+                  built on first use, cached) | "triton" (our kernel, the default elsewhere,
+                  and on every rank of a group where some rank cannot load the library)
 
 Pass them to `create_context(..., execution_overrides={"gemm_engine": "torch"})`, or set
 `DIST_MOE_EXECUTION="gemm_engine=torch,routing=torch"`; an unknown name or value raises.
@@ -29,13 +30,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 
 __all__ = ["RUNS", "Execution", "runs", "runs_precision", "what_runs", "parse_overrides",
-           "OVERRIDES", "ENV_OVERRIDES"]
+           "OVERRIDES", "ENV_OVERRIDES", "agree_fp8_wgrad"]
 
 # backend -> precision -> the pipelines it runs that precision with (the reference backend runs
 # one algorithm for every pipeline)
@@ -105,7 +107,37 @@ def _cutlass_fp8_wgrad(device: torch.device) -> bool:
     if torch.cuda.get_device_capability(device) != (9, 0):
         return False
     from .kernels import grouped_gemm_sm90
-    return grouped_gemm_sm90.available()
+    global _CUTLASS_LOAD_ERROR
+    if not grouped_gemm_sm90.available() or _CUTLASS_LOAD_ERROR is not None:
+        return False
+    try:    # build (minutes, once) or load the cached library now, not at the first backward
+        grouped_gemm_sm90.load_library()
+    except (RuntimeError, OSError) as err:
+        _CUTLASS_LOAD_ERROR = err     # one attempt per process, not one per layer
+        warnings.warn(f"fp8_block's WGRADs run on our Triton kernel: the CUTLASS library "
+                      f"(csrc/) could not be built or loaded here: {err}", stacklevel=3)
+        return False
+    return True
+
+
+def agree_fp8_wgrad(execution: "Execution", group) -> "Execution":
+    """The ranks of `group` run one WGRAD engine (collective; Context creation): where some
+    rank could not load the CUTLASS library, every rank runs Triton, so all ranks compute the
+    same bits."""
+    import torch.distributed as dist
+    if execution.backend != "cuda" or execution.precision != "fp8_block" or execution.inference:
+        return execution
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, execution.fp8_wgrad, group=group)
+    if len(set(everyone)) == 1:
+        return execution
+    ranks = [r for r, e in enumerate(everyone) if e != "cutlass"]
+    warnings.warn(f"fp8_block's WGRADs run on our Triton kernel on every rank: ranks {ranks} "
+                  "cannot load the CUTLASS library (csrc/)", stacklevel=3)
+    return execution.replace(fp8_wgrad="triton")
+
+
+_CUTLASS_LOAD_ERROR: BaseException | None = None
 
 
 @dataclass(frozen=True)
@@ -154,10 +186,11 @@ class Execution:
                    wait_timeout_s=float(config.wait_timeout_s), **chosen)
 
     def __post_init__(self):
-        if self.fp8_wgrad == "cutlass" and (self.backend != "cuda"
+        if self.fp8_wgrad == "cutlass" and (self.backend != "cuda" or self.inference
                                             or self.precision != "fp8_block"):
             raise ValueError(f"fp8_wgrad='cutlass' is fp8_block's CUDA-backend WGRAD; this "
-                             f"context runs precision={self.precision!r} on {self.backend!r}")
+                             f"context runs precision={self.precision!r} on {self.backend!r}"
+                             f"{' (inference)' if self.inference else ''}")
         if self.gemm_engine == "torch" and self.precision != "bf16":
             raise ValueError(f"gemm_engine='torch' is the bf16 GEMM oracle; precision="
                              f"{self.precision!r} runs our kernels only")

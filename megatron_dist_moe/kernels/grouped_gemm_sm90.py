@@ -446,12 +446,14 @@ class GroupedFp8WgradSm90:
         self.workspace = torch.zeros(max(self.workspace_bytes, 16), dtype=torch.uint8,
                                      device=device)
         self.zeros = torch.zeros(0, dtype=torch.uint8, device=device)   # grown on first use
+        self._old_zeros: list[torch.Tensor] = []   # smaller blocks earlier graphs may read
 
     def reserve(self, M: int, N: int) -> None:
         """Size the zero block for out[e] of M x N now (outside any capture), so that a first
         call of this shape inside a CUDA graph allocates nothing."""
         need = max(int(f[2](M, N)) for f in self._fns.values())
         if self.zeros.numel() < need:
+            self._old_zeros.append(self.zeros)
             self.zeros = torch.zeros(need, dtype=torch.uint8, device=self.device)
 
     def _out(self, out, accumulate: bool):
@@ -504,14 +506,20 @@ class GroupedFp8WgradSm90:
         args_bytes, _, zero_bytes, run = self._fns[dtype]
         need = int(zero_bytes(M, N))
         if self.zeros.numel() < need:
-            # allocated outside any capture on the first call of a shape (graph warm-up)
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"GroupedFp8WgradSm90: first call with out of {M} x {N} "
+                                   f"inside a CUDA graph capture; call reserve({M}, {N}) "
+                                   "before capturing")
+            self._old_zeros.append(self.zeros)   # graphs captured earlier may still read it
             self.zeros = torch.zeros(need, dtype=torch.uint8, device=self.device)
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        status = run(self.E, M, N, max(rpa, rpb), expert_offsets.data_ptr(), qa.data_ptr(),
-                     sa.data_ptr(), qb.data_ptr(), sb.data_ptr(), base,
-                     table.data_ptr() if table is not None else None, int(bool(accumulate)),
-                     self.zeros.data_ptr(), self.args.data_ptr(), self.workspace.data_ptr(),
-                     self.workspace.numel(), self.dev_index, self.sm_count, stream)
+        with torch.cuda.device(self.dev_index):    # CUTLASS sets its kernel attributes there
+            status = run(self.E, M, N, max(rpa, rpb), expert_offsets.data_ptr(),
+                         qa.data_ptr(), sa.data_ptr(), qb.data_ptr(), sb.data_ptr(), base,
+                         table.data_ptr() if table is not None else None,
+                         int(bool(accumulate)), self.zeros.data_ptr(), self.args.data_ptr(),
+                         self.workspace.data_ptr(), self.workspace.numel(), self.dev_index,
+                         self.sm_count, stream)
         if status != 0:
             raise RuntimeError(f"grouped_fp8_wgrad_sm90[{self.config}, {dtype}] E={self.E} M={M} "
                                f"N={N}: {_FP8_STATUS.get(status, f'status {status}')}")

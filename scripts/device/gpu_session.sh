@@ -53,7 +53,7 @@ export DIST_MOE_CSRC_CACHE=${DIST_MOE_CSRC_CACHE:-$PWD/.csrc_cache}
 # no CUTLASS wheel there: .csrc_cache/cutlass_min (cutlass/cutlass.h and version.h copied from the
 # wheel here) lets the carried build's cache key resolve, so fp8_block's WGRADs run on CUTLASS
 if [ -z "${DIST_MOE_CUTLASS_DIR:-}" ] && [ -d "$DIST_MOE_CSRC_CACHE/cutlass_min" ] \
-   && ! python3 -c 'import cutlass_library' 2>/dev/null; then
+   && ! python3 -c 'import importlib.util, sys; sys.exit(not importlib.util.find_spec("cutlass_library"))' 2>/dev/null; then
   export DIST_MOE_CUTLASS_DIR=$DIST_MOE_CSRC_CACHE/cutlass_min
 fi
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')

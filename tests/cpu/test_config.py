@@ -285,3 +285,42 @@ def test_fp8_wgrad_engine_is_chosen_at_creation(monkeypatch):
     assert X.parse_overrides("fp8_wgrad=triton") == {"fp8_wgrad": "triton"}
     with pytest.raises(ValueError, match="fp8_wgrad='torch'"):
         X.parse_overrides("fp8_wgrad=torch")
+
+
+def test_fp8_wgrad_falls_back_to_triton(monkeypatch):
+    """A library that cannot be built or loaded leaves Triton with one warning and one attempt
+    per process; ranks that disagree all run Triton."""
+    import torch
+    import torch.distributed as dist
+    from megatron_dist_moe import execution as X
+    from megatron_dist_moe.kernels import common, grouped_gemm_sm90
+
+    calls = []
+
+    def failing_load():
+        calls.append(1)
+        raise RuntimeError("nvcc failed on grouped_gemm_sm90_fp8_wgrad_coop_f32.cu")
+    monkeypatch.setattr(X, "_CUTLASS_LOAD_ERROR", None)
+    monkeypatch.setattr(common, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    monkeypatch.setattr(grouped_gemm_sm90, "available", lambda: True)
+    monkeypatch.setattr(grouped_gemm_sm90, "load_library", failing_load)
+    with pytest.warns(UserWarning, match="could not be built or loaded here: nvcc failed"):
+        assert not X._cutlass_fp8_wgrad(torch.device("cuda", 0))
+    assert not X._cutlass_fp8_wgrad(torch.device("cuda", 0)) and len(calls) == 1
+
+    ex = X.Execution(backend="cuda", precision="fp8_block", pipeline="standard",
+                     inference=False, save_route_outputs=False, wait_timeout_s=600.0,
+                     fp8_wgrad="cutlass")
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 3)
+
+    def gather(out, obj, group=None):
+        out[:] = ["cutlass", "triton", obj]
+    monkeypatch.setattr(dist, "all_gather_object", gather)
+    with pytest.warns(UserWarning, match=r"ranks \[1\] cannot load the CUTLASS library"):
+        assert X.agree_fp8_wgrad(ex, None).fp8_wgrad == "triton"
+    monkeypatch.setattr(dist, "all_gather_object",
+                        lambda out, obj, group=None: out.__setitem__(slice(None), [obj] * 3))
+    assert X.agree_fp8_wgrad(ex, None) is ex
+    with pytest.raises(ValueError, match=r"\(inference\)"):
+        ex.replace(inference=True)

@@ -366,10 +366,11 @@ class Fp8BlockKernels:
             D, F = cfg.hidden_dim, cfg.intermediate_dim
             try:
                 self.cutlass_wgrad = GroupedFp8WgradSm90(num_local_experts, device, "coop")
-            except RuntimeError as err:      # nvcc or the link failed on this machine
+            except (RuntimeError, OSError) as err:    # nvcc, the link or the load failed
                 raise RuntimeError(f"fp8_block's CUTLASS WGRAD (Execution.fp8_wgrad='cutlass') "
-                                   f"could not be loaded: {err}\nRun our Triton WGRAD instead "
-                                   "with DIST_MOE_EXECUTION=fp8_wgrad=triton") from err
+                                   f"could not be loaded: {err}\nRun our Triton WGRAD instead: "
+                                   "create_context(..., execution_overrides="
+                                   "{'fp8_wgrad': 'triton'})") from err
             for M, N in ((2 * F, D), (D, F)):
                 self.cutlass_wgrad.reserve(M, N)
 
