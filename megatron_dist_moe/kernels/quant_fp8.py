@@ -183,6 +183,8 @@ def quantize_rows_cols(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows=
     # one H200 (docs/decisions.md): with both bundles 64 x 4 warps, rows alone 64 x 8 (3.3 TB/s),
     # columns alone the whole tile at once, 8 warps
     chunk, warps = (64, 4) if rows and cols else (64, 8) if rows else (128, 8)
+    if interpreting():
+        chunk = 128     # the interpreter's cost is per loop step and per program, not per byte
     _quant_rows_cols_kernel[grid](xa, offsets, q, s, qc, sc, K, E,
                                   E_PAD=max(2, triton.next_power_of_2(E)), ROWS=rows is not None,
                                   COLS=cols is not None, POW2=recipe.power_2_scales,

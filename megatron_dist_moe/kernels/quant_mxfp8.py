@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..quant.mxfp8 import BLOCK
-from .common import as_device_ptr, load_ptr
+from .common import as_device_ptr, interpreting, load_ptr
 from .quant_fp8 import _hw, abs_nan0, padded_block, round_bf16, to_e4m3
 from .rows import _act_fwd
 
@@ -158,7 +158,7 @@ def quantize(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows_fake=None,
     # 128 x 32 tiles at 4 warps: the fastest in a sweep at the guide's shapes on one H200 for
     # every output set (x, grad_y, grad_h1, h2: 1.4 -> 1.85-2.15 TB/s; docs/decisions.md); a
     # 128 x 128 tile spills registers with all three outputs
-    BLOCK_C = 32
+    BLOCK_C = 64 if interpreting() else 32    # the interpreter's cost is per program
     grid = (max(1, Rp // 128), K // BLOCK_C)
     _quant_kernel[grid](as_device_ptr(x, "x", torch.bfloat16), offsets, rf, cq, ce, cf, K, E,
                         E_PAD=max(2, triton.next_power_of_2(E)), ROWS_FAKE=rows_fake is not None,
