@@ -189,46 +189,35 @@ class _Lib:
     def __init__(self, path: Path):
         self.path = path
         self.dll = ctypes.CDLL(str(path))
-        self.fns = {}
         i64, i32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-        for cfg in CONFIGS:
-            args_bytes = getattr(self.dll, f"dm_sm90_fprop_{cfg}_args_bytes")
-            args_bytes.argtypes, args_bytes.restype = [i32], i64
-            ws_bytes = getattr(self.dll, f"dm_sm90_fprop_{cfg}_workspace_bytes")
-            ws_bytes.argtypes, ws_bytes.restype = [i32, i32], i64
-            run = getattr(self.dll, f"dm_sm90_fprop_{cfg}_run")
-            run.argtypes = [i32, i32, i32, vp, vp, vp, vp, vp, vp, i64, i32, i32, vp]
-            run.restype = i32
-            self.fns[cfg] = (args_bytes, ws_bytes, run)
-        self.wgrad_fns = {}
-        for cfg in WGRAD_CONFIGS:
-            for dt in _WGRAD_DTYPES.values():
-                name = f"dm_sm90_wgrad_{cfg}_{dt}"
-                args_bytes = getattr(self.dll, f"{name}_args_bytes")
-                args_bytes.argtypes, args_bytes.restype = [i32], i64
-                ws_bytes = getattr(self.dll, f"{name}_workspace_bytes")
-                ws_bytes.argtypes, ws_bytes.restype = [i32, i32], i64
-                run = getattr(self.dll, f"{name}_run")
-                run.argtypes = [i32, i32, i32, vp, vp, vp, vp, vp, vp, vp, i64, i32, i32, vp]
-                run.restype = i32
-                self.wgrad_fns[(cfg, dt)] = (args_bytes, ws_bytes, run)
-        self.fp8_wgrad_fns = {}
-        for cfg in FP8_WGRAD_CONFIGS:
-            for dt in _WGRAD_DTYPES.values():
-                name = f"dm_sm90_fp8_wgrad_{cfg}_{dt}"
-                args_bytes = getattr(self.dll, f"{name}_args_bytes")
-                args_bytes.argtypes, args_bytes.restype = [i32], i64
-                ws_bytes = getattr(self.dll, f"{name}_workspace_bytes")
-                ws_bytes.argtypes, ws_bytes.restype = [i32, i32], i64
-                zero_bytes = getattr(self.dll, f"{name}_zero_bytes")
-                zero_bytes.argtypes, zero_bytes.restype = [i32, i32], i64
-                run = getattr(self.dll, f"{name}_run")
-                # E, M, N, rp_cap, offsets, qa, sa, qb, sb (device pointers), out, out_table,
-                # accumulate, zeros, args, workspace, workspace_size, device, sm_count, stream
-                run.argtypes = [i32, i32, i32, i64, vp, vp, vp, vp, vp, vp, vp, i32, vp, vp, vp,
-                                i64, i32, i32, vp]
-                run.restype = i32
-                self.fp8_wgrad_fns[(cfg, dt)] = (args_bytes, ws_bytes, zero_bytes, run)
+        self.fns = {cfg: self._entry_points(f"dm_sm90_fprop_{cfg}",
+                                            [i32, i32, i32, vp, vp, vp, vp, vp, vp, i64, i32,
+                                             i32, vp])
+                    for cfg in CONFIGS}
+        self.wgrad_fns = {(cfg, dt): self._entry_points(f"dm_sm90_wgrad_{cfg}_{dt}",
+                                                        [i32, i32, i32, vp, vp, vp, vp, vp, vp,
+                                                         vp, i64, i32, i32, vp])
+                          for cfg in WGRAD_CONFIGS for dt in _WGRAD_DTYPES.values()}
+        # run: E, M, N, rp_cap, offsets, qa, sa, qb, sb (device pointers), out, out_table,
+        # accumulate, zeros, args, workspace, workspace_size, device, sm_count, stream
+        self.fp8_wgrad_fns = {(cfg, dt): self._entry_points(
+            f"dm_sm90_fp8_wgrad_{cfg}_{dt}",
+            [i32, i32, i32, i64, vp, vp, vp, vp, vp, vp, vp, i32, vp, vp, vp, i64, i32, i32, vp],
+            zero_bytes=True)
+            for cfg in FP8_WGRAD_CONFIGS for dt in _WGRAD_DTYPES.values()}
+
+    def _entry_points(self, name: str, run_argtypes: list, zero_bytes: bool = False) -> tuple:
+        """(args_bytes, workspace_bytes[, zero_bytes], run) of one unit's extern "C" API."""
+        i64, i32 = ctypes.c_int64, ctypes.c_int
+
+        def fn(suffix, argtypes, restype):
+            f = getattr(self.dll, f"{name}_{suffix}")
+            f.argtypes, f.restype = argtypes, restype
+            return f
+        sizes = [fn("args_bytes", [i32], i64), fn("workspace_bytes", [i32, i32], i64)]
+        if zero_bytes:
+            sizes.append(fn("zero_bytes", [i32, i32], i64))
+        return (*sizes, fn("run", run_argtypes, i32))
 
 
 @functools.lru_cache(maxsize=1)
