@@ -270,7 +270,9 @@ def create_context(group=None, config: Config | None = None,
     if ep > 1:
         check_same_config(config, group)
     plan = plan_memory(config, ep_size=ep)
-    execution = Execution.resolve(config, device, execution_overrides)
+    from .kernels.grouped_gemm_sm90 import fp8_wgrad_loads
+    execution = Execution.resolve(config, device, execution_overrides,
+                                  cutlass_loads=fp8_wgrad_loads)
     if ep > 1:
         from .execution import agree_fp8_wgrad
         execution = agree_fp8_wgrad(execution, group)

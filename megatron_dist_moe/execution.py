@@ -32,7 +32,7 @@ import dataclasses
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -98,28 +98,6 @@ def check_overrides(overrides: Mapping[str, Any], source: str) -> dict[str, str]
     return out
 
 
-def _cutlass_fp8_wgrad(device: torch.device) -> bool:
-    """Whether fp8_block's WGRADs run on CUTLASS here: a Hopper GPU (not the Triton
-    interpreter) where the csrc/ library can be built or loaded from its cache."""
-    from .kernels.common import interpreting
-    if device.type != "cuda" or interpreting():
-        return False
-    if torch.cuda.get_device_capability(device) != (9, 0):
-        return False
-    from .kernels import grouped_gemm_sm90
-    global _CUTLASS_LOAD_ERROR
-    if not grouped_gemm_sm90.available() or _CUTLASS_LOAD_ERROR is not None:
-        return False
-    try:    # build (minutes, once) or load the cached library now, not at the first backward
-        grouped_gemm_sm90.load_library()
-    except (RuntimeError, OSError) as err:
-        _CUTLASS_LOAD_ERROR = err     # one attempt per process, not one per layer
-        warnings.warn(f"fp8_block's WGRADs run on our Triton kernel: the CUTLASS library "
-                      f"(csrc/) could not be built or loaded here: {err}", stacklevel=3)
-        return False
-    return True
-
-
 def agree_fp8_wgrad(execution: "Execution", group) -> "Execution":
     """The ranks of `group` run one WGRAD engine (collective; Context creation): where some
     rank could not load the CUTLASS library, every rank runs Triton, so all ranks compute the
@@ -137,7 +115,6 @@ def agree_fp8_wgrad(execution: "Execution", group) -> "Execution":
     return execution.replace(fp8_wgrad="triton")
 
 
-_CUTLASS_LOAD_ERROR: BaseException | None = None
 
 
 @dataclass(frozen=True)
@@ -157,9 +134,12 @@ class Execution:
 
     @classmethod
     def resolve(cls, config, device: torch.device,
-                overrides: Mapping[str, str] | None = None) -> "Execution":
+                overrides: Mapping[str, str] | None = None,
+                cutlass_loads: Callable[[torch.device], bool] | None = None) -> "Execution":
         """The execution of `config` on `device`. overrides: see the module docstring; the
-        DIST_MOE_EXECUTION variable applies first, explicit overrides on top."""
+        DIST_MOE_EXECUTION variable applies first, explicit overrides on top. cutlass_loads:
+        whether the csrc/ library loads on `device` (create_context passes
+        grouped_gemm_sm90.fp8_wgrad_loads; without it fp8_block's WGRADs default to Triton)."""
         from .errors import ConfigError
 
         backend = config.backend
@@ -180,7 +160,8 @@ class Execution:
                              "this context runs the reference backend")
         if (backend == "cuda" and config.precision == "fp8_block" and not config.inference
                 and "fp8_wgrad" not in chosen):
-            chosen["fp8_wgrad"] = "cutlass" if _cutlass_fp8_wgrad(device) else "triton"
+            cutlass = cutlass_loads is not None and cutlass_loads(device)
+            chosen["fp8_wgrad"] = "cutlass" if cutlass else "triton"
         return cls(backend=backend, precision=config.precision, pipeline=config.pipeline,
                    inference=config.inference, save_route_outputs=config.save_route_outputs,
                    wait_timeout_s=float(config.wait_timeout_s), **chosen)

@@ -35,12 +35,13 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-__all__ = ["CONFIGS", "WGRAD_CONFIGS", "FP8_WGRAD_CONFIGS", "GroupedFpropSm90",
+__all__ = ["CONFIGS", "WGRAD_CONFIGS", "FP8_WGRAD_CONFIGS", "fp8_wgrad_loads", "GroupedFpropSm90",
            "GroupedWgradSm90", "GroupedFp8WgradSm90", "available", "load_library",
            "build_library"]
 
@@ -223,6 +224,30 @@ class _Lib:
 @functools.lru_cache(maxsize=1)
 def load_library() -> _Lib:
     return _Lib(build_library())
+
+
+def fp8_wgrad_loads(device: torch.device) -> bool:
+    """Whether fp8_block's WGRADs run on CUTLASS here: a Hopper GPU (not the Triton
+    interpreter) where the csrc/ library can be built or loaded from its cache."""
+    from .common import interpreting
+    if device.type != "cuda" or interpreting():
+        return False
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    global _LOAD_ERROR
+    if not available() or _LOAD_ERROR is not None:
+        return False
+    try:    # build (minutes, once) or load the cached library now, not at the first backward
+        load_library()
+    except (RuntimeError, OSError) as err:
+        _LOAD_ERROR = err     # one attempt per process, not one per layer
+        warnings.warn(f"fp8_block's WGRADs run on our Triton kernel: the CUTLASS library "
+                      f"(csrc/) could not be built or loaded here: {err}", stacklevel=3)
+        return False
+    return True
+
+
+_LOAD_ERROR: BaseException | None = None
 
 
 def _addr_tensor(x: torch.Tensor, name: str, device: torch.device) -> torch.Tensor:

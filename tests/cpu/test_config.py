@@ -273,7 +273,7 @@ def test_fp8_wgrad_engine_is_chosen_at_creation(monkeypatch):
 
     monkeypatch.setattr(grouped_gemm_sm90, "available", lambda: True)
     # a CPU device (the interpreter's CUDA backend) never takes the CUTLASS units
-    assert not X._cutlass_fp8_wgrad(torch.device("cpu"))
+    assert not grouped_gemm_sm90.fp8_wgrad_loads(torch.device("cpu"))
     ex = X.Execution(backend="cuda", precision="fp8_block", pipeline="standard",
                      inference=False, save_route_outputs=False, wait_timeout_s=600.0,
                      fp8_wgrad="cutlass")
@@ -300,14 +300,14 @@ def test_fp8_wgrad_falls_back_to_triton(monkeypatch):
     def failing_load():
         calls.append(1)
         raise RuntimeError("nvcc failed on grouped_gemm_sm90_fp8_wgrad_coop_f32.cu")
-    monkeypatch.setattr(X, "_CUTLASS_LOAD_ERROR", None)
+    monkeypatch.setattr(grouped_gemm_sm90, "_LOAD_ERROR", None)
     monkeypatch.setattr(common, "interpreting", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     monkeypatch.setattr(grouped_gemm_sm90, "available", lambda: True)
     monkeypatch.setattr(grouped_gemm_sm90, "load_library", failing_load)
     with pytest.warns(UserWarning, match="could not be built or loaded here: nvcc failed"):
-        assert not X._cutlass_fp8_wgrad(torch.device("cuda", 0))
-    assert not X._cutlass_fp8_wgrad(torch.device("cuda", 0)) and len(calls) == 1
+        assert not grouped_gemm_sm90.fp8_wgrad_loads(torch.device("cuda", 0))
+    assert not grouped_gemm_sm90.fp8_wgrad_loads(torch.device("cuda", 0)) and len(calls) == 1
 
     ex = X.Execution(backend="cuda", precision="fp8_block", pipeline="standard",
                      inference=False, save_route_outputs=False, wait_timeout_s=600.0,
