@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import append_csv_fields, git_commit, pyplot, time_windows  # noqa: E402
 from megatron_dist_moe.kernels.grouped_gemm import grouped_mm_fwd  # noqa: E402
+from megatron_dist_moe.kernels.grouped_gemm import nvfp4_decode  # noqa: E402
 from megatron_dist_moe.kernels.grouped_gemm.nvfp4 import (  # noqa: E402
     Nvfp4Tiles, default_tiles, nvfp4_grouped_mm)
 from megatron_dist_moe.kernels.quant_nvfp4 import dequantize_rows  # noqa: E402
@@ -107,6 +108,10 @@ def main(argv=None) -> int:
             if args.sweep:
                 variants += [("f16_asm", t, True) for t in (DECODE_SWEEP if R <= 64 * E else
                                                              LARGE_SWEEP) if t != default]
+            cuda_default = nvfp4_decode.default_variant(R, E)
+            if cuda_default is not None and nvfp4_decode.loads(dev):
+                variants += [("cuda", v, True) for v in nvfp4_decode.VARIANTS
+                             if args.sweep or v == cuda_default]
             a16 = torch.empty(R, K, dtype=torch.float16, device=dev)
             nrows = torch.tensor([R], dtype=torch.int32, device=dev)
             t_bf16 = None
@@ -121,10 +126,16 @@ def main(argv=None) -> int:
                            nrows=nrows, K=K):
                         if pre:
                             dequantize_rows(p["a"], nrows, R, K, out=a16)
+                        if decode == "cuda":
+                            nvfp4_decode.nvfp4_decode_mm(
+                                a=p["a"], a16=a16, weight=p["W"], expert_offsets=p["offs"],
+                                max_rows=R, epilogue="store", out=out, variant=tiles)
+                            return
                         nvfp4_grouped_mm(a=p["a"], weight=p["W"], expert_offsets=p["offs"],
                                          max_rows=R, epilogue="store", out=out, tiles=tiles,
                                          decode=decode, a16=a16 if pre else None)
-                    name = f"{decode}{'+A once' if pre else ''}/{tiles_name(tiles)}"
+                    name = (f"cuda decode+A once/{tiles}" if decode == "cuda" else
+                            f"{decode}{'+A once' if pre else ''}/{tiles_name(tiles)}")
                     tol = 8e-3
                 out.fill_(float("nan"))
                 try:
@@ -155,7 +166,8 @@ def main(argv=None) -> int:
                     weight_gbps=round((2 * E * N * K if decode == "bf16" else wbytes)
                                       / (t.median_ms * 1e-3) / 1e9),
                     ratio_to_bf16="" if t_bf16 is None else round(t_bf16 / t.median_ms, 3),
-                    note=("the pipeline's form" if tiles == default and pre and
+                    note=("CUDA decode GEMM (csrc/nvfp4_decode_mm.cu)" if decode == "cuda" else
+                          "the pipeline's form" if tiles == default and pre and
                           decode == "f16_asm" else "")))
                 print(f"  R={R:<6} {gemm:<4} {name:<40} {us:9.1f} us "
                       f"{rows[-1]['useful_tflops']:7.1f} TFLOP/s {rows[-1]['weight_gbps']:6d} "

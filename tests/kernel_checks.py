@@ -16,10 +16,15 @@ MODULES = ("fp8_kernel_checks", "mxfp8_kernel_checks", "nvfp4_kernel_checks",
            "mega_kernel_checks")
 
 
-def all_checks() -> dict:
-    """{"module:check": check} over MODULES (imported from this folder)."""
-    return {f"{m}:{n}": fn for m in MODULES
-            for n, fn in importlib.import_module(m).CHECKS.items()}
+def all_checks(interpreter: bool = False) -> dict:
+    """{"module:check": check} over MODULES (imported from this folder); interpreter=True
+    leaves out each module's GPU_ONLY checks (CUDA C++ kernels)."""
+    out = {}
+    for m in MODULES:
+        mod = importlib.import_module(m)
+        skip = getattr(mod, "GPU_ONLY", ()) if interpreter else ()
+        out.update({f"{m}:{n}": fn for n, fn in mod.CHECKS.items() if n not in skip})
+    return out
 
 
 def close(name, got, want, tol):

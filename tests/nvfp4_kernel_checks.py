@@ -131,5 +131,78 @@ def _check_nvfp4_mm(device, lens, NK):
     assert torch.isnan(dst[perm[3]].float()).all(), "row with address 0 was written"
 
 
+def check_nvfp4_decode_mm(device, big=False):
+    """The CUDA decode-regime GEMM (csrc/nvfp4_decode_mm.cu), every variant, against the twin
+    math within one bf16 unit (as check_nvfp4_mm) and against the Triton kernel on the same
+    a16: ragged and empty experts, more rows per expert than one pass takes (the weights are
+    read again per group), N not a multiple of a block's rows, both epilogues, and a CUDA graph
+    replayed after the offsets change in place."""
+    from megatron_dist_moe.kernels.grouped_gemm import nvfp4_decode
+    assert nvfp4_decode.loads(torch.device(device)), (
+        "the CUDA decode GEMM did not load (it needs an sm_90 GPU and nvcc)")
+    shapes = [(6144, 7168), (7168, 3072), (272, 256)] if big else [(272, 256)]
+    for N, K in shapes:
+        for lens in ([8, 0, 1, 13, 5, 7], [40, 0, 3, 17, 9, 33], [1, 1, 1, 1, 1, 1]):
+            for variant in nvfp4_decode.VARIANTS:
+                _check_decode_mm(device, lens, N, K, variant)
+
+
+def _check_decode_mm(device, lens, N, K, variant):
+    import megatron_dist_moe as dm
+    from megatron_dist_moe.kernels.grouped_gemm.nvfp4 import nvfp4_grouped_mm
+    from megatron_dist_moe.kernels.grouped_gemm.nvfp4_decode import nvfp4_decode_mm
+    from megatron_dist_moe.kernels.quant_nvfp4 import dequantize_rows
+    E, R = len(lens), sum(lens)
+    offs = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
+                        device=device)
+    g = torch.Generator().manual_seed(N + K + R)
+    x = (torch.randn(R, K, generator=g) * torch.logspace(-2, 2, R)[:, None]).to(BF).to(device)
+    w = (torch.randn(E, N, K, generator=g) / K ** 0.5).to(BF).to(device)
+    W = dm.prepare_expert_weights(w, torch.zeros(E, K, N // 2, dtype=BF, device=device)).w13
+    a = NV.quantize_row_bytes(x)
+    o = offs.tolist()
+    xd, wd = NV.dequantize_row_bytes(a, K), W.dequantize()
+    ref = torch.cat([xd[o[e]:o[e + 1]] @ wd[e].T for e in range(E)])
+    a16 = torch.full((R + 3, K), float("nan"), dtype=torch.float16, device=device)
+    dequantize_rows(a, torch.tensor([R], dtype=torch.int32, device=device), R + 3, K, out=a16)
+    name = f"decode variant {variant} [N={N}, K={K}] lens {lens}"
+    out = torch.full((R, N), float("nan"), dtype=BF, device=device)
+    nvfp4_decode_mm(a=a, a16=a16, weight=W, expert_offsets=offs, max_rows=R, out=out,
+                    variant=variant)
+    _close(name, out.float(), ref, 8e-3)
+    tri = torch.full_like(out, float("nan"))
+    nvfp4_grouped_mm(a=a, a16=a16, weight=W, expert_offsets=offs, max_rows=R, out=tri)
+    # the same exact products, summed in another order: at most one bf16 rounding apart
+    _close(f"{name} vs the Triton kernel", out.float(), tri.float(), 2 ** -7)
+    dst = torch.full((R + 2, N), float("nan"), dtype=BF, device=device)
+    perm = torch.randperm(R + 2, generator=torch.Generator().manual_seed(2))[:R].to(device)
+    ptrs = dst.data_ptr() + perm.long() * N * 2
+    ptrs[0] = 0
+    nvfp4_decode_mm(a=a, a16=a16, weight=W, expert_offsets=offs, max_rows=R,
+                    epilogue="scatter", out_row_ptrs=ptrs, variant=variant)
+    keep = torch.arange(R, device=device) != 0
+    assert torch.equal(dst[perm][keep], out[keep]), f"{name}: scatter differs from store"
+    assert torch.isnan(dst[perm[0]].float()).all(), f"{name}: row with address 0 written"
+    # a graph captured once and replayed after the rows move between experts
+    if variant == 1612:
+        offs_g = offs.clone()
+        out_g = torch.full_like(out, float("nan"))
+        stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                nvfp4_decode_mm(a=a, a16=a16, weight=W, expert_offsets=offs_g, max_rows=R,
+                                out=out_g, variant=variant)
+        lens2 = list(reversed(lens))
+        offs_g.copy_(torch.tensor([0] + torch.tensor(lens2).cumsum(0).tolist(),
+                                  dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize(device)
+        o2 = offs_g.tolist()
+        ref2 = torch.cat([xd[o2[e]:o2[e + 1]] @ wd[e].T for e in range(E)])
+        _close(f"{name}: graph replay with new offsets", out_g.float(), ref2, 8e-3)
+
+
 CHECKS = {f.__name__[len("check_"):]: f for f in (check_quantize_rows, check_swiglu_quant,
-                                                  check_nvfp4_mm)}
+                                                  check_nvfp4_mm, check_nvfp4_decode_mm)}
+GPU_ONLY = ("nvfp4_decode_mm",)   # CUDA C++: no interpreter

@@ -27,19 +27,15 @@ $DIST_MOE_CUTLASS_DIR (a CUTLASS checkout: include/ and tools/util/include/).
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import functools
-import hashlib
 import importlib.util
 import os
-import shutil
-import subprocess
-import sys
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+
+from . import csrc_build
 
 __all__ = ["CONFIGS", "WGRAD_CONFIGS", "FP8_WGRAD_CONFIGS", "fp8_wgrad_loads", "GroupedFpropSm90",
            "GroupedWgradSm90", "GroupedFp8WgradSm90", "available", "load_library",
@@ -61,8 +57,7 @@ _UNITS = ([f"grouped_gemm_sm90_{c}" for c in CONFIGS]
              for d in _WGRAD_DTYPES.values()])
 _HEADER = "grouped_gemm_sm90.cuh"
 _HEADERS = (_HEADER, "grouped_gemm_sm90_fp8.cuh")
-_NVCC_FLAGS = ["-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr",
-               "-gencode=arch=compute_90a,code=sm_90a", "-Xcompiler", "-fPIC"]
+_NVCC_FLAGS = csrc_build.NVCC_FLAGS
 _ZERO_ROWS = 8   # kZeroRows in csrc/grouped_gemm_sm90.cuh: the rows an empty expert reads
 _STATUS = {
     1: "bad shape: E < 1, or N or K (WGRAD: M or N) not a multiple of 8",
@@ -77,12 +72,7 @@ _FP8_STATUS = {**_STATUS,
 
 
 def csrc_dir() -> Path:
-    d = Path(os.environ.get("DIST_MOE_CSRC_DIR", Path(__file__).resolve().parents[2] / "csrc"))
-    if not (d / _HEADER).is_file():
-        raise FileNotFoundError(
-            f"{d / _HEADER} not found: the CUTLASS kernels build from the repository's csrc/ "
-            "folder; install the package editable (pip install -e .) or set DIST_MOE_CSRC_DIR")
-    return d
+    return csrc_build.csrc_dir(_HEADER)
 
 
 def cutlass_dir() -> Path:
@@ -104,15 +94,7 @@ def cutlass_dir() -> Path:
     return d
 
 
-def nvcc_path() -> str:
-    for cand in (os.environ.get("CUDACXX"),
-                 os.path.join(os.environ.get("CUDA_HOME", ""), "bin", "nvcc")
-                 if os.environ.get("CUDA_HOME") else None,
-                 shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
-        if cand and os.path.isfile(cand):
-            return cand
-    raise RuntimeError("nvcc not found ($CUDACXX, $CUDA_HOME/bin, PATH): the CUTLASS kernels "
-                       "are compiled on first use")
+nvcc_path = csrc_build.nvcc_path
 
 
 def available() -> bool:
@@ -124,66 +106,26 @@ def available() -> bool:
     return True
 
 
-def _sources() -> list[Path]:
-    d = csrc_dir()
-    return [d / h for h in _HEADERS] + [d / f"{u}.cu" for u in _UNITS]
+def _key_extra(cutlass: Path) -> bytes:
+    version = cutlass / "include" / "cutlass" / "version.h"
+    return version.read_bytes() if version.is_file() else str(cutlass).encode()
 
 
 def _cache_key(nvcc: str, cutlass: Path) -> str:
-    h = hashlib.sha256()
-    for p in _sources():
-        h.update(p.name.encode())
-        h.update(p.read_bytes())
-    h.update(" ".join(_NVCC_FLAGS).encode())
-    h.update(subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.encode())
-    version = cutlass / "include" / "cutlass" / "version.h"
-    h.update(version.read_bytes() if version.is_file() else str(cutlass).encode())
-    return h.hexdigest()[:16]
+    return csrc_build.cache_key([csrc_dir() / h for h in _HEADERS]
+                                + [csrc_dir() / f"{u}.cu" for u in _UNITS],
+                                _NVCC_FLAGS, nvcc, _key_extra(cutlass))
 
 
 def build_library(verbose: bool = False) -> Path:
     """Compile the sources (one nvcc per configuration, in parallel) and link the shared
     library; returns its path, reusing the cached build when the key matches."""
-    nvcc, cutlass = nvcc_path(), cutlass_dir()
-    root = Path(os.environ.get("DIST_MOE_CSRC_CACHE",
-                               Path.home() / ".cache" / "megatron_dist_moe" / "csrc"))
-    out_dir = root / _cache_key(nvcc, cutlass)
-    lib = out_dir / "libdm_grouped_gemm_sm90.so"
-    if lib.is_file():
-        return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)   # another rank may be building the same key
-        if lib.is_file():
-            return lib
-        includes = [f"-I{cutlass / 'include'}", f"-I{cutlass / 'tools' / 'util' / 'include'}",
-                    f"-I{csrc_dir()}"]
-        # a first use can take minutes: say so once, where a user waits for it
-        print(f"megatron_dist_moe: building the CUTLASS kernels of csrc/ ({len(_UNITS)} units "
-              f"with {nvcc}: minutes, once; cached in {out_dir})",
-              file=sys.stderr, flush=True)
-
-        def compile_one(unit: str) -> Path:
-            obj = out_dir / f"{unit}.o"
-            cmd = [nvcc, *_NVCC_FLAGS, *includes, "-c", str(csrc_dir() / f"{unit}.cu"), "-o",
-                   str(obj)]
-            if verbose:
-                print("[grouped_gemm_sm90]", " ".join(cmd), flush=True)
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            if r.returncode != 0:
-                raise RuntimeError(f"nvcc failed on {unit}.cu:\n{r.stderr[-4000:]}")
-            return obj
-
-        # one nvcc per unit, as many at once as there are cores (each takes ~1.5 GB)
-        with ThreadPoolExecutor(max(1, min(len(_UNITS), os.cpu_count() or 1))) as pool:
-            objs = list(pool.map(compile_one, _UNITS))
-        tmp = out_dir / f"lib.{os.getpid()}.so"
-        r = subprocess.run([nvcc, "-shared", "-o", str(tmp), *map(str, objs)],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"linking the CUTLASS library failed:\n{r.stderr[-4000:]}")
-        os.replace(tmp, lib)
-    return lib
+    cutlass = cutlass_dir()
+    return csrc_build.build(
+        "dm_grouped_gemm_sm90", csrc_dir(), _UNITS, _HEADERS,
+        includes=[f"-I{cutlass / 'include'}", f"-I{cutlass / 'tools' / 'util' / 'include'}"],
+        flags=_NVCC_FLAGS, key_extra=_key_extra(cutlass), what="CUTLASS kernels", takes="minutes",
+        verbose=verbose)
 
 
 class _Lib:

@@ -7,7 +7,9 @@
 #              CUTLASS units)
 #   fp8kernels the fp8_block kernel tests alone (quantizers bit-exact, GEMMs vs their twins)
 #   mxkernels  the mxfp8 kernel tests alone (every output bit-exact vs quant/mxfp8.py)
-#   nvkernels  the nvfp4 kernel tests alone (byte rows bit-exact, the NVFP4 GEMM vs its twin)
+#   nvkernels  the nvfp4 kernel tests alone (byte rows bit-exact, the NVFP4 GEMMs vs their twin:
+#              the Triton kernel and the CUDA decode GEMM of csrc/nvfp4_decode_mm.cu)
+#   sm90       the CUTLASS units of csrc/ (bf16 FPROP / WGRAD, FP8 WGRAD) vs their oracles
 #   megakernel the Mega forward kernel against the standard two launches
 #   check      dist_check on 1 GPU (and 2 when present): every gradient vs the fp64 oracle,
 #              graph replay, no host sync, bitwise repeats, inference
@@ -79,6 +81,7 @@ for s in $sections; do case $s in
                   -k "fp8_kernel_checks and not mxfp8" ;;
   mxkernels) LIMIT=240 run mxkernels python3 -m pytest -q tests/gpu/test_kernel_checks_gpu.py -m gpu -k mxfp8 ;;
   nvkernels) LIMIT=240 run nvkernels python3 -m pytest -q tests/gpu/test_kernel_checks_gpu.py -m gpu -k nvfp4 ;;
+  sm90) LIMIT=300 run sm90 python3 -m pytest -q tests/gpu/test_grouped_gemm_sm90_gpu.py -m gpu ;;
   megakernel) LIMIT=240 run megakernel python3 -m pytest -q tests/gpu/test_kernel_checks_gpu.py -m gpu -k mega ;;
   packing) LIMIT=240 run packing torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py ${PACKING_ARGS:-} ;;
   inference) LIMIT=480 run inference torchrun --nproc-per-node="$NGPU" tests/gpu/inference_check.py \

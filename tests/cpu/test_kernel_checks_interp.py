@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 import kernel_checks as KC  # noqa: E402
 
-CHECKS = KC.all_checks()
+CHECKS = KC.all_checks(interpreter=True)
 
 
 def _main(names):

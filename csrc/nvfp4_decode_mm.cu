@@ -1,0 +1,298 @@
+// NVFP4 grouped GEMM for the decode regime (inference, a few token rows per expert):
+//   out[r, n] = S_dec(r) * S_dec(e) * sum_k dequant(a)[r, k] * dequant(W[e])[n, k]
+// for the rows r of expert e, [offsets[e], offsets[e+1]): the contract of
+// megatron_dist_moe.kernels.grouped_gemm.nvfp4.nvfp4_grouped_mm with a16 (the token rows'
+// values decoded once, before their global scales); the same torch twin checks both.
+//
+// Why a CUDA kernel: with 8-32 rows per expert the GEMM is a weight stream (4.5 bits per
+// weight) and the E2M1 decode is the work. Triton places the decoded values through layout
+// conversions; here each thread decodes exactly the weights its MMA fragment needs, straight
+// from the 16-byte loads, and nothing passes through shared memory.
+//
+// Operand roles are swapped (weights are the MMA's M side, tokens its N side): one
+// mma.sync.m16n8k16 covers 16 weight rows x 8 tokens, so a handful of tokens wastes no weight
+// decode. The contraction order inside a 128-wide k chunk is permuted: thread (g, q) of a warp
+// (g = lane / 4, q = lane % 4) loads bytes [16q, 16q + 16) of weight rows g and g + 8, i.e.
+// the 32 consecutive values k in [32q, 32q + 32), and feeds them to the MMA in whatever
+// fragment slots are cheapest to fill; the token side reads the same k positions for the same
+// slots, so the sum is the same dot product in another order (fp32 accumulation either way).
+//
+// Decode (value x 2^-14 by bit placement, as kernels/quant_nvfp4._decode_f16): a 32-bit word
+// holds nibbles n_0..n_7 (value i in nibble i). Register R_j = (n_j, n_{j+4}) as two fp16 lanes
+// 16 bits apart takes two shifts, an and and a lop3: the sign bit to 15, the three magnitude
+// bits to 11..9. One f16x2 multiply by the E4M3 block scale (exact: the product of an E2M1
+// value x 2^-14 and an E4M3 scale is a multiple of 2^-24 with at most six significant bits,
+// below 0.17) makes the MMA operand; the epilogue multiplies the fp32 sum by 2^14 (exact) and
+// the two global decode scales.
+//
+// Launch: one block of kWarps warps per (expert, kWarps * ROWS weight rows); every warp
+// streams its ROWS rows over all of K with the next chunk's loads in flight, so a GEMM is one
+// wave and no warp waits on another. Experts without rows return at once (no weight read).
+// More rows than 8 * NT in an expert: the weights are read again per group of 8 * NT rows.
+// Nothing is read on the host; a call is one launch and can be captured in a CUDA graph.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace dm_nvfp4 {
+
+constexpr int kChunk = 128;   // k values of one step of a thread quad (16 bytes per row each)
+
+struct Args {
+  const int64_t* a16_addr;    // fp16 [>= R, K], row stride K
+  const int64_t* a_addr;      // NVFP4 byte rows: the fp32 S_dec at byte K/2 + K/16 of a row
+  int64_t a_stride;           // bytes between NVFP4 rows
+  const uint8_t* w_packed;    // [E, N, K/2]
+  const uint8_t* w_scales;    // E4M3 [E, N/16, K/16]
+  const float* w_senc;        // [E]
+  const int32_t* offsets;     // [E + 1]
+  const int64_t* out_addr;    // "store": bf16 [R, N] at *out_addr
+  const int64_t* out_rows;    // "scatter": bf16 row r at out_rows[r] (0: skipped), or nullptr
+  int E, N, K;
+};
+
+// weights are read once: keep them out of L1 (the token rows live there) and let L2 fetch the
+// rest of each row's 256-byte run
+__device__ __forceinline__ uint4 ld_weights(const uint8_t* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t lop_or_and(uint32_t a, uint32_t b) {
+  // (a & 0x80008000) | b, b already masked to 0x0E000E00
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(0x80008000u), "r"(b));
+  return d;
+}
+
+// R_j = (n_j, n_{j+4}) of word w as f16x2 bits of value x 2^-14
+template <int J>
+__device__ __forceinline__ uint32_t e2m1_pair(uint32_t w) {
+  constexpr int kSign = 12 - 4 * J;   // bit 4J + 3 -> 15
+  constexpr int kMag = 9 - 4 * J;     // bits 4J .. 4J + 2 -> 9 .. 11
+  const uint32_t s = w << kSign;
+  const uint32_t m = (kMag >= 0 ? (w << (kMag >= 0 ? kMag : 0)) : (w >> (kMag < 0 ? -kMag : 0)))
+                     & 0x0E000E00u;
+  return lop_or_and(s, m);
+}
+
+__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// two E4M3 scales (low byte first) -> f16x2
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint16_t s) {
+  uint32_t d;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(d) : "h"(s));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One chunk's operands of one thread: MT weight tiles (rows g and g + 8 of each: 16 bytes,
+// 32 values, and their two block scales) and NT token columns (32 fp16 values each).
+template <int MT, int NT>
+struct Chunk {
+  uint4 w[MT][2];
+  uint16_t s[MT];
+  uint4 t[NT][4];
+};
+
+template <int MT, int NT>
+__device__ __forceinline__ void load_chunk(Chunk<MT, NT>& c, const uint8_t* const (&w_row)[MT][2],
+                                           const uint8_t* const (&s_row)[MT],
+                                           const __half* const (&t_row)[NT], int k0, int q) {
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) c.w[m][h] = ld_weights(w_row[m][h] + k0 / 2 + 16 * q);
+    c.s[m] = __ldg(reinterpret_cast<const uint16_t*>(s_row[m] + k0 / 16 + 2 * q));
+  }
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    const uint4* p = reinterpret_cast<const uint4*>(t_row[n] + k0 + 32 * q);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) c.t[n][i] = __ldg(p + i);
+  }
+}
+
+template <int MT, int NT>
+__device__ __forceinline__ void mma_chunk(float (&acc)[MT][NT][4], const Chunk<MT, NT>& c) {
+  // token fragments: for word v (values 8v .. 8v + 7 of the thread's 32) the slot pairs
+  // (t_j, t_{j+4}), matching the weight registers R_j
+  uint32_t b[NT][4][4];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      const uint4 u = c.t[n][v];
+      b[n][v][0] = prmt(u.x, u.z, 0x5410);
+      b[n][v][1] = prmt(u.x, u.z, 0x7632);
+      b[n][v][2] = prmt(u.y, u.w, 0x5410);
+      b[n][v][3] = prmt(u.y, u.w, 0x7632);
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+    const uint32_t s2 = e4m3x2_to_f16x2(c.s[m]);
+    const uint32_t s_lo = prmt(s2, 0, 0x1010), s_hi = prmt(s2, 0, 0x3232);
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      const uint32_t scale = v < 2 ? s_lo : s_hi;   // values 32q + 8v ..: block 2q + v / 2
+      const uint32_t wg = (&c.w[m][0].x)[v], wh = (&c.w[m][1].x)[v];   // rows g, g + 8
+      uint32_t ag[4], ah[4];
+      ag[0] = hmul2(e2m1_pair<0>(wg), scale);
+      ag[1] = hmul2(e2m1_pair<1>(wg), scale);
+      ag[2] = hmul2(e2m1_pair<2>(wg), scale);
+      ag[3] = hmul2(e2m1_pair<3>(wg), scale);
+      ah[0] = hmul2(e2m1_pair<0>(wh), scale);
+      ah[1] = hmul2(e2m1_pair<1>(wh), scale);
+      ah[2] = hmul2(e2m1_pair<2>(wh), scale);
+      ah[3] = hmul2(e2m1_pair<3>(wh), scale);
+      // two k16 steps per word: slots (a0, a1) = pair j of rows g / g + 8, (a2, a3) = pair j + 1
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        mma16816(acc[m][n], ag[0], ah[0], ag[1], ah[1], b[n][v][0], b[n][v][1]);
+        mma16816(acc[m][n], ag[2], ah[2], ag[3], ah[3], b[n][v][2], b[n][v][3]);
+      }
+    }
+  }
+}
+
+template <int ROWS, int NT, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32) nvfp4_decode_mm_kernel(Args args) {
+  constexpr int MT = ROWS / 16;
+  const int N = args.N, K = args.K;
+  const int blocks_per_expert = (N + WARPS * ROWS - 1) / (WARPS * ROWS);
+  const int e = blockIdx.x / blocks_per_expert;
+  const int r0 = args.offsets[e], r1 = args.offsets[e + 1];
+  if (r0 >= r1) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  const int row_base = (blockIdx.x % blocks_per_expert) * WARPS * ROWS + warp * ROWS;
+  if (row_base >= N) return;   // N % 16 == 0: whole m-tiles only
+
+  const uint8_t* w_row[MT][2];
+  const uint8_t* s_row[MT];
+  bool m_ok[MT];
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+    m_ok[m] = row_base + 16 * m < N;
+    const int64_t tile_row = m_ok[m] ? row_base + 16 * m : row_base;   // reads stay in bounds
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      w_row[m][h] = args.w_packed + ((int64_t)e * N + tile_row + g + 8 * h) * (K / 2);
+    s_row[m] = args.w_scales + ((int64_t)e * (N / 16) + tile_row / 16) * (K / 16);
+  }
+  const __half* a16 = reinterpret_cast<const __half*>(*args.a16_addr);
+  const uint8_t* a_rows = reinterpret_cast<const uint8_t*>(*args.a_addr);
+  // S_dec = 1 / S_enc correctly rounded, read each launch (a graph replay sees weights
+  // updated in place)
+  const float w_dec = __frcp_rn(args.w_senc[e]);
+
+  for (int tg = r0; tg < r1; tg += 8 * NT) {
+    const __half* t_row[NT];
+#pragma unroll
+    for (int n = 0; n < NT; ++n)   // token column g of group n; past the expert: its last row
+      t_row[n] = a16 + (int64_t)min(tg + 8 * n + g, r1 - 1) * K;
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[m][n][i] = 0.0f;
+
+    Chunk<MT, NT> cur, nxt;
+    load_chunk(cur, w_row, s_row, t_row, 0, q);
+    for (int k0 = 0; k0 < K; k0 += kChunk) {
+      if (k0 + kChunk < K) load_chunk(nxt, w_row, s_row, t_row, k0 + kChunk, q);
+      mma_chunk(acc, cur);
+      cur = nxt;
+    }
+
+    // epilogue: acc[m][n][i] is weight row row_base + 16m + g + 8 (i / 2), token row
+    // tg + 8n + 2q + (i % 2)
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int r = tg + 8 * n + 2 * q + c;
+        if (r >= r1) continue;
+        const float s = *reinterpret_cast<const float*>(a_rows + (int64_t)r * args.a_stride
+                                                        + K / 2 + K / 16);
+        __nv_bfloat16* o;
+        if (args.out_rows != nullptr) {
+          const int64_t p = args.out_rows[r];
+          if (p == 0) continue;
+          o = reinterpret_cast<__nv_bfloat16*>(p);
+        } else {
+          o = reinterpret_cast<__nv_bfloat16*>(*args.out_addr) + (int64_t)r * N;
+        }
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          if (!m_ok[m]) continue;
+          const int col = row_base + 16 * m + g;
+          // the Triton kernel's order: (sum * S_dec(row)) * S_dec(expert)
+          o[col] = __float2bfloat16_rn(acc[m][n][c] * 16384.0f * s * w_dec);
+          o[col + 8] = __float2bfloat16_rn(acc[m][n][2 + c] * 16384.0f * s * w_dec);
+        }
+      }
+    }
+  }
+}
+
+template <int ROWS, int NT, int WARPS>
+int launch(const Args& args, cudaStream_t stream) {
+  const int blocks_per_expert = (args.N + WARPS * ROWS - 1) / (WARPS * ROWS);
+  nvfp4_decode_mm_kernel<ROWS, NT, WARPS>
+      <<<args.E * blocks_per_expert, WARPS * 32, 0, stream>>>(args);
+  return cudaGetLastError() == cudaSuccess ? 0 : 5;
+}
+
+}  // namespace dm_nvfp4
+
+// variant = rows_per_warp (16 | 32) * 100 + token tiles of 8 (1 | 2 | 4) * 10 + warps / 4 (1 | 2)
+extern "C" int dm_nvfp4_decode_mm_run(int variant, int E, int N, int K, int64_t a_stride,
+                                      const int64_t* a16_addr, const int64_t* a_addr,
+                                      const void* w_packed, const void* w_scales,
+                                      const float* w_senc, const int32_t* offsets,
+                                      const int64_t* out_addr, const int64_t* out_rows,
+                                      void* stream) {
+  using namespace dm_nvfp4;
+  if (E < 1 || N < 16 || N % 16 != 0 || K < kChunk || K % kChunk != 0 || a_stride % 4 != 0)
+    return 1;
+  if ((out_addr == nullptr) == (out_rows == nullptr)) return 1;
+  Args args{a16_addr, a_addr, a_stride, static_cast<const uint8_t*>(w_packed),
+            static_cast<const uint8_t*>(w_scales), w_senc, offsets, out_addr, out_rows, E, N, K};
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  switch (variant) {
+    case 1611: return launch<16, 1, 4>(args, s);
+    case 1621: return launch<16, 2, 4>(args, s);
+    case 1641: return launch<16, 4, 4>(args, s);
+    case 1612: return launch<16, 1, 8>(args, s);
+    case 1622: return launch<16, 2, 8>(args, s);
+    case 1642: return launch<16, 4, 8>(args, s);
+    case 3211: return launch<32, 1, 4>(args, s);
+    default: return 1;
+  }
+}

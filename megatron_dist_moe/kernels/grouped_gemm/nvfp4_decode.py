@@ -1,0 +1,138 @@
+"""NVFP4 grouped GEMM for the decode regime on CUDA C++ (csrc/nvfp4_decode_mm.cu).
+
+The contract of `nvfp4.nvfp4_grouped_mm` with the A rows decoded once (`a16`; the same torch
+twin checks both): row r of expert e gets S_dec(r) S_dec(e) a16[r] @ dequant(W[e])^T in bf16,
+stored at out[r] ("store") or at out_row_ptrs[r] ("scatter", skipped where 0).
+
+Where it runs: up to 32 rows per expert on average (decode: the GEMM is a stream of 4.5-bit
+weights and their decode). Weights are the MMA's M side and tokens its N side (one
+mma.sync.m16n8k16 per 16 weight rows x 8 tokens x 16 k), each thread decodes exactly the
+weight values of its fragment straight from its 16-byte loads, and a GEMM is one wave of
+warps that each stream their rows over all of K (the source file says how). Larger row counts
+run the Triton kernel, whose wgmma tiles reuse each decoded weight tile across 128-256 rows.
+
+The library builds with nvcc on first use (seconds; no CUTLASS, no torch headers) and is cached
+as csrc_build says. `loads(device)` tells whether it can run here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ...layout import nvfp4_row_bytes
+from .. import csrc_build
+from ..common import as_device_ptr, check_offsets, check_rows, interpreting
+
+__all__ = ["VARIANTS", "default_variant", "nvfp4_decode_mm", "loads", "build_library"]
+
+_UNIT = "nvfp4_decode_mm"
+# variant -> (weight rows per warp, token groups of 8 per pass, warps per block): the template
+# instances of csrc/nvfp4_decode_mm.cu (its entry point names them rows * 100 + groups * 10 +
+# warps / 4)
+VARIANTS = {1611: (16, 1, 4), 1621: (16, 2, 4), 1641: (16, 4, 4), 1612: (16, 1, 8),
+            1622: (16, 2, 8), 1642: (16, 4, 8), 3211: (32, 1, 4)}
+MAX_ROWS_PER_EXPERT = 32   # above this (on average) the Triton kernel's wgmma tiles win
+_STATUS = {1: "bad shape: E < 1, N not a multiple of 16, K not a multiple of 128, a row stride "
+              "not a multiple of 4, or neither / both of out and out_row_ptrs",
+           5: "the kernel launch failed"}
+
+
+def default_variant(max_rows: int, E: int) -> Optional[int]:
+    """The variant by rows per expert on average (max_rows / E), None above the decode regime."""
+    per_expert = -(-max_rows // E)
+    if per_expert > MAX_ROWS_PER_EXPERT:
+        return None
+    return 1612 if per_expert <= 8 else 1622 if per_expert <= 16 else 1642
+
+
+def build_library(verbose: bool = False) -> Path:
+    return csrc_build.build("dm_nvfp4_decode", csrc_build.csrc_dir(f"{_UNIT}.cu"), [_UNIT], [],
+                            what="NVFP4 decode GEMM", verbose=verbose)
+
+
+@functools.lru_cache(maxsize=1)
+def _run_fn():
+    dll = ctypes.CDLL(str(build_library()))
+    fn = dll.dm_nvfp4_decode_mm_run
+    i64, i32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    fn.argtypes = [i32, i32, i32, i32, i64, vp, vp, vp, vp, vp, vp, vp, vp, vp]
+    fn.restype = i32
+    return fn
+
+
+_LOAD_ERROR: BaseException | None = None
+
+
+def loads(device: torch.device) -> bool:
+    """Whether the decode GEMM runs here: a CUDA device of compute capability 9.0 (the library's
+    sm_90a code), not the Triton interpreter, where the library builds or loads from its cache
+    (one attempt per process; a failure warns once)."""
+    global _LOAD_ERROR
+    if device.type != "cuda" or interpreting():
+        return False
+    if torch.cuda.get_device_capability(device) != (9, 0) or _LOAD_ERROR is not None:
+        return False
+    try:
+        _run_fn()
+    except (RuntimeError, OSError, FileNotFoundError) as err:
+        _LOAD_ERROR = err
+        warnings.warn(f"nvfp4's decode-regime GEMM runs on our Triton kernel: the CUDA library "
+                      f"(csrc/{_UNIT}.cu) could not be built or loaded here: {err}",
+                      stacklevel=3)
+        return False
+    return True
+
+
+def nvfp4_decode_mm(*, a, a16, weight, expert_offsets: torch.Tensor, max_rows: int,
+                    epilogue: str = "store", out=None, out_row_ptrs=None,
+                    variant: Optional[int] = None) -> None:
+    """Row r of expert e gets S_dec(r) S_dec(e) a16[r] @ dequant(W[e])^T (bf16).
+
+    a               NVFP4 byte rows [>= R, nvfp4_row_bytes(K)] (tensor or device pointer): each
+                    row's fp32 S_dec is read from it
+    a16             fp16 [>= R, K] (tensor or device pointer): the rows' values before their
+                    global scales (quant_nvfp4.dequantize_rows)
+    weight          a prepared.PreparedWeight [E, N, K] (16 x 16 tile scales)
+    expert_offsets  int32 [E+1] device, R = expert_offsets[E] (never read on the host)
+    max_rows        host bound on R (picks the variant)
+    epilogue        "store": out [R, N] bf16 (tensor or device pointer); "scatter":
+                    out_row_ptrs int64 [>= max_rows]
+    variant         a key of VARIANTS; default: default_variant(max_rows, E)
+    """
+    E, N, K = weight.shape
+    dev = weight.packed.device
+    check_offsets(expert_offsets, E, dev)
+    assert K % 128 == 0 and N % 16 == 0, f"[N={N}, K={K}]: K % 128 and N % 16 must be 0"
+    assert tuple(weight.scales.shape) == (E, N // 16, K // 16), (
+        f"weight scales {tuple(weight.scales.shape)}: expected 16 x 16 tiles {(E, N // 16, K // 16)}")
+    senc = weight.global_scale
+    assert senc.dtype == torch.float32 and senc.is_contiguous() and senc.device == dev, (
+        "weight.global_scale must be a contiguous fp32 tensor on the weights' device")
+    variant = variant if variant is not None else default_variant(max_rows, E)
+    assert variant in VARIANTS, f"variant={variant}: expected one of {sorted(VARIANTS)}"
+    out_addr = rows_ptr = None
+    if epilogue == "store":
+        assert out is not None, "epilogue='store' needs out"
+        out_addr = as_device_ptr(out, "out", torch.bfloat16)
+    else:
+        assert epilogue == "scatter", f"epilogue={epilogue!r}: 'store' or 'scatter'"
+        assert out_row_ptrs is not None, "epilogue='scatter' needs out_row_ptrs"
+        check_rows(out_row_ptrs, "out_row_ptrs", max_rows, dev)
+        rows_ptr = out_row_ptrs
+    a_addr = as_device_ptr(a, "a")
+    a16_addr = as_device_ptr(a16, "a16", torch.float16)
+    status = _run_fn()(
+        variant, E, N, K, nvfp4_row_bytes(K), a16_addr.data_ptr(), a_addr.data_ptr(),
+        weight.packed.data_ptr(), weight.scales.data_ptr(), senc.data_ptr(),
+        expert_offsets.data_ptr(), None if out_addr is None else out_addr.data_ptr(),
+        None if rows_ptr is None else rows_ptr.data_ptr(),
+        torch.cuda.current_stream(dev).cuda_stream)
+    if status != 0:
+        raise RuntimeError(f"nvfp4_decode_mm [E={E}, N={N}, K={K}], variant {variant}: "
+                           f"{_STATUS.get(status, f'status {status}')}")
