@@ -110,7 +110,7 @@ def main(argv=None) -> int:
                                                              LARGE_SWEEP) if t != default]
             cuda_default = nvfp4_decode.default_variant(R, E)
             if cuda_default is not None and nvfp4_decode.loads(dev):
-                variants += [("cuda", v, True) for v in nvfp4_decode.VARIANTS
+                variants += [("cuda", v, True) for v in nvfp4_decode.variants()
                              if args.sweep or v == cuda_default]
             a16 = torch.empty(R, K, dtype=torch.float16, device=dev)
             nrows = torch.tensor([R], dtype=torch.int32, device=dev)

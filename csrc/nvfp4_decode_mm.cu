@@ -138,48 +138,49 @@ __device__ __forceinline__ void load_chunk(Chunk<MT, NT>& c, const uint8_t* cons
 
 template <int MT, int NT>
 __device__ __forceinline__ void mma_chunk(float (&acc)[MT][NT][4], const Chunk<MT, NT>& c) {
-  // token fragments: for word v (values 8v .. 8v + 7 of the thread's 32) the slot pairs
-  // (t_j, t_{j+4}), matching the weight registers R_j
-  uint32_t b[NT][4][4];
-#pragma unroll
-  for (int n = 0; n < NT; ++n) {
-#pragma unroll
-    for (int v = 0; v < 4; ++v) {
-      const uint4 u = c.t[n][v];
-      b[n][v][0] = prmt(u.x, u.z, 0x5410);
-      b[n][v][1] = prmt(u.x, u.z, 0x7632);
-      b[n][v][2] = prmt(u.y, u.w, 0x5410);
-      b[n][v][3] = prmt(u.y, u.w, 0x7632);
-    }
-  }
+  uint32_t scale[MT][2];
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
     const uint32_t s2 = e4m3x2_to_f16x2(c.s[m]);
-    const uint32_t s_lo = prmt(s2, 0, 0x1010), s_hi = prmt(s2, 0, 0x3232);
+    scale[m][0] = prmt(s2, 0, 0x1010);   // values 32q .. 32q + 15: block 2q
+    scale[m][1] = prmt(s2, 0, 0x3232);   // 32q + 16 ..: block 2q + 1
+  }
 #pragma unroll
-    for (int v = 0; v < 4; ++v) {
-      const uint32_t scale = v < 2 ? s_lo : s_hi;   // values 32q + 8v ..: block 2q + v / 2
+  for (int v = 0; v < 4; ++v) {   // word v: values 32q + 8v .. 32q + 8v + 7
+    // token fragments: the slot pairs (t_j, t_{j+4}) of the word, matching R_j
+    uint32_t b[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const uint4 u = c.t[n][v];
+      b[n][0] = prmt(u.x, u.z, 0x5410);
+      b[n][1] = prmt(u.x, u.z, 0x7632);
+      b[n][2] = prmt(u.y, u.w, 0x5410);
+      b[n][3] = prmt(u.y, u.w, 0x7632);
+    }
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      const uint32_t sc = scale[m][v / 2];
       const uint32_t wg = (&c.w[m][0].x)[v], wh = (&c.w[m][1].x)[v];   // rows g, g + 8
       uint32_t ag[4], ah[4];
-      ag[0] = hmul2(e2m1_pair<0>(wg), scale);
-      ag[1] = hmul2(e2m1_pair<1>(wg), scale);
-      ag[2] = hmul2(e2m1_pair<2>(wg), scale);
-      ag[3] = hmul2(e2m1_pair<3>(wg), scale);
-      ah[0] = hmul2(e2m1_pair<0>(wh), scale);
-      ah[1] = hmul2(e2m1_pair<1>(wh), scale);
-      ah[2] = hmul2(e2m1_pair<2>(wh), scale);
-      ah[3] = hmul2(e2m1_pair<3>(wh), scale);
+      ag[0] = hmul2(e2m1_pair<0>(wg), sc);
+      ag[1] = hmul2(e2m1_pair<1>(wg), sc);
+      ag[2] = hmul2(e2m1_pair<2>(wg), sc);
+      ag[3] = hmul2(e2m1_pair<3>(wg), sc);
+      ah[0] = hmul2(e2m1_pair<0>(wh), sc);
+      ah[1] = hmul2(e2m1_pair<1>(wh), sc);
+      ah[2] = hmul2(e2m1_pair<2>(wh), sc);
+      ah[3] = hmul2(e2m1_pair<3>(wh), sc);
       // two k16 steps per word: slots (a0, a1) = pair j of rows g / g + 8, (a2, a3) = pair j + 1
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
-        mma16816(acc[m][n], ag[0], ah[0], ag[1], ah[1], b[n][v][0], b[n][v][1]);
-        mma16816(acc[m][n], ag[2], ah[2], ag[3], ah[3], b[n][v][2], b[n][v][3]);
+        mma16816(acc[m][n], ag[0], ah[0], ag[1], ah[1], b[n][0], b[n][1]);
+        mma16816(acc[m][n], ag[2], ah[2], ag[3], ah[3], b[n][2], b[n][3]);
       }
     }
   }
 }
 
-template <int ROWS, int NT, int WARPS>
+template <int ROWS, int NT, int WARPS, int P>
 __global__ void __launch_bounds__(WARPS * 32) nvfp4_decode_mm_kernel(Args args) {
   constexpr int MT = ROWS / 16;
   const int N = args.N, K = args.K;
@@ -222,12 +223,21 @@ __global__ void __launch_bounds__(WARPS * 32) nvfp4_decode_mm_kernel(Args args) 
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[m][n][i] = 0.0f;
 
-    Chunk<MT, NT> cur, nxt;
-    load_chunk(cur, w_row, s_row, t_row, 0, q);
-    for (int k0 = 0; k0 < K; k0 += kChunk) {
-      if (k0 + kChunk < K) load_chunk(nxt, w_row, s_row, t_row, k0 + kChunk, q);
-      mma_chunk(acc, cur);
-      cur = nxt;
+    // a ring of P chunks in registers: P - 1 chunks' loads in flight while one is multiplied
+    // (the bytes in flight per SM set the weight read rate)
+    Chunk<MT, NT> ring[P];
+#pragma unroll
+    for (int p = 0; p < P - 1; ++p)
+      if (p * kChunk < K) load_chunk(ring[p], w_row, s_row, t_row, p * kChunk, q);
+    for (int k0 = 0; k0 < K; k0 += P * kChunk) {
+#pragma unroll
+      for (int p = 0; p < P; ++p) {
+        const int kc = k0 + p * kChunk;
+        if (kc >= K) break;
+        if (kc + (P - 1) * kChunk < K)
+          load_chunk(ring[(p + P - 1) % P], w_row, s_row, t_row, kc + (P - 1) * kChunk, q);
+        mma_chunk(acc, ring[p]);
+      }
     }
 
     // epilogue: acc[m][n][i] is weight row row_base + 16m + g + 8 (i / 2), token row
@@ -261,17 +271,22 @@ __global__ void __launch_bounds__(WARPS * 32) nvfp4_decode_mm_kernel(Args args) 
   }
 }
 
-template <int ROWS, int NT, int WARPS>
+template <int ROWS, int NT, int WARPS, int P>
 int launch(const Args& args, cudaStream_t stream) {
   const int blocks_per_expert = (args.N + WARPS * ROWS - 1) / (WARPS * ROWS);
-  nvfp4_decode_mm_kernel<ROWS, NT, WARPS>
+  nvfp4_decode_mm_kernel<ROWS, NT, WARPS, P>
       <<<args.E * blocks_per_expert, WARPS * 32, 0, stream>>>(args);
   return cudaGetLastError() == cudaSuccess ? 0 : 5;
 }
 
 }  // namespace dm_nvfp4
 
-// variant = rows_per_warp (16 | 32) * 100 + token tiles of 8 (1 | 2 | 4) * 10 + warps / 4 (1 | 2)
+#define DM_NVFP4_VARIANTS(X) \
+  X(16, 1, 4, 2) X(16, 1, 4, 4) X(32, 1, 4, 2) X(32, 1, 4, 3) X(32, 1, 4, 4) X(64, 1, 2, 2) \
+  X(64, 1, 2, 3) X(64, 1, 4, 2) X(32, 2, 4, 2) X(32, 2, 4, 3) X(64, 2, 2, 2) X(32, 4, 4, 2) \
+  X(16, 2, 4, 2) X(64, 4, 2, 1)
+
+// variant = weight rows per warp * 1000 + token groups of 8 * 100 + warps * 10 + ring depth
 extern "C" int dm_nvfp4_decode_mm_run(int variant, int E, int N, int K, int64_t a_stride,
                                       const int64_t* a16_addr, const int64_t* a_addr,
                                       const void* w_packed, const void* w_scales,
@@ -286,13 +301,22 @@ extern "C" int dm_nvfp4_decode_mm_run(int variant, int E, int N, int K, int64_t 
             static_cast<const uint8_t*>(w_scales), w_senc, offsets, out_addr, out_rows, E, N, K};
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (variant) {
-    case 1611: return launch<16, 1, 4>(args, s);
-    case 1621: return launch<16, 2, 4>(args, s);
-    case 1641: return launch<16, 4, 4>(args, s);
-    case 1612: return launch<16, 1, 8>(args, s);
-    case 1622: return launch<16, 2, 8>(args, s);
-    case 1642: return launch<16, 4, 8>(args, s);
-    case 3211: return launch<32, 1, 4>(args, s);
+#define DM_NVFP4_CASE(R, NT, W, P) \
+  case R * 1000 + NT * 100 + W * 10 + P: return launch<R, NT, W, P>(args, s);
+    DM_NVFP4_VARIANTS(DM_NVFP4_CASE)
+#undef DM_NVFP4_CASE
     default: return 1;
   }
+}
+
+// the variants' codes, for the Python side: n codes into out[0 .. n), returns how many exist
+extern "C" int dm_nvfp4_decode_mm_variants(int* out, int n) {
+  int all[] = {
+#define DM_NVFP4_CODE(R, NT, W, P) R * 1000 + NT * 100 + W * 10 + P,
+      DM_NVFP4_VARIANTS(DM_NVFP4_CODE)
+#undef DM_NVFP4_CODE
+  };
+  const int count = sizeof(all) / sizeof(all[0]);
+  for (int i = 0; i < count && i < n; ++i) out[i] = all[i];
+  return count;
 }

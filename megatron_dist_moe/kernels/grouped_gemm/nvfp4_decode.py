@@ -29,14 +29,10 @@ from ...layout import nvfp4_row_bytes
 from .. import csrc_build
 from ..common import as_device_ptr, check_offsets, check_rows, interpreting
 
-__all__ = ["VARIANTS", "default_variant", "nvfp4_decode_mm", "loads", "build_library"]
+__all__ = ["variants", "variant_shape", "default_variant", "nvfp4_decode_mm", "loads",
+           "build_library"]
 
 _UNIT = "nvfp4_decode_mm"
-# variant -> (weight rows per warp, token groups of 8 per pass, warps per block): the template
-# instances of csrc/nvfp4_decode_mm.cu (its entry point names them rows * 100 + groups * 10 +
-# warps / 4)
-VARIANTS = {1611: (16, 1, 4), 1621: (16, 2, 4), 1641: (16, 4, 4), 1612: (16, 1, 8),
-            1622: (16, 2, 8), 1642: (16, 4, 8), 3211: (32, 1, 4)}
 MAX_ROWS_PER_EXPERT = 32   # above this (on average) the Triton kernel's wgmma tiles win
 _STATUS = {1: "bad shape: E < 1, N not a multiple of 16, K not a multiple of 128, a row stride "
               "not a multiple of 4, or neither / both of out and out_row_ptrs",
@@ -57,13 +53,30 @@ def build_library(verbose: bool = False) -> Path:
 
 
 @functools.lru_cache(maxsize=1)
-def _run_fn():
+def _lib():
     dll = ctypes.CDLL(str(build_library()))
     fn = dll.dm_nvfp4_decode_mm_run
     i64, i32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     fn.argtypes = [i32, i32, i32, i32, i64, vp, vp, vp, vp, vp, vp, vp, vp, vp]
     fn.restype = i32
-    return fn
+    codes = (ctypes.c_int * 64)()
+    n = dll.dm_nvfp4_decode_mm_variants(codes, 64)
+    return fn, tuple(codes[:n])
+
+
+def _run_fn():
+    return _lib()[0]
+
+
+def variants() -> tuple:
+    """The library's variant codes: weight rows per warp * 1000 + token groups of 8 per pass *
+    100 + warps per block * 10 + chunks in the register ring (variant_shape decodes one)."""
+    return _lib()[1]
+
+
+def variant_shape(code: int) -> dict:
+    return dict(rows_per_warp=code // 1000, token_groups=code // 100 % 10,
+                warps=code // 10 % 10, ring=code % 10)
 
 
 _LOAD_ERROR: BaseException | None = None
@@ -103,7 +116,7 @@ def nvfp4_decode_mm(*, a, a16, weight, expert_offsets: torch.Tensor, max_rows: i
     max_rows        host bound on R (picks the variant)
     epilogue        "store": out [R, N] bf16 (tensor or device pointer); "scatter":
                     out_row_ptrs int64 [>= max_rows]
-    variant         a key of VARIANTS; default: default_variant(max_rows, E)
+    variant         one of variants(); default: default_variant(max_rows, E)
     """
     E, N, K = weight.shape
     dev = weight.packed.device
@@ -115,7 +128,7 @@ def nvfp4_decode_mm(*, a, a16, weight, expert_offsets: torch.Tensor, max_rows: i
     assert senc.dtype == torch.float32 and senc.is_contiguous() and senc.device == dev, (
         "weight.global_scale must be a contiguous fp32 tensor on the weights' device")
     variant = variant if variant is not None else default_variant(max_rows, E)
-    assert variant in VARIANTS, f"variant={variant}: expected one of {sorted(VARIANTS)}"
+    assert variant in variants(), f"variant={variant}: expected one of {variants()}"
     out_addr = rows_ptr = None
     if epilogue == "store":
         assert out is not None, "epilogue='store' needs out"
