@@ -89,7 +89,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--rows", default="48,192,768,12288")
     ap.add_argument("--gemms", default="w13,w2")
-    ap.add_argument("--sweep", action="store_true", help="also time the tile shapes of SWEEP")
+    ap.add_argument("--sweep", action="store_true", help="also time the tile shapes of SWEEP "
+                    "and every variant of the CUDA decode GEMM")
+    ap.add_argument("--cuda-sweep", action="store_true",
+                    help="every variant of the CUDA decode GEMM (not the Triton tiles)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     commit, gpu = git_commit(), torch.cuda.get_device_name()
@@ -111,7 +114,7 @@ def main(argv=None) -> int:
             cuda_default = nvfp4_decode.default_variant(R, E)
             if cuda_default is not None and nvfp4_decode.loads(dev):
                 variants += [("cuda", v, True) for v in nvfp4_decode.variants()
-                             if args.sweep or v == cuda_default]
+                             if args.sweep or args.cuda_sweep or v == cuda_default]
             a16 = torch.empty(R, K, dtype=torch.float16, device=dev)
             nrows = torch.tensor([R], dtype=torch.int32, device=dev)
             t_bf16 = None

@@ -69,14 +69,16 @@ def _run_fn():
 
 
 def variants() -> tuple:
-    """The library's variant codes: weight rows per warp * 1000 + token groups of 8 per pass *
-    100 + warps per block * 10 + chunks in the register ring (variant_shape decodes one)."""
+    """The library's variant codes: decode * 100000 + weight rows per warp * 1000 + token groups
+    of 8 per pass * 100 + warps per block * 10 + chunks in the register ring (variant_shape
+    decodes one; decode 0: E2M1 bits placed into fp16, 1: into E4M3 bytes, then the hardware
+    conversion)."""
     return _lib()[1]
 
 
 def variant_shape(code: int) -> dict:
-    return dict(rows_per_warp=code // 1000, token_groups=code // 100 % 10,
-                warps=code // 10 % 10, ring=code % 10)
+    return dict(decode=code // 100000, rows_per_warp=code // 1000 % 100,
+                token_groups=code // 100 % 10, warps=code // 10 % 10, ring=code % 10)
 
 
 _LOAD_ERROR: BaseException | None = None
