@@ -140,50 +140,66 @@ def main():
                     print(f"  {precision} / {pipeline}: the CUDA backend does not run it; "
                           "skipped")
                 continue
-            path = PRECISION_PATHS[precision] + ("" if pipeline == "standard" else f"_{pipeline}")
-            cfg = dm.Config(num_local_input_tokens=T, hidden_dim=D, intermediate_dim=F,
-                            top_k=K, num_experts=E * EP, backend="cuda", inference=True,
-                            pipeline=pipeline,
-                            num_activation_slots=0, precision=precision,
-                            device_scratch_capacity_factor=float(EP))
-            w13, w2 = inp["w13"], inp["w2"]
-            if precision == "nvfp4":       # prepared once, outside the timed call
-                prepared = dm.prepare_expert_weights(w13, w2, precision="nvfp4")
-                w13, w2 = prepared.w13, prepared.w2
-            with dm.create_context(config=cfg, device=dev) as ctx:
-                with torch.no_grad():
-                    y = dm.routed_experts(inp["x"], inp["ids"], inp["s"], w13, w2, ctx)
-                e = rel(y, ref)
-                lo, hi = ((0.0, 2e-2) if precision == "bf16" else
-                          NVFP4_CHECK if precision == "nvfp4" else FP8_CHECK)
-                ok = lo <= e < hi
-                if rank == 0:
-                    print(f"  check T={T} {path}: y vs a2a {e:.2e} "
-                          f"{'OK' if ok else 'MISMATCH'}", flush=True)
-                if not ok:
-                    failed = True
+            # nvfp4: the default engine, and the Triton GEMMs beside it (same run) where the
+            # default is the CUDA decode GEMM
+            decode_gemm = False
+            for engine in (("", "triton") if precision == "nvfp4" else ("",)):
+                if engine and not decode_gemm:   # the default ran Triton's GEMMs already
                     continue
-
-                def fwd(ctx=ctx, w13=w13, w2=w2):
+                path = (PRECISION_PATHS[precision] + ("" if pipeline == "standard" else
+                                                       f"_{pipeline}") + (f"_{engine}" if engine
+                                                                          else ""))
+                cfg = dm.Config(num_local_input_tokens=T, hidden_dim=D, intermediate_dim=F,
+                                top_k=K, num_experts=E * EP, backend="cuda", inference=True,
+                                pipeline=pipeline,
+                                num_activation_slots=0, precision=precision,
+                                device_scratch_capacity_factor=float(EP))
+                w13, w2 = inp["w13"], inp["w2"]
+                if precision == "nvfp4":       # prepared once, outside the timed call
+                    prepared = dm.prepare_expert_weights(w13, w2, precision="nvfp4")
+                    w13, w2 = prepared.w13, prepared.w2
+                overrides = {"nvfp4_gemm": engine} if engine else None
+                with dm.create_context(config=cfg, device=dev,
+                                       execution_overrides=overrides) as ctx:
                     with torch.no_grad():
-                        dm.routed_experts(inp["x"], inp["ids"], inp["s"], w13, w2, ctx)
-                t = time_windows(fwd, graph=True)
-                note = "CUDA graph"
-                if str(T) in args.profile_tokens.split(","):
-                    os.makedirs(args.out, exist_ok=True)
-                    suffix = f"_rank{rank}" if EP > 1 else ""
-                    profile_graph(fwd, os.path.join(
-                        args.out, f"profile_decode_T{T}_{path}{suffix}.txt"), iter_ms=t.median_ms)
-                if precision in ("fp8_block", "mxfp8"):
-                    ex = ctx.backend.experts
-                    prep = (lambda: ex.k.weights(inp["w13"], inp["w2"], False)) \
-                        if precision == "fp8_block" else (
-                        lambda: ex.mx.weights(inp["w13"], inp["w2"]))
-                    tw = time_windows(prep, graph=True)
-                    note += (f"; weight preparation {tw.median_ms * 1e3:.0f} us of it "
-                             f"(without: {(t.median_ms - tw.median_ms) * 1e3:.0f} us)")
-                rows.append(row(commit, gpu, EP, T, c, precision, path,
-                                t, base_ms, floor_us(precision, E, D, F, gbps), note))
+                        y = dm.routed_experts(inp["x"], inp["ids"], inp["s"], w13, w2, ctx)
+                    e = rel(y, ref)
+                    lo, hi = ((0.0, 2e-2) if precision == "bf16" else
+                              NVFP4_CHECK if precision == "nvfp4" else FP8_CHECK)
+                    ok = lo <= e < hi
+                    if rank == 0:
+                        print(f"  check T={T} {path}: y vs a2a {e:.2e} "
+                              f"{'OK' if ok else 'MISMATCH'}", flush=True)
+                    if not ok:
+                        failed = True
+                        continue
+
+                    def fwd(ctx=ctx, w13=w13, w2=w2):
+                        with torch.no_grad():
+                            dm.routed_experts(inp["x"], inp["ids"], inp["s"], w13, w2, ctx)
+                    t = time_windows(fwd, graph=True)
+                    note = "CUDA graph"
+                    if precision == "nvfp4":
+                        variant = getattr(ctx.backend.experts, "decode_variant", None)
+                        decode_gemm = decode_gemm or variant is not None
+                        note += ("; GEMMs: CUDA decode GEMM " + str(variant) if variant
+                                 else "; GEMMs: Triton")
+                    if str(T) in args.profile_tokens.split(","):
+                        os.makedirs(args.out, exist_ok=True)
+                        suffix = f"_rank{rank}" if EP > 1 else ""
+                        profile_graph(fwd, os.path.join(
+                            args.out, f"profile_decode_T{T}_{path}{suffix}.txt"),
+                            iter_ms=t.median_ms)
+                    if precision in ("fp8_block", "mxfp8"):
+                        ex = ctx.backend.experts
+                        prep = (lambda: ex.k.weights(inp["w13"], inp["w2"], False)) \
+                            if precision == "fp8_block" else (
+                            lambda: ex.mx.weights(inp["w13"], inp["w2"]))
+                        tw = time_windows(prep, graph=True)
+                        note += (f"; weight preparation {tw.median_ms * 1e3:.0f} us of it "
+                                 f"(without: {(t.median_ms - tw.median_ms) * 1e3:.0f} us)")
+                    rows.append(row(commit, gpu, EP, T, c, precision, path,
+                                    t, base_ms, floor_us(precision, E, D, F, gbps), note))
     if rank == 0:
         for r in rows:
             print(f"  T={r['T']:<5} {r['precision']:<10} {r['path']:<15} {r['ms'] * 1e3:9.1f} us"

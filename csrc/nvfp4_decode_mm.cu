@@ -7,7 +7,7 @@
 // Why a CUDA kernel: with 8-32 rows per expert the GEMM is a weight stream (4.5 bits per
 // weight) and the E2M1 decode is the work. Triton places the decoded values through layout
 // conversions; here each thread decodes exactly the weights its MMA fragment needs, straight
-// from the 16-byte loads, and nothing passes through shared memory.
+// from its 16-byte loads, and nothing passes through shared memory.
 //
 // Operand roles are swapped (weights are the MMA's M side, tokens its N side): one
 // mma.sync.m16n8k16 covers 16 weight rows x 8 tokens, so a handful of tokens wastes no weight
@@ -17,19 +17,19 @@
 // fragment slots are cheapest to fill; the token side reads the same k positions for the same
 // slots, so the sum is the same dot product in another order (fp32 accumulation either way).
 //
-// Decode (value x 2^-14 by bit placement, as kernels/quant_nvfp4._decode_f16): a 32-bit word
-// holds nibbles n_0..n_7 (value i in nibble i). Register R_j = (n_j, n_{j+4}) as two fp16 lanes
-// 16 bits apart takes two shifts, an and and a lop3: the sign bit to 15, the three magnitude
-// bits to 11..9. One f16x2 multiply by the E4M3 block scale (exact: the product of an E2M1
-// value x 2^-14 and an E4M3 scale is a multiple of 2^-24 with at most six significant bits,
-// below 0.17) makes the MMA operand; the epilogue multiplies the fp32 sum by 2^14 (exact) and
-// the two global decode scales.
+// Decode: a 32-bit word holds nibbles n_0..n_7 (value i in nibble i). Four integer
+// instructions place its eight E2M1 codes into E4M3 bytes (value x 2^-6), two hardware
+// conversions turn them into four f16x2 registers, and one f16x2 multiply each applies the
+// E4M3 block scale. Exact: an E2M1 value x 2^-6 times an E4M3 scale is a multiple of 2^-16
+// with at most six significant bits, below 43. The epilogue multiplies the fp32 sum by 2^6
+// (exact) and the two global decode scales, in the Triton kernel's order.
 //
-// Launch: one block of kWarps warps per (expert, kWarps * ROWS weight rows); every warp
-// streams its ROWS rows over all of K with the next chunk's loads in flight, so a GEMM is one
-// wave and no warp waits on another. Experts without rows return at once (no weight read).
-// More rows than 8 * NT in an expert: the weights are read again per group of 8 * NT rows.
-// Nothing is read on the host; a call is one launch and can be captured in a CUDA graph.
+// Launch: one block of WARPS warps per (expert, WARPS * ROWS weight rows); every warp streams
+// its ROWS rows over all of K with the next P - 1 chunks' loads in flight (a register ring),
+// so a GEMM is one wave and no warp waits on another. Experts without rows return at once (no
+// weight read). More rows than 8 * NT in an expert: the weights are read again per group of
+// 8 * NT rows. Nothing is read on the host; a call is one launch and can be captured in a CUDA
+// graph.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -69,24 +69,6 @@ __device__ __forceinline__ uint32_t lop_or_and8(uint32_t a, uint32_t b) {
   uint32_t d;
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(0x80808080u), "r"(b));
   return d;
-}
-
-__device__ __forceinline__ uint32_t lop_or_and(uint32_t a, uint32_t b) {
-  // (a & 0x80008000) | b, b already masked to 0x0E000E00
-  uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(0x80008000u), "r"(b));
-  return d;
-}
-
-// R_j = (n_j, n_{j+4}) of word w as f16x2 bits of value x 2^-14
-template <int J>
-__device__ __forceinline__ uint32_t e2m1_pair(uint32_t w) {
-  constexpr int kSign = 12 - 4 * J;   // bit 4J + 3 -> 15
-  constexpr int kMag = 9 - 4 * J;     // bits 4J .. 4J + 2 -> 9 .. 11
-  const uint32_t s = w << kSign;
-  const uint32_t m = (kMag >= 0 ? (w << (kMag >= 0 ? kMag : 0)) : (w >> (kMag < 0 ? -kMag : 0)))
-                     & 0x0E000E00u;
-  return lop_or_and(s, m);
 }
 
 // four E4M3 bytes -> two f16x2 (bytes 0, 1 -> lo; 2, 3 -> hi)
@@ -151,55 +133,33 @@ __device__ __forceinline__ void load_chunk(Chunk<MT, NT>& c, const uint8_t* cons
   }
 }
 
-// Decode DEC of one word (values 0..7 of nibbles 0..7) into four f16x2 MMA operands r[0..3]
-// (times the block scale), and the token pairs b[0..3] of the same k slots. Each k16 MMA takes
+// One word w (values 0..7 in nibbles 0..7) into four f16x2 MMA operands r[0..3], times the
+// block scale: the E2M1 bits placed into E4M3 bytes (value x 2^-6: the sign to bit 7, the
+// magnitude to bits 4..2, so E2M1's subnormal 0.5 lands on E4M3's 2^-7), then the hardware
+// E4M3 -> f16x2 conversion. r = (v0, v2) (v1, v3) (v4, v6) (v5, v7); each k16 MMA takes
 // (r[0], r[1]) and then (r[2], r[3]) as its (a0 / a1, a2 / a3) slots.
-//   DEC 0: bit placement into fp16 (value x 2^-14): r = (v0, v4) (v1, v5) (v2, v6) (v3, v7)
-//   DEC 1: bit placement into E4M3 bytes (value x 2^-6: sign to bit 7, magnitude to bits 4..2;
-//          E2M1's subnormal 0.5 lands on E4M3's 2^-7), then the hardware E4M3 -> f16x2
-//          conversion: r = (v0, v2) (v1, v3) (v4, v6) (v5, v7); fewer integer instructions
-template <int DEC>
-struct Decode;
+constexpr float kUnscale = 64.0f;   // 2^6: what the placement took off, given back in fp32
 
-template <>
-struct Decode<0> {
-  static constexpr float kUnscale = 16384.0f;
-  __device__ __forceinline__ static void weights(uint32_t w, uint32_t sc, uint32_t (&r)[4]) {
-    r[0] = hmul2(e2m1_pair<0>(w), sc);
-    r[1] = hmul2(e2m1_pair<1>(w), sc);
-    r[2] = hmul2(e2m1_pair<2>(w), sc);
-    r[3] = hmul2(e2m1_pair<3>(w), sc);
-  }
-  __device__ __forceinline__ static void tokens(const uint4& u, uint32_t (&b)[4]) {
-    b[0] = prmt(u.x, u.z, 0x5410);
-    b[1] = prmt(u.x, u.z, 0x7632);
-    b[2] = prmt(u.y, u.w, 0x5410);
-    b[3] = prmt(u.y, u.w, 0x7632);
-  }
-};
-
-template <>
-struct Decode<1> {
-  static constexpr float kUnscale = 64.0f;
-  __device__ __forceinline__ static void weights(uint32_t w, uint32_t sc, uint32_t (&r)[4]) {
-    // low nibbles (values 0, 2, 4, 6) and high nibbles (1, 3, 5, 7) as E4M3 bytes
-    const uint32_t lo = lop_or_and8((w << 4), (w << 2) & 0x1C1C1C1Cu);
-    const uint32_t hi = lop_or_and8(w, (w >> 2) & 0x1C1C1C1Cu);
-    uint32_t f[4];
-    e4m3x4_to_f16x4(lo, f[0], f[2]);   // (v0, v2), (v4, v6)
-    e4m3x4_to_f16x4(hi, f[1], f[3]);   // (v1, v3), (v5, v7)
+__device__ __forceinline__ void decode_word(uint32_t w, uint32_t sc, uint32_t (&r)[4]) {
+  // low nibbles (values 0, 2, 4, 6) and high nibbles (1, 3, 5, 7) as E4M3 bytes
+  const uint32_t lo = lop_or_and8((w << 4), (w << 2) & 0x1C1C1C1Cu);
+  const uint32_t hi = lop_or_and8(w, (w >> 2) & 0x1C1C1C1Cu);
+  uint32_t f[4];
+  e4m3x4_to_f16x4(lo, f[0], f[2]);   // (v0, v2), (v4, v6)
+  e4m3x4_to_f16x4(hi, f[1], f[3]);   // (v1, v3), (v5, v7)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) r[i] = hmul2(f[i], sc);
-  }
-  __device__ __forceinline__ static void tokens(const uint4& u, uint32_t (&b)[4]) {
-    b[0] = prmt(u.x, u.y, 0x5410);   // (t0, t2)
-    b[1] = prmt(u.x, u.y, 0x7632);   // (t1, t3)
-    b[2] = prmt(u.z, u.w, 0x5410);   // (t4, t6)
-    b[3] = prmt(u.z, u.w, 0x7632);   // (t5, t7)
-  }
-};
+  for (int i = 0; i < 4; ++i) r[i] = hmul2(f[i], sc);
+}
 
-template <int MT, int NT, int DEC>
+// the token pairs of the same k slots from eight consecutive fp16 values t0..t7
+__device__ __forceinline__ void token_pairs(const uint4& u, uint32_t (&b)[4]) {
+  b[0] = prmt(u.x, u.y, 0x5410);   // (t0, t2)
+  b[1] = prmt(u.x, u.y, 0x7632);   // (t1, t3)
+  b[2] = prmt(u.z, u.w, 0x5410);   // (t4, t6)
+  b[3] = prmt(u.z, u.w, 0x7632);   // (t5, t7)
+}
+
+template <int MT, int NT>
 __device__ __forceinline__ void mma_chunk(float (&acc)[MT][NT][4], const Chunk<MT, NT>& c) {
   uint32_t scale[MT][2];
 #pragma unroll
@@ -213,14 +173,14 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[MT][NT][4], const Chunk<M
     // token fragments: the slot pairs (t_j, t_{j+4}) of the word, matching R_j
     uint32_t b[NT][4];
 #pragma unroll
-    for (int n = 0; n < NT; ++n) Decode<DEC>::tokens(c.t[n][v], b[n]);
+    for (int n = 0; n < NT; ++n) token_pairs(c.t[n][v], b[n]);
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
       const uint32_t sc = scale[m][v / 2];
       const uint32_t wg = (&c.w[m][0].x)[v], wh = (&c.w[m][1].x)[v];   // rows g, g + 8
       uint32_t ag[4], ah[4];
-      Decode<DEC>::weights(wg, sc, ag);
-      Decode<DEC>::weights(wh, sc, ah);
+      decode_word(wg, sc, ag);
+      decode_word(wh, sc, ah);
       // two k16 steps per word: a0 / a1 = ag / ah[0], a2 / a3 = ag / ah[1], then [2] and [3]
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
@@ -231,7 +191,7 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[MT][NT][4], const Chunk<M
   }
 }
 
-template <int ROWS, int NT, int WARPS, int P, int DEC>
+template <int ROWS, int NT, int WARPS, int P>
 __global__ void __launch_bounds__(WARPS * 32) nvfp4_decode_mm_kernel(Args args) {
   constexpr int MT = ROWS / 16;
   const int N = args.N, K = args.K;
@@ -287,7 +247,7 @@ __global__ void __launch_bounds__(WARPS * 32) nvfp4_decode_mm_kernel(Args args) 
         if (kc >= K) break;
         if (kc + (P - 1) * kChunk < K)
           load_chunk(ring[(p + P - 1) % P], w_row, s_row, t_row, kc + (P - 1) * kChunk, q);
-        mma_chunk<MT, NT, DEC>(acc, ring[p]);
+        mma_chunk<MT, NT>(acc, ring[p]);
       }
     }
 
@@ -314,18 +274,18 @@ __global__ void __launch_bounds__(WARPS * 32) nvfp4_decode_mm_kernel(Args args) 
           if (!m_ok[m]) continue;
           const int col = row_base + 16 * m + g;
           // the Triton kernel's order: (sum * S_dec(row)) * S_dec(expert)
-          o[col] = __float2bfloat16_rn(acc[m][n][c] * Decode<DEC>::kUnscale * s * w_dec);
-          o[col + 8] = __float2bfloat16_rn(acc[m][n][2 + c] * Decode<DEC>::kUnscale * s * w_dec);
+          o[col] = __float2bfloat16_rn(acc[m][n][c] * kUnscale * s * w_dec);
+          o[col + 8] = __float2bfloat16_rn(acc[m][n][2 + c] * kUnscale * s * w_dec);
         }
       }
     }
   }
 }
 
-template <int ROWS, int NT, int WARPS, int P, int DEC>
+template <int ROWS, int NT, int WARPS, int P>
 int launch(const Args& args, cudaStream_t stream) {
   const int blocks_per_expert = (args.N + WARPS * ROWS - 1) / (WARPS * ROWS);
-  nvfp4_decode_mm_kernel<ROWS, NT, WARPS, P, DEC>
+  nvfp4_decode_mm_kernel<ROWS, NT, WARPS, P>
       <<<args.E * blocks_per_expert, WARPS * 32, 0, stream>>>(args);
   return cudaGetLastError() == cudaSuccess ? 0 : 5;
 }
@@ -333,12 +293,10 @@ int launch(const Args& args, cudaStream_t stream) {
 }  // namespace dm_nvfp4
 
 #define DM_NVFP4_VARIANTS(X) \
-  X(16, 1, 4, 2, 0) X(32, 1, 4, 2, 0) X(32, 1, 4, 3, 0) X(32, 2, 4, 2, 0) X(32, 4, 4, 2, 0) \
-  X(64, 4, 2, 1, 0) X(16, 1, 4, 2, 1) X(32, 1, 4, 2, 1) X(32, 1, 4, 3, 1) X(32, 2, 4, 2, 1) \
-  X(32, 4, 4, 2, 1) X(64, 4, 2, 1, 1) X(64, 1, 2, 2, 1)
+  X(16, 1, 4, 2) X(32, 1, 4, 2) X(32, 1, 4, 3) X(64, 1, 2, 2) X(32, 2, 4, 2) X(32, 4, 4, 2) \
+  X(64, 4, 2, 1)
 
-// variant = decode * 100000 + weight rows per warp * 1000 + token groups of 8 * 100 + warps * 10
-// + ring depth
+// variant = weight rows per warp * 1000 + token groups of 8 * 100 + warps * 10 + ring depth
 extern "C" int dm_nvfp4_decode_mm_run(int variant, int E, int N, int K, int64_t a_stride,
                                       const int64_t* a16_addr, const int64_t* a_addr,
                                       const void* w_packed, const void* w_scales,
@@ -353,8 +311,8 @@ extern "C" int dm_nvfp4_decode_mm_run(int variant, int E, int N, int K, int64_t 
             static_cast<const uint8_t*>(w_scales), w_senc, offsets, out_addr, out_rows, E, N, K};
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (variant) {
-#define DM_NVFP4_CASE(R, NT, W, P, D) \
-  case D * 100000 + R * 1000 + NT * 100 + W * 10 + P: return launch<R, NT, W, P, D>(args, s);
+#define DM_NVFP4_CASE(R, NT, W, P) \
+  case R * 1000 + NT * 100 + W * 10 + P: return launch<R, NT, W, P>(args, s);
     DM_NVFP4_VARIANTS(DM_NVFP4_CASE)
 #undef DM_NVFP4_CASE
     default: return 1;
@@ -364,7 +322,7 @@ extern "C" int dm_nvfp4_decode_mm_run(int variant, int E, int N, int K, int64_t 
 // the variants' codes, for the Python side: n codes into out[0 .. n), returns how many exist
 extern "C" int dm_nvfp4_decode_mm_variants(int* out, int n) {
   int all[] = {
-#define DM_NVFP4_CODE(R, NT, W, P, D) D * 100000 + R * 1000 + NT * 100 + W * 10 + P,
+#define DM_NVFP4_CODE(R, NT, W, P) R * 1000 + NT * 100 + W * 10 + P,
       DM_NVFP4_VARIANTS(DM_NVFP4_CODE)
 #undef DM_NVFP4_CODE
   };

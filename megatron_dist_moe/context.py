@@ -270,10 +270,11 @@ def create_context(group=None, config: Config | None = None,
     if ep > 1:
         check_same_config(config, group)
     plan = plan_memory(config, ep_size=ep)
+    from .kernels.grouped_gemm import nvfp4_decode
     from .kernels.grouped_gemm_sm90 import fp8_wgrad_loads
     execution = Execution.resolve(config, device, execution_overrides,
-                                  cutlass_loads=fp8_wgrad_loads)
+                                  cutlass_loads=fp8_wgrad_loads, nvfp4_loads=nvfp4_decode.loads)
     if ep > 1:
-        from .execution import agree_fp8_wgrad
-        execution = agree_fp8_wgrad(execution, group)
+        from .execution import agree_engines
+        execution = agree_engines(execution, group)
     return Context(group, config, device, plan, execution)

@@ -21,6 +21,10 @@ Development overrides select the plain-torch twins that the tests and baselines 
                   grouped kernel, csrc/; the default on a Hopper GPU where its library loads:
                   built on first use, cached) | "triton" (our kernel, the default elsewhere,
                   and on every rank of a group where some rank cannot load the library)
+    nvfp4_gemm    nvfp4 inference's GEMMs up to 32 rows per expert (the decode regime): "cuda"
+                  (our CUDA C++ decode GEMM, csrc/nvfp4_decode_mm.cu; the default on a Hopper
+                  GPU where its library loads: built on first use in seconds, cached) |
+                  "triton" (our Triton NVFP4 GEMM, which also runs every larger row count)
 
 Pass them to `create_context(..., execution_overrides={"gemm_engine": "torch"})`, or set
 `DIST_MOE_EXECUTION="gemm_engine=torch,routing=torch"`; an unknown name or value raises.
@@ -37,7 +41,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 __all__ = ["RUNS", "Execution", "runs", "runs_precision", "what_runs", "parse_overrides",
-           "OVERRIDES", "ENV_OVERRIDES", "agree_fp8_wgrad"]
+           "OVERRIDES", "ENV_OVERRIDES", "agree_engines"]
 
 # backend -> precision -> the pipelines it runs that precision with (the reference backend runs
 # one algorithm for every pipeline)
@@ -53,6 +57,7 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "routing": ("triton", "torch"),
     "bookkeeping": ("triton", "torch"),
     "fp8_wgrad": ("cutlass", "triton"),
+    "nvfp4_gemm": ("cuda", "triton"),
 }
 ENV_OVERRIDES = "DIST_MOE_EXECUTION"
 
@@ -98,23 +103,29 @@ def check_overrides(overrides: Mapping[str, Any], source: str) -> dict[str, str]
     return out
 
 
-def agree_fp8_wgrad(execution: "Execution", group) -> "Execution":
-    """The ranks of `group` run one WGRAD engine (collective; Context creation): where some
-    rank could not load the CUTLASS library, every rank runs Triton, so all ranks compute the
-    same bits."""
+# the engines a context picks by whether a csrc/ library loads: field -> (the library's
+# engine, the fallback); each applies to one precision and mode (Execution.__post_init__)
+_LIBRARY_ENGINES = {"fp8_wgrad": ("cutlass", "triton"), "nvfp4_gemm": ("cuda", "triton")}
+
+
+def agree_engines(execution: "Execution", group) -> "Execution":
+    """The ranks of `group` run the same engines (collective; Context creation): where some
+    rank could not load a csrc/ library, every rank runs the fallback, so all ranks compute the
+    same bits and explain() says the same on each."""
     import torch.distributed as dist
-    if execution.backend != "cuda" or execution.precision != "fp8_block" or execution.inference:
+    if execution.backend != "cuda":
         return execution
+    mine = {f: getattr(execution, f) for f in _LIBRARY_ENGINES}
     everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, execution.fp8_wgrad, group=group)
-    if len(set(everyone)) == 1:
-        return execution
-    ranks = [r for r, e in enumerate(everyone) if e != "cutlass"]
-    warnings.warn(f"fp8_block's WGRADs run on our Triton kernel on every rank: ranks {ranks} "
-                  "cannot load the CUTLASS library (csrc/)", stacklevel=3)
-    return execution.replace(fp8_wgrad="triton")
-
-
+    dist.all_gather_object(everyone, mine, group=group)
+    changes = {}
+    for field, (library, fallback) in _LIBRARY_ENGINES.items():
+        if mine[field] == library and any(e[field] != library for e in everyone):
+            ranks = [r for r, e in enumerate(everyone) if e[field] != library]
+            warnings.warn(f"{field}: every rank runs {fallback!r}: ranks {ranks} cannot load "
+                          f"the {library!r} engine's library (csrc/)", stacklevel=3)
+            changes[field] = fallback
+    return execution.replace(**changes) if changes else execution
 
 
 @dataclass(frozen=True)
@@ -131,15 +142,18 @@ class Execution:
     routing: str = "triton"
     bookkeeping: str = "triton"
     fp8_wgrad: str = "triton"    # fp8_block training on the cuda backend; see the docstring
+    nvfp4_gemm: str = "triton"   # nvfp4 inference on the cuda backend; see the docstring
 
     @classmethod
     def resolve(cls, config, device: torch.device,
                 overrides: Mapping[str, str] | None = None,
-                cutlass_loads: Callable[[torch.device], bool] | None = None) -> "Execution":
+                cutlass_loads: Callable[[torch.device], bool] | None = None,
+                nvfp4_loads: Callable[[torch.device], bool] | None = None) -> "Execution":
         """The execution of `config` on `device`. overrides: see the module docstring; the
-        DIST_MOE_EXECUTION variable applies first, explicit overrides on top. cutlass_loads:
-        whether the csrc/ library loads on `device` (create_context passes
-        grouped_gemm_sm90.fp8_wgrad_loads; without it fp8_block's WGRADs default to Triton)."""
+        DIST_MOE_EXECUTION variable applies first, explicit overrides on top. cutlass_loads /
+        nvfp4_loads: whether a csrc/ library loads on `device` (create_context passes
+        grouped_gemm_sm90.fp8_wgrad_loads and grouped_gemm.nvfp4_decode.loads; without them
+        the engines default to Triton)."""
         from .errors import ConfigError
 
         backend = config.backend
@@ -162,6 +176,9 @@ class Execution:
                 and "fp8_wgrad" not in chosen):
             cutlass = cutlass_loads is not None and cutlass_loads(device)
             chosen["fp8_wgrad"] = "cutlass" if cutlass else "triton"
+        if backend == "cuda" and config.precision == "nvfp4" and "nvfp4_gemm" not in chosen:
+            cuda = nvfp4_loads is not None and nvfp4_loads(device)
+            chosen["nvfp4_gemm"] = "cuda" if cuda else "triton"
         return cls(backend=backend, precision=config.precision, pipeline=config.pipeline,
                    inference=config.inference, save_route_outputs=config.save_route_outputs,
                    wait_timeout_s=float(config.wait_timeout_s), **chosen)
@@ -172,6 +189,9 @@ class Execution:
             raise ValueError(f"fp8_wgrad='cutlass' is fp8_block's CUDA-backend WGRAD; this "
                              f"context runs precision={self.precision!r} on {self.backend!r}"
                              f"{' (inference)' if self.inference else ''}")
+        if self.nvfp4_gemm == "cuda" and (self.backend != "cuda" or self.precision != "nvfp4"):
+            raise ValueError(f"nvfp4_gemm='cuda' is nvfp4's CUDA-backend decode GEMM; this "
+                             f"context runs precision={self.precision!r} on {self.backend!r}")
         if self.gemm_engine == "torch" and self.precision != "bf16":
             raise ValueError(f"gemm_engine='torch' is the bf16 GEMM oracle; precision="
                              f"{self.precision!r} runs our kernels only")
@@ -216,9 +236,14 @@ class Execution:
                          "copies (exact: Hopper has no MXFP8 instruction); scatter to the "
                          "owners in the W2 epilogue")
             elif self.precision == "nvfp4":
-                gemms = ("Triton NVFP4 grouped GEMMs on prepared weights: E2M1 x E4M3 decoded "
-                         "into exact fp16 in registers (packed PTX), fp16 MMAs, the global "
-                         "scales in the epilogue; scatter to the owners in the W2 epilogue")
+                triton = ("Triton NVFP4 grouped GEMMs on prepared weights (E2M1 x E4M3 decoded "
+                          "into exact fp16 in registers, fp16 MMAs)")
+                gemms = (f"up to 32 rows per expert, our CUDA C++ decode GEMM (csrc/"
+                         f"nvfp4_decode_mm.cu: weights as the MMA's M side, each thread decoding "
+                         f"its fragment's E2M1 values); more rows, {triton}"
+                         if self.nvfp4_gemm == "cuda" else triton)
+                gemms += ("; the global scales in the epilogue, scatter to the owners in the "
+                          "W2 epilogue")
             elif self.gemm_engine == "triton" and self.pipeline == "mega":
                 gemms = ("one persistent Triton launch for the forward: programs claim W13 "
                          "tiles (+ SwiGLU), then W2 tiles (+ scatter to the owners) from one "

@@ -287,6 +287,56 @@ def test_fp8_wgrad_engine_is_chosen_at_creation(monkeypatch):
         X.parse_overrides("fp8_wgrad=torch")
 
 
+def test_nvfp4_gemm_engine_is_chosen_at_creation(monkeypatch):
+    """nvfp4 inference's decode-regime GEMMs: our CUDA C++ kernel where its library loads on a
+    Hopper GPU, Triton elsewhere, shown by explain() with the variant at the context's row
+    bound; the override forces either and is refused where it means nothing; a library that
+    cannot be built leaves Triton with one warning and one attempt; ranks that disagree all run
+    Triton."""
+    import torch
+    import torch.distributed as dist
+    from megatron_dist_moe import Config, execution as X
+    from megatron_dist_moe.kernels import common
+    from megatron_dist_moe.kernels.grouped_gemm import choice, nvfp4_decode
+
+    cfg = Config(num_local_input_tokens=16, hidden_dim=256, intermediate_dim=128,
+                 num_experts=4, top_k=2, precision="nvfp4", inference=True, backend="cuda")
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    ex = X.Execution.resolve(cfg, cuda, nvfp4_loads=lambda d: True)
+    assert ex.nvfp4_gemm == "cuda" and "csrc/nvfp4_decode_mm.cu" in ex.explain()
+    assert X.Execution.resolve(cfg, cuda, nvfp4_loads=lambda d: False).nvfp4_gemm == "triton"
+    assert X.Execution.resolve(cfg, cuda, {"nvfp4_gemm": "triton"},
+                               nvfp4_loads=lambda d: True).nvfp4_gemm == "triton"
+    assert "csrc/nvfp4_decode_mm.cu" not in ex.replace(nvfp4_gemm="triton").explain()
+    with pytest.raises(ValueError, match="nvfp4_gemm='cuda' is nvfp4's"):
+        ex.replace(precision="bf16")
+    # the variant at the row bound (8 rows per expert), Triton's tiles above 32 per expert
+    tiles = choice.gemm_tiles(ex, 32, 4, 256, 128, cuda)
+    assert tiles.startswith("CUDA decode GEMM variant 32142"), tiles
+    assert not choice.gemm_tiles(ex, 4 * 33, 4, 256, 128, cuda).startswith("CUDA"), tiles
+    assert nvfp4_decode.default_variant(4 * 33, 4) is None
+    # CPU devices never take it; a failing build warns once and is not retried
+    assert not nvfp4_decode.loads(torch.device("cpu"))
+    calls = []
+
+    def failing_lib():
+        calls.append(1)
+        raise RuntimeError("nvcc failed on nvfp4_decode_mm.cu")
+    monkeypatch.setattr(nvfp4_decode, "_LOAD_ERROR", None)
+    monkeypatch.setattr(nvfp4_decode, "_run_fn", failing_lib)
+    monkeypatch.setattr(common, "interpreting", lambda: False)
+    monkeypatch.setattr(nvfp4_decode, "interpreting", lambda: False)
+    with pytest.warns(UserWarning, match="could not be built or loaded here: nvcc failed"):
+        assert not nvfp4_decode.loads(cuda)
+    assert not nvfp4_decode.loads(cuda) and len(calls) == 1
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, group=None: out.__setitem__(
+        slice(None), [obj, {**obj, "nvfp4_gemm": "triton"}]))
+    with pytest.warns(UserWarning, match=r"nvfp4_gemm: every rank runs 'triton': ranks \[1\]"):
+        assert X.agree_engines(ex, None).nvfp4_gemm == "triton"
+
+
 def test_fp8_wgrad_falls_back_to_triton(monkeypatch):
     """A library that cannot be built or loaded leaves Triton with one warning and one attempt
     per process; ranks that disagree all run Triton."""
@@ -315,12 +365,12 @@ def test_fp8_wgrad_falls_back_to_triton(monkeypatch):
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 3)
 
     def gather(out, obj, group=None):
-        out[:] = ["cutlass", "triton", obj]
+        out[:] = [obj, {**obj, "fp8_wgrad": "triton"}, obj]
     monkeypatch.setattr(dist, "all_gather_object", gather)
-    with pytest.warns(UserWarning, match=r"ranks \[1\] cannot load the CUTLASS library"):
-        assert X.agree_fp8_wgrad(ex, None).fp8_wgrad == "triton"
+    with pytest.warns(UserWarning, match=r"fp8_wgrad: every rank runs 'triton': ranks \[1\]"):
+        assert X.agree_engines(ex, None).fp8_wgrad == "triton"
     monkeypatch.setattr(dist, "all_gather_object",
                         lambda out, obj, group=None: out.__setitem__(slice(None), [obj] * 3))
-    assert X.agree_fp8_wgrad(ex, None) is ex
+    assert X.agree_engines(ex, None) is ex
     with pytest.raises(ValueError, match=r"\(inference\)"):
         ex.replace(inference=True)

@@ -613,6 +613,20 @@ class Nvfp4Pipeline:
         self.act = dict(activation=cfg.activation, swiglu_alpha=cfg.swiglu_alpha,
                         swiglu_limit=cfg.swiglu_limit)
         self._T = torch.zeros(1, dtype=torch.int32, device=device)
+        # Execution.nvfp4_gemm: the CUDA decode GEMM up to 32 rows per expert at this row bound
+        # (kernels/grouped_gemm/nvfp4_decode.py), the Triton NVFP4 GEMM otherwise
+        self.decode_variant = None
+        if execution.nvfp4_gemm == "cuda":
+            from ...kernels.grouped_gemm.nvfp4_decode import default_variant
+            self.decode_variant = default_variant(max_rows, num_local_experts)
+
+    def _gemm(self, **kw) -> None:
+        if self.decode_variant is not None:
+            from ...kernels.grouped_gemm.nvfp4_decode import nvfp4_decode_mm
+            nvfp4_decode_mm(variant=self.decode_variant, **kw)
+        else:
+            from ...kernels.grouped_gemm.nvfp4 import nvfp4_grouped_mm
+            nvfp4_grouped_mm(**kw)
 
     def publish(self, x_TD: torch.Tensor, dispatch: torch.Tensor) -> None:
         """Quantize this rank's token rows into its dispatch buffer (row slots 2D bytes apart)."""
@@ -627,7 +641,6 @@ class Nvfp4Pipeline:
 
     def forward(self, tabs: RoutingTables, w13, w2, scatter_ptrs, at: dict, rows=None,
                 prepared=None, training: bool = False) -> None:
-        from ...kernels.grouped_gemm.nvfp4 import nvfp4_grouped_mm
         from ...kernels.quant_nvfp4 import dequantize_rows, swiglu_quant
         from ...layout import nvfp4_row_bytes
         D, F = self.cfg.hidden_dim, self.cfg.intermediate_dim
@@ -636,14 +649,13 @@ class Nvfp4Pipeline:
         K_rows.fanout_rows(fan.dispatch_base_EP, 2 * D, fan.dest_rows, fan.T, fan.K, at["x_g"],
                            nrows, nvfp4_row_bytes(D) // 2, torch.bfloat16)
         dequantize_rows(at["x_g"], nrows, self.max_rows, D, out=at["a16"])
-        nvfp4_grouped_mm(a=at["x_g"], a16=at["a16"], weight=w13, expert_offsets=offs,
-                         max_rows=self.max_rows, epilogue="store", out=at["h1"])
+        self._gemm(a=at["x_g"], a16=at["a16"], weight=w13, expert_offsets=offs,
+                   max_rows=self.max_rows, epilogue="store", out=at["h1"])
         swiglu_quant(at["h1"], nrows, self.max_rows, F, out=at["h2q"], **self.act)
         if scatter_ptrs is not None:
             dequantize_rows(at["h2q"], nrows, self.max_rows, F, out=at["a16"])
-            nvfp4_grouped_mm(a=at["h2q"], a16=at["a16"], weight=w2, expert_offsets=offs,
-                             max_rows=self.max_rows, epilogue="scatter",
-                             out_row_ptrs=scatter_ptrs)
+            self._gemm(a=at["h2q"], a16=at["a16"], weight=w2, expert_offsets=offs,
+                       max_rows=self.max_rows, epilogue="scatter", out_row_ptrs=scatter_ptrs)
 
     def backward(self, *args, **kwargs):
         raise RuntimeError("nvfp4 runs inference only (Config refuses nvfp4 training)")

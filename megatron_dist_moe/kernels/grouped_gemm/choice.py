@@ -33,6 +33,10 @@ def gemm_tiles(execution, max_rows: int, num_local_experts: int, hidden_dim: int
         return (f"{c.block_m}x{c.block_n}x128 {c.num_warps}w {c.num_stages}st, "
                 f"{_per_sm(c.programs_per_sm)}, every GEMM ({where})")
     if execution.precision == "nvfp4":
+        from .nvfp4_decode import default_variant, describe
+        variant = default_variant(max_rows, E) if execution.nvfp4_gemm == "cuda" else None
+        if variant is not None:
+            return f"CUDA decode GEMM {describe(variant)} ({where})"
         t = launch_tiles(max_rows, E, device)
         return (f"{t.block_m}x{t.block_n}x{t.block_k} {t.num_warps}w {t.num_stages}st, "
                 f"{_per_sm(t.programs_per_sm)} ({where})")

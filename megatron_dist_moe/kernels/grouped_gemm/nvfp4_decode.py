@@ -29,8 +29,8 @@ from ...layout import nvfp4_row_bytes
 from .. import csrc_build
 from ..common import as_device_ptr, check_offsets, check_rows, interpreting
 
-__all__ = ["variants", "variant_shape", "default_variant", "nvfp4_decode_mm", "loads",
-           "build_library"]
+__all__ = ["variants", "variant_shape", "describe", "default_variant", "nvfp4_decode_mm",
+           "loads", "build_library", "MAX_ROWS_PER_EXPERT"]
 
 _UNIT = "nvfp4_decode_mm"
 MAX_ROWS_PER_EXPERT = 32   # above this (on average) the Triton kernel's wgmma tiles win
@@ -40,11 +40,13 @@ _STATUS = {1: "bad shape: E < 1, N not a multiple of 16, K not a multiple of 128
 
 
 def default_variant(max_rows: int, E: int) -> Optional[int]:
-    """The variant by rows per expert on average (max_rows / E), None above the decode regime."""
+    """The variant by rows per expert on average (max_rows / E), None above the decode regime:
+    the fastest of bench_nvfp4_gemm --cuda-sweep on one H200 at 1, 8 and 32 rows per expert
+    (guide shapes; docs/decisions.md)."""
     per_expert = -(-max_rows // E)
     if per_expert > MAX_ROWS_PER_EXPERT:
         return None
-    return 1612 if per_expert <= 8 else 1622 if per_expert <= 16 else 1642
+    return 32142 if per_expert <= 8 else 32242 if per_expert <= 16 else 64421
 
 
 def build_library(verbose: bool = False) -> Path:
@@ -69,16 +71,21 @@ def _run_fn():
 
 
 def variants() -> tuple:
-    """The library's variant codes: decode * 100000 + weight rows per warp * 1000 + token groups
-    of 8 per pass * 100 + warps per block * 10 + chunks in the register ring (variant_shape
-    decodes one; decode 0: E2M1 bits placed into fp16, 1: into E4M3 bytes, then the hardware
-    conversion)."""
+    """The library's variant codes: weight rows per warp * 1000 + token groups of 8 per pass *
+    100 + warps per block * 10 + chunks in the register ring (variant_shape decodes one)."""
     return _lib()[1]
 
 
 def variant_shape(code: int) -> dict:
-    return dict(decode=code // 100000, rows_per_warp=code // 1000 % 100,
-                token_groups=code // 100 % 10, warps=code // 10 % 10, ring=code % 10)
+    return dict(rows_per_warp=code // 1000, token_groups=code // 100 % 10,
+                warps=code // 10 % 10, ring=code % 10)
+
+
+def describe(code: int) -> str:
+    v = variant_shape(code)
+    return (f"variant {code}: {v['rows_per_warp']} weight rows per warp x {8 * v['token_groups']}"
+            f" token rows per pass, {v['warps']} warps per block, {v['ring']}-chunk register "
+            "ring")
 
 
 _LOAD_ERROR: BaseException | None = None
