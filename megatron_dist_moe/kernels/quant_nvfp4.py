@@ -46,13 +46,14 @@ def e2m1_code(x):
 @triton.jit
 def _load_values(src, r, c, K, F, ACT: tl.constexpr, CLAMPED: tl.constexpr, alpha, limit,
                  HW: tl.constexpr):
-    """fp32 values c of row r: x[r, c] (ACT False, row stride K) or round_bf16(act(g, u)) of
-    h1 = [g | u] (row stride 2F)."""
+    """fp32 values c of row r (0 past the row's end): x[r, c] (ACT False, row stride K) or
+    round_bf16(act(g, u)) of h1 = [g | u] (row stride 2F; act(0, 0) = 0)."""
+    ok = c < K
     if ACT:
-        g = tl.load(src + r * (2 * F) + c).to(tl.float32)
-        u = tl.load(src + r * (2 * F) + F + c).to(tl.float32)
+        g = tl.load(src + r * (2 * F) + c, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(src + r * (2 * F) + F + c, mask=ok, other=0.0).to(tl.float32)
         return round_bf16(_act_fwd(g, u, CLAMPED, alpha, limit), HW)
-    return tl.load(src + r * K + c).to(tl.float32)
+    return tl.load(src + r * K + c, mask=ok, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -85,8 +86,10 @@ def _quant_rows_kernel(src_addr, num_rows_ptr, out_addr, K, out_stride, alpha, l
                                         s8.to(tl.float32) * s_dec), _FLT_MAX)
         codes = e2m1_code(v2 * rcp[:, None])                          # [NB, 16]
         lo, hi = tl.split(tl.reshape(codes, (CHUNK // 2, 2)))
-        tl.store(out + k0 // 2 + tl.arange(0, CHUNK // 2), (lo | (hi << 4)).to(tl.uint8))
-        tl.store(out + K // 2 + k0 // 16 + tl.arange(0, NB), s8.to(tl.uint8, bitcast=True))
+        cb = k0 // 2 + tl.arange(0, CHUNK // 2)
+        tl.store(out + cb, (lo | (hi << 4)).to(tl.uint8), mask=cb < K // 2)
+        cs = k0 // 16 + tl.arange(0, NB)
+        tl.store(out + K // 2 + cs, s8.to(tl.uint8, bitcast=True), mask=cs < K // 16)
     tail = K // 2 + K // 16
     tl.store((out + tail).to(tl.pointer_type(tl.float32)), s_dec)
     if PAD > 0:
@@ -148,19 +151,31 @@ def _deq_rows_kernel(src_addr, num_rows_ptr, out_addr, K, src_stride, CHUNK: tl.
     src = load_ptr(src_addr, tl.uint8) + r * src_stride
     out = load_ptr(out_addr, tl.float16) + r * K
     for k0 in range(0, K, CHUNK):
-        packed = tl.load(src + k0 // 2 + tl.arange(0, CHUNK // 2))
-        s8 = tl.load(src + K // 2 + k0 // 16 + tl.arange(0, CHUNK // 16))
+        cb = k0 // 2 + tl.arange(0, CHUNK // 2)
+        packed = tl.load(src + cb, mask=cb < K // 2, other=0)
+        cs = k0 // 16 + tl.arange(0, CHUNK // 16)
+        s8 = tl.load(src + K // 2 + cs, mask=cs < K // 16, other=0)
         s16 = s8.to(tl.float8e4nv, bitcast=True).to(tl.float16)
         v = _decode_f16(packed[None, :], s16[None, :], 1, CHUNK)
-        tl.store(out + k0 + tl.arange(0, CHUNK)[None, :], v)
+        c = k0 + tl.arange(0, CHUNK)[None, :]
+        tl.store(out + c, v, mask=c < K)
 
 
-def _chunk(K: int) -> int:
+_ONE_PASS = 8192   # rows up to this width are read once (one masked block: one load round trip)
+
+
+def _chunk(K: int) -> tuple[int, int]:
+    """(values per step, warps) of a row: the whole row as one masked block up to _ONE_PASS
+    (a decode step's few rows are latency-bound: one load round trip instead of one per 512
+    values), else the largest power of two up to 512 dividing K."""
+    assert K % 32 == 0, f"K={K} must be a multiple of 32"
+    if K <= _ONE_PASS:
+        c = triton.next_power_of_2(K)
+        return c, 8 if c >= 4096 else 4
     c = 512
     while K % c:
         c //= 2
-    assert c >= 32, f"K={K} must be a multiple of 32"
-    return c
+    return c, 4
 
 
 def _launch(src, num_rows, max_rows, K, out, act, alpha, limit, clamped, out_stride=None):
@@ -168,11 +183,12 @@ def _launch(src, num_rows, max_rows, K, out, act, alpha, limit, clamped, out_str
     out_stride = W if out_stride is None else out_stride
     assert out_stride >= W and out_stride % 16 == 0, f"out_stride={out_stride}: >= {W}, % 16"
     pad = W - (K // 2 + K // 16 + 4)
+    chunk, warps = _chunk(K)
     _quant_rows_kernel[(max(1, max_rows),)](
         as_device_ptr(src, "src", torch.bfloat16), num_rows, as_device_ptr(out, "out"), K,
         out_stride,
-        float(alpha), float(limit), ACT=act, CLAMPED=clamped, CHUNK=_chunk(K), PAD=pad,
-        HW=_hw(num_rows), num_warps=4)
+        float(alpha), float(limit), ACT=act, CLAMPED=clamped, CHUNK=chunk, PAD=pad,
+        HW=_hw(num_rows), num_warps=warps)
 
 
 def quantize_rows(x, num_rows: torch.Tensor, max_rows: int, K: int, *, out,
@@ -189,9 +205,10 @@ def dequantize_rows(rows, num_rows: torch.Tensor, max_rows: int, K: int, *, out)
     nvfp4_row_bytes(K)] before their row's global scale: E2M1 x E4M3 per 16, exact in fp16
     (the NVFP4 GEMM's A operand, decoded once instead of by every program that reads it; the
     GEMM applies each row's S_dec from the byte row)."""
+    chunk, warps = _chunk(K)
     _deq_rows_kernel[(max(1, max_rows),)](as_device_ptr(rows, "rows"), num_rows,
                                           as_device_ptr(out, "out", torch.float16), K,
-                                          nvfp4_row_bytes(K), CHUNK=_chunk(K), num_warps=4)
+                                          nvfp4_row_bytes(K), CHUNK=chunk, num_warps=warps)
 
 
 def swiglu_quant(h1, num_rows: torch.Tensor, max_rows: int, F: int, *, out,
