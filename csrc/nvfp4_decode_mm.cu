@@ -293,8 +293,7 @@ int launch(const Args& args, cudaStream_t stream) {
 }  // namespace dm_nvfp4
 
 #define DM_NVFP4_VARIANTS(X) \
-  X(16, 1, 4, 2) X(32, 1, 4, 2) X(32, 1, 4, 3) X(64, 1, 2, 2) X(32, 2, 4, 2) X(32, 4, 4, 2) \
-  X(64, 4, 2, 1)
+  X(16, 1, 4, 2) X(32, 1, 4, 2) X(64, 1, 2, 2) X(32, 2, 4, 2) X(32, 4, 4, 2) X(64, 4, 2, 1)
 
 // variant = weight rows per warp * 1000 + token groups of 8 * 100 + warps * 10 + ring depth
 extern "C" int dm_nvfp4_decode_mm_run(int variant, int E, int N, int K, int64_t a_stride,

@@ -111,10 +111,13 @@ def _key_extra(cutlass: Path) -> bytes:
     return version.read_bytes() if version.is_file() else str(cutlass).encode()
 
 
+def _sources() -> list[Path]:
+    d = csrc_dir()
+    return [d / h for h in _HEADERS] + [d / f"{u}.cu" for u in _UNITS]
+
+
 def _cache_key(nvcc: str, cutlass: Path) -> str:
-    return csrc_build.cache_key([csrc_dir() / h for h in _HEADERS]
-                                + [csrc_dir() / f"{u}.cu" for u in _UNITS],
-                                _NVCC_FLAGS, nvcc, _key_extra(cutlass))
+    return csrc_build.cache_key(_sources(), _NVCC_FLAGS, nvcc, _key_extra(cutlass))
 
 
 def build_library(verbose: bool = False) -> Path:

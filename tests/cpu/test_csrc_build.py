@@ -11,6 +11,8 @@ extra) are missing. The kernels themselves run in tests/gpu/test_grouped_gemm_sm
 from __future__ import annotations
 
 import ctypes
+import os
+import shutil
 
 import pytest
 import torch
@@ -112,3 +114,36 @@ def test_wrapper_names_what_it_cannot_run(monkeypatch, tmp_path):
     monkeypatch.setenv("DIST_MOE_CUTLASS_DIR", str(tmp_path))
     with pytest.raises(RuntimeError, match="no include/cutlass/cutlass.h"):
         sm90.cutlass_dir()
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None and not os.environ.get("CUDACXX"),
+                    reason="nvcc is missing")
+def test_nvfp4_decode_library_builds_and_refuses_bad_shapes(tmp_path, monkeypatch):
+    """The NVFP4 decode GEMM's own library (one unit, no CUTLASS) builds here in seconds,
+    lists its variants, and its entry point refuses bad shapes before launching anything."""
+    from megatron_dist_moe.kernels.grouped_gemm import nvfp4_decode as nd
+    monkeypatch.setenv("DIST_MOE_CSRC_CACHE", str(tmp_path))
+    nd._lib.cache_clear()
+    try:
+        path = nd.build_library()
+        assert path.is_file() and tmp_path in path.parents and nd.build_library() == path
+        codes = nd.variants()
+        for n in (8, 16, 32):    # the defaults are instances of the library
+            assert nd.default_variant(6 * n, 6) in codes
+        assert nd.default_variant(6 * 33, 6) is None
+        run = nd._run_fn()
+        null = None
+        good = dict(variant=codes[0], E=6, N=6144, K=7168, stride=4048)
+
+        def call(**kw):
+            a = {**good, **kw}
+            out = ctypes.c_void_p(16) if kw.get("out", True) else None
+            rows = ctypes.c_void_p(16) if kw.get("rows", False) else None
+            return run(a["variant"], a["E"], a["N"], a["K"], a["stride"], null, null, null, null,
+                       null, null, out, rows, null)
+        assert call(N=100) == 1 and call(K=7000) == 1 and call(E=0) == 1
+        assert call(stride=4046) == 1 and call(variant=1) == 1
+        assert call(rows=True) == 1 and call(out=False) == 1      # exactly one epilogue
+        assert "32 weight rows per warp" in nd.describe(32142)
+    finally:
+        nd._lib.cache_clear()
