@@ -180,10 +180,10 @@ def main():
                     t = time_windows(fwd, graph=True)
                     note = "CUDA graph"
                     if precision == "nvfp4":
-                        variant = getattr(ctx.backend.experts, "decode_variant", None)
+                        variant = getattr(ctx.backend.experts, "decode_variants", None)
                         decode_gemm = decode_gemm or variant is not None
-                        note += ("; GEMMs: CUDA decode GEMM " + str(variant) if variant
-                                 else "; GEMMs: Triton")
+                        note += ("; GEMMs: CUDA decode GEMM W13 / W2 variants %d / %d" % variant
+                                 if variant else "; GEMMs: Triton")
                     if str(T) in args.profile_tokens.split(","):
                         os.makedirs(args.out, exist_ok=True)
                         suffix = f"_rank{rank}" if EP > 1 else ""

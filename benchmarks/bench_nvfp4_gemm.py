@@ -111,7 +111,7 @@ def main(argv=None) -> int:
             if args.sweep:
                 variants += [("f16_asm", t, True) for t in (DECODE_SWEEP if R <= 64 * E else
                                                              LARGE_SWEEP) if t != default]
-            cuda_default = nvfp4_decode.default_variant(R, E)
+            cuda_default = nvfp4_decode.default_variant(R, E, K)
             if cuda_default is not None and nvfp4_decode.loads(dev):
                 variants += [("cuda", v, True) for v in nvfp4_decode.variants()
                              if args.sweep or args.cuda_sweep or v == cuda_default]

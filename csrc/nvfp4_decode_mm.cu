@@ -24,9 +24,10 @@
 // with at most six significant bits, below 43. The epilogue multiplies the fp32 sum by 2^6
 // (exact) and the two global decode scales, in the Triton kernel's order.
 //
-// Launch: one block of WARPS warps per (expert, WARPS * ROWS weight rows); every warp streams
-// its ROWS rows over all of K with the next P - 1 chunks' loads in flight (a register ring),
-// so a GEMM is one wave and no warp waits on another. Experts without rows return at once (no
+// Launch: one block of WARPS warps per (expert, WARPS / SPLIT * ROWS weight rows); every warp
+// streams its ROWS rows over 1 / SPLIT of K with the next P - 1 chunks' loads in flight (a
+// register ring), and the SPLIT warps of a row group add their sums through shared memory in
+// a fixed order, so a GEMM is one wave of small, equal pieces of work. Experts without rows return at once (no
 // weight read). More rows than 8 * NT in an expert: the weights are read again per group of
 // 8 * NT rows. Nothing is read on the host; a call is one launch and can be captured in a CUDA
 // graph.
@@ -191,25 +192,32 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[MT][NT][4], const Chunk<M
   }
 }
 
-template <int ROWS, int NT, int WARPS, int P>
+template <int ROWS, int NT, int WARPS, int P, int SPLIT>
 __global__ void __launch_bounds__(WARPS * 32) nvfp4_decode_mm_kernel(Args args) {
   constexpr int MT = ROWS / 16;
+  constexpr int GROUPS = WARPS / SPLIT;   // row groups of a block; SPLIT warps share one
+  static_assert(WARPS % SPLIT == 0, "SPLIT must divide WARPS");
   const int N = args.N, K = args.K;
-  const int blocks_per_expert = (N + WARPS * ROWS - 1) / (WARPS * ROWS);
+  const int blocks_per_expert = (N + GROUPS * ROWS - 1) / (GROUPS * ROWS);
   const int e = blockIdx.x / blocks_per_expert;
   const int r0 = args.offsets[e], r1 = args.offsets[e + 1];
   if (r0 >= r1) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-  const int row_base = (blockIdx.x % blocks_per_expert) * WARPS * ROWS + warp * ROWS;
-  if (row_base >= N) return;   // N % 16 == 0: whole m-tiles only
+  const int group = warp / SPLIT, slice = warp % SPLIT;
+  const int row_base = (blockIdx.x % blocks_per_expert) * GROUPS * ROWS + group * ROWS;
+  // the k slice of this warp: chunks [c0, c1) of K / kChunk
+  const int chunks = K / kChunk;
+  const int c0 = slice * chunks / SPLIT, c1 = (slice + 1) * chunks / SPLIT;
 
   const uint8_t* w_row[MT][2];
   const uint8_t* s_row[MT];
   bool m_ok[MT];
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
+    // N % 16 == 0: whole m-tiles only; a tile past N reads tile 0 and is never stored (its
+    // warp still takes part in the block's reduction)
     m_ok[m] = row_base + 16 * m < N;
-    const int64_t tile_row = m_ok[m] ? row_base + 16 * m : row_base;   // reads stay in bounds
+    const int64_t tile_row = m_ok[m] ? row_base + 16 * m : 0;
 #pragma unroll
     for (int h = 0; h < 2; ++h)
       w_row[m][h] = args.w_packed + ((int64_t)e * N + tile_row + g + 8 * h) * (K / 2);
@@ -220,6 +228,9 @@ __global__ void __launch_bounds__(WARPS * 32) nvfp4_decode_mm_kernel(Args args) 
   // S_dec = 1 / S_enc correctly rounded, read each launch (a graph replay sees weights
   // updated in place)
   const float w_dec = __frcp_rn(args.w_senc[e]);
+  // the partial sums of slices 1 .. SPLIT - 1, added by slice 0 in slice order (deterministic)
+  constexpr int kPart = MT * NT * 4;
+  __shared__ float part[SPLIT > 1 ? (SPLIT - 1) * GROUPS * 32 * kPart : 1];
 
   for (int tg = r0; tg < r1; tg += 8 * NT) {
     const __half* t_row[NT];
@@ -235,20 +246,46 @@ __global__ void __launch_bounds__(WARPS * 32) nvfp4_decode_mm_kernel(Args args) 
         for (int i = 0; i < 4; ++i) acc[m][n][i] = 0.0f;
 
     // a ring of P chunks in registers: P - 1 chunks' loads in flight while one is multiplied
-    // (the bytes in flight per SM set the weight read rate)
     Chunk<MT, NT> ring[P];
 #pragma unroll
     for (int p = 0; p < P - 1; ++p)
-      if (p * kChunk < K) load_chunk(ring[p], w_row, s_row, t_row, p * kChunk, q);
-    for (int k0 = 0; k0 < K; k0 += P * kChunk) {
+      if (c0 + p < c1) load_chunk(ring[p], w_row, s_row, t_row, (c0 + p) * kChunk, q);
+    for (int cb = c0; cb < c1; cb += P) {
 #pragma unroll
       for (int p = 0; p < P; ++p) {
-        const int kc = k0 + p * kChunk;
-        if (kc >= K) break;
-        if (kc + (P - 1) * kChunk < K)
-          load_chunk(ring[(p + P - 1) % P], w_row, s_row, t_row, kc + (P - 1) * kChunk, q);
+        const int c = cb + p;
+        if (c >= c1) break;
+        if (c + P - 1 < c1)
+          load_chunk(ring[(p + P - 1) % P], w_row, s_row, t_row, (c + P - 1) * kChunk, q);
         mma_chunk<MT, NT>(acc, ring[p]);
       }
+    }
+
+    if constexpr (SPLIT > 1) {
+      float* mine = part + (((slice - 1) * GROUPS + group) * 32 + lane) * kPart;
+      if (slice > 0) {
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+          for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) mine[(m * NT + n) * 4 + i] = acc[m][n][i];
+      }
+      __syncthreads();
+      if (slice == 0) {
+#pragma unroll
+        for (int sl = 1; sl < SPLIT; ++sl) {
+          const float* other = part + (((sl - 1) * GROUPS + group) * 32 + lane) * kPart;
+#pragma unroll
+          for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+              for (int i = 0; i < 4; ++i) acc[m][n][i] += other[(m * NT + n) * 4 + i];
+        }
+      }
+      __syncthreads();   // the next token group rewrites part
+      if (slice > 0) continue;
     }
 
     // epilogue: acc[m][n][i] is weight row row_base + 16m + g + 8 (i / 2), token row
@@ -282,10 +319,11 @@ __global__ void __launch_bounds__(WARPS * 32) nvfp4_decode_mm_kernel(Args args) 
   }
 }
 
-template <int ROWS, int NT, int WARPS, int P>
+template <int ROWS, int NT, int WARPS, int P, int SPLIT>
 int launch(const Args& args, cudaStream_t stream) {
-  const int blocks_per_expert = (args.N + WARPS * ROWS - 1) / (WARPS * ROWS);
-  nvfp4_decode_mm_kernel<ROWS, NT, WARPS, P>
+  constexpr int kBlockRows = WARPS / SPLIT * ROWS;
+  const int blocks_per_expert = (args.N + kBlockRows - 1) / kBlockRows;
+  nvfp4_decode_mm_kernel<ROWS, NT, WARPS, P, SPLIT>
       <<<args.E * blocks_per_expert, WARPS * 32, 0, stream>>>(args);
   return cudaGetLastError() == cudaSuccess ? 0 : 5;
 }
@@ -293,9 +331,12 @@ int launch(const Args& args, cudaStream_t stream) {
 }  // namespace dm_nvfp4
 
 #define DM_NVFP4_VARIANTS(X) \
-  X(16, 1, 4, 2) X(32, 1, 4, 2) X(64, 1, 2, 2) X(32, 2, 4, 2) X(32, 4, 4, 2) X(64, 4, 2, 1)
+  X(16, 1, 4, 2, 1) X(32, 1, 4, 2, 1) X(64, 1, 2, 2, 1) X(32, 2, 4, 2, 1) X(32, 4, 4, 2, 1) \
+  X(64, 4, 2, 1, 1) X(32, 1, 4, 2, 2) X(32, 1, 8, 2, 2) X(32, 1, 4, 2, 4) X(16, 1, 4, 2, 2) \
+  X(32, 2, 4, 2, 2) X(64, 4, 2, 1, 2) X(64, 4, 4, 1, 4) X(64, 2, 2, 2, 2)
 
-// variant = weight rows per warp * 1000 + token groups of 8 * 100 + warps * 10 + ring depth
+// variant = (split - 1) * 100000 + weight rows per warp * 1000 + token groups of 8 * 100 +
+// warps * 10 + ring depth
 extern "C" int dm_nvfp4_decode_mm_run(int variant, int E, int N, int K, int64_t a_stride,
                                       const int64_t* a16_addr, const int64_t* a_addr,
                                       const void* w_packed, const void* w_scales,
@@ -310,8 +351,8 @@ extern "C" int dm_nvfp4_decode_mm_run(int variant, int E, int N, int K, int64_t 
             static_cast<const uint8_t*>(w_scales), w_senc, offsets, out_addr, out_rows, E, N, K};
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (variant) {
-#define DM_NVFP4_CASE(R, NT, W, P) \
-  case R * 1000 + NT * 100 + W * 10 + P: return launch<R, NT, W, P>(args, s);
+#define DM_NVFP4_CASE(R, NT, W, P, S) \
+  case (S - 1) * 100000 + R * 1000 + NT * 100 + W * 10 + P: return launch<R, NT, W, P, S>(args, s);
     DM_NVFP4_VARIANTS(DM_NVFP4_CASE)
 #undef DM_NVFP4_CASE
     default: return 1;
@@ -321,7 +362,7 @@ extern "C" int dm_nvfp4_decode_mm_run(int variant, int E, int N, int K, int64_t 
 // the variants' codes, for the Python side: n codes into out[0 .. n), returns how many exist
 extern "C" int dm_nvfp4_decode_mm_variants(int* out, int n) {
   int all[] = {
-#define DM_NVFP4_CODE(R, NT, W, P) R * 1000 + NT * 100 + W * 10 + P,
+#define DM_NVFP4_CODE(R, NT, W, P, S) (S - 1) * 100000 + R * 1000 + NT * 100 + W * 10 + P,
       DM_NVFP4_VARIANTS(DM_NVFP4_CODE)
 #undef DM_NVFP4_CODE
   };

@@ -313,9 +313,11 @@ def test_nvfp4_gemm_engine_is_chosen_at_creation(monkeypatch):
         ex.replace(precision="bf16")
     # the variant at the row bound (8 rows per expert), Triton's tiles above 32 per expert
     tiles = choice.gemm_tiles(ex, 32, 4, 256, 128, cuda)
-    assert tiles.startswith("CUDA decode GEMM variant 32142"), tiles
+    assert tiles.startswith("CUDA decode GEMM, W13 variant 32142"), tiles
+    assert "W2 variant 32142" in tiles, tiles
+    assert "K split over 4 warps" in choice.gemm_tiles(ex, 32, 4, 7168, 3072, cuda)
     assert not choice.gemm_tiles(ex, 4 * 33, 4, 256, 128, cuda).startswith("CUDA"), tiles
-    assert nvfp4_decode.default_variant(4 * 33, 4) is None
+    assert nvfp4_decode.default_variant(4 * 33, 4, 256) is None
     # CPU devices never take it; a failing build warns once and is not retried
     assert not nvfp4_decode.loads(torch.device("cpu"))
     calls = []

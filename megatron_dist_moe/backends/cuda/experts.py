@@ -614,16 +614,20 @@ class Nvfp4Pipeline:
                         swiglu_limit=cfg.swiglu_limit)
         self._T = torch.zeros(1, dtype=torch.int32, device=device)
         # Execution.nvfp4_gemm: the CUDA decode GEMM up to 32 rows per expert at this row bound
-        # (kernels/grouped_gemm/nvfp4_decode.py), the Triton NVFP4 GEMM otherwise
-        self.decode_variant = None
+        # (kernels/grouped_gemm/nvfp4_decode.py; a variant per GEMM: W13 contracts D, W2 F),
+        # the Triton NVFP4 GEMM otherwise
+        self.decode_variants = None
         if execution.nvfp4_gemm == "cuda":
             from ...kernels.grouped_gemm.nvfp4_decode import default_variant
-            self.decode_variant = default_variant(max_rows, num_local_experts)
+            D, F = cfg.hidden_dim, cfg.intermediate_dim
+            v13 = default_variant(max_rows, num_local_experts, D)
+            if v13 is not None:
+                self.decode_variants = (v13, default_variant(max_rows, num_local_experts, F))
 
-    def _gemm(self, **kw) -> None:
-        if self.decode_variant is not None:
+    def _gemm(self, which: int, **kw) -> None:
+        if self.decode_variants is not None:
             from ...kernels.grouped_gemm.nvfp4_decode import nvfp4_decode_mm
-            nvfp4_decode_mm(variant=self.decode_variant, **kw)
+            nvfp4_decode_mm(variant=self.decode_variants[which], **kw)
         else:
             from ...kernels.grouped_gemm.nvfp4 import nvfp4_grouped_mm
             nvfp4_grouped_mm(**kw)
@@ -649,12 +653,12 @@ class Nvfp4Pipeline:
         K_rows.fanout_rows(fan.dispatch_base_EP, 2 * D, fan.dest_rows, fan.T, fan.K, at["x_g"],
                            nrows, nvfp4_row_bytes(D) // 2, torch.bfloat16)
         dequantize_rows(at["x_g"], nrows, self.max_rows, D, out=at["a16"])
-        self._gemm(a=at["x_g"], a16=at["a16"], weight=w13, expert_offsets=offs,
+        self._gemm(0, a=at["x_g"], a16=at["a16"], weight=w13, expert_offsets=offs,
                    max_rows=self.max_rows, epilogue="store", out=at["h1"])
         swiglu_quant(at["h1"], nrows, self.max_rows, F, out=at["h2q"], **self.act)
         if scatter_ptrs is not None:
             dequantize_rows(at["h2q"], nrows, self.max_rows, F, out=at["a16"])
-            self._gemm(a=at["h2q"], a16=at["a16"], weight=w2, expert_offsets=offs,
+            self._gemm(1, a=at["h2q"], a16=at["a16"], weight=w2, expert_offsets=offs,
                        max_rows=self.max_rows, epilogue="scatter", out_row_ptrs=scatter_ptrs)
 
     def backward(self, *args, **kwargs):

@@ -39,14 +39,23 @@ _STATUS = {1: "bad shape: E < 1, N not a multiple of 16, K not a multiple of 128
            5: "the kernel launch failed"}
 
 
-def default_variant(max_rows: int, E: int) -> Optional[int]:
-    """The variant by rows per expert on average (max_rows / E), None above the decode regime:
-    the fastest of bench_nvfp4_gemm --cuda-sweep on one H200 at 1, 8 and 32 rows per expert
-    (guide shapes; docs/decisions.md)."""
+_LONG_K = 56 * 128   # K with this many 128-wide chunks or more: its rows split over 4 warps
+
+
+def default_variant(max_rows: int, E: int, K: int) -> Optional[int]:
+    """The variant by rows per expert on average (max_rows / E) and the contraction length K,
+    None above the decode regime: the fastest of bench_nvfp4_gemm --cuda-sweep on one H200 at
+    1, 8, 16 and 32 rows per expert (guide shapes; docs/decisions.md). Splitting K over 4 warps
+    pays where each keeps 14+ chunks (W13, K=7168), not at K=3072 (W2)."""
     per_expert = -(-max_rows // E)
     if per_expert > MAX_ROWS_PER_EXPERT:
         return None
-    return 32142 if per_expert <= 8 else 32242 if per_expert <= 16 else 64421
+    long_k = K >= _LONG_K
+    if per_expert <= 8:
+        return 332142 if long_k else 32142
+    if per_expert <= 16:
+        return 32242
+    return 364441 if long_k else 64421
 
 
 def build_library(verbose: bool = False) -> Path:
@@ -71,21 +80,24 @@ def _run_fn():
 
 
 def variants() -> tuple:
-    """The library's variant codes: weight rows per warp * 1000 + token groups of 8 per pass *
-    100 + warps per block * 10 + chunks in the register ring (variant_shape decodes one)."""
+    """The library's variant codes: (k slices per row group - 1) * 100000 + weight rows per warp
+    * 1000 + token groups of 8 per pass * 100 + warps per block * 10 + chunks in the register
+    ring (variant_shape decodes one)."""
     return _lib()[1]
 
 
 def variant_shape(code: int) -> dict:
-    return dict(rows_per_warp=code // 1000, token_groups=code // 100 % 10,
-                warps=code // 10 % 10, ring=code % 10)
+    return dict(k_slices=code // 100000 + 1, rows_per_warp=code // 1000 % 100,
+                token_groups=code // 100 % 10, warps=code // 10 % 10, ring=code % 10)
 
 
 def describe(code: int) -> str:
     v = variant_shape(code)
+    split = (f", K split over {v['k_slices']} warps (fixed-order sum)" if v["k_slices"] > 1
+             else "")
     return (f"variant {code}: {v['rows_per_warp']} weight rows per warp x {8 * v['token_groups']}"
-            f" token rows per pass, {v['warps']} warps per block, {v['ring']}-chunk register "
-            "ring")
+            f" token rows per pass, {v['warps']} warps per block{split}, {v['ring']}-chunk "
+            "register ring")
 
 
 _LOAD_ERROR: BaseException | None = None
@@ -125,7 +137,7 @@ def nvfp4_decode_mm(*, a, a16, weight, expert_offsets: torch.Tensor, max_rows: i
     max_rows        host bound on R (picks the variant)
     epilogue        "store": out [R, N] bf16 (tensor or device pointer); "scatter":
                     out_row_ptrs int64 [>= max_rows]
-    variant         one of variants(); default: default_variant(max_rows, E)
+    variant         one of variants(); default: default_variant(max_rows, E, K)
     """
     E, N, K = weight.shape
     dev = weight.packed.device
@@ -136,7 +148,7 @@ def nvfp4_decode_mm(*, a, a16, weight, expert_offsets: torch.Tensor, max_rows: i
     senc = weight.global_scale
     assert senc.dtype == torch.float32 and senc.is_contiguous() and senc.device == dev, (
         "weight.global_scale must be a contiguous fp32 tensor on the weights' device")
-    variant = variant if variant is not None else default_variant(max_rows, E)
+    variant = variant if variant is not None else default_variant(max_rows, E, K)
     assert variant in variants(), f"variant={variant}: expected one of {variants()}"
     out_addr = rows_ptr = None
     if epilogue == "store":
