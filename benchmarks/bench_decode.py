@@ -161,6 +161,8 @@ def main():
                 overrides = {"nvfp4_gemm": engine} if engine else None
                 with dm.create_context(config=cfg, device=dev,
                                        execution_overrides=overrides) as ctx:
+                    variant = getattr(ctx.backend.experts, "decode_variants", None)
+                    decode_gemm = decode_gemm or variant is not None
                     with torch.no_grad():
                         y = dm.routed_experts(inp["x"], inp["ids"], inp["s"], w13, w2, ctx)
                     e = rel(y, ref)
@@ -180,8 +182,6 @@ def main():
                     t = time_windows(fwd, graph=True)
                     note = "CUDA graph"
                     if precision == "nvfp4":
-                        variant = getattr(ctx.backend.experts, "decode_variants", None)
-                        decode_gemm = decode_gemm or variant is not None
                         note += ("; GEMMs: CUDA decode GEMM W13 / W2 variants %d / %d" % variant
                                  if variant else "; GEMMs: Triton")
                     if str(T) in args.profile_tokens.split(","):

@@ -238,9 +238,9 @@ class Execution:
             elif self.precision == "nvfp4":
                 triton = ("Triton NVFP4 grouped GEMMs on prepared weights (E2M1 x E4M3 decoded "
                           "into exact fp16 in registers, fp16 MMAs)")
-                gemms = (f"up to 32 rows per expert, our CUDA C++ decode GEMM (csrc/"
-                         f"nvfp4_decode_mm.cu: weights as the MMA's M side, each thread decoding "
-                         f"its fragment's E2M1 values); more rows, {triton}"
+                gemms = (f"at a row bound of up to 32 rows per expert, our CUDA C++ decode GEMM "
+                         f"(csrc/nvfp4_decode_mm.cu: weights as the MMA's M side, each thread "
+                         f"decoding its fragment's E2M1 values); above it, {triton}"
                          if self.nvfp4_gemm == "cuda" else triton)
                 gemms += ("; the global scales in the epilogue, scatter to the owners in the "
                           "W2 epilogue")

@@ -339,6 +339,33 @@ def test_nvfp4_gemm_engine_is_chosen_at_creation(monkeypatch):
         assert X.agree_engines(ex, None).nvfp4_gemm == "triton"
 
 
+
+def test_nvfp4_decode_gemm_refuses_what_its_kernel_cannot_read():
+    """The CUDA decode GEMM's wrapper checks what the kernel's loads assume (before touching the
+    library): 16-byte aligned contiguous packed weights, the rows' widths, one device."""
+    import torch
+    import megatron_dist_moe as dm
+    from megatron_dist_moe.kernels.grouped_gemm.nvfp4_decode import nvfp4_decode_mm
+    from megatron_dist_moe.layout import nvfp4_row_bytes
+    from megatron_dist_moe.prepared import PreparedWeight
+    E, N, K, R = 2, 32, 256, 4
+    W = dm.prepare_expert_weights(torch.randn(E, N, K).to(torch.bfloat16),
+                                  torch.zeros(E, K, N // 2, dtype=torch.bfloat16)).w13
+    offs = torch.tensor([0, 2, 4], dtype=torch.int32)
+    a = torch.zeros(R, nvfp4_row_bytes(K), dtype=torch.uint8)
+    a16 = torch.zeros(R, K, dtype=torch.float16)
+    out = torch.zeros(R, N, dtype=torch.bfloat16)
+    kw = dict(a=a, a16=a16, weight=W, expert_offsets=offs, max_rows=R, out=out)
+    buf = torch.zeros(W.packed.numel() + 1, dtype=torch.uint8)
+    odd = PreparedWeight(buf[1:].view(W.packed.shape), W.scales, W.global_scale, W.shape)
+    with pytest.raises(AssertionError, match="16-byte aligned uint8"):
+        nvfp4_decode_mm(**{**kw, "weight": odd})
+    with pytest.raises(AssertionError, match=r"a16: expected torch.float16 \[R, 256\]"):
+        nvfp4_decode_mm(**{**kw, "a16": torch.zeros(R, 128, dtype=torch.float16)})
+    with pytest.raises(AssertionError, match=r"a: expected torch.uint8 \[R, 160\]"):
+        nvfp4_decode_mm(**{**kw, "a": torch.zeros(R, 100, dtype=torch.uint8)})
+
+
 def test_fp8_wgrad_falls_back_to_triton(monkeypatch):
     """A library that cannot be built or loaded leaves Triton with one warning and one attempt
     per process; ranks that disagree all run Triton."""

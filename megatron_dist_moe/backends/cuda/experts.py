@@ -618,11 +618,18 @@ class Nvfp4Pipeline:
         # the Triton NVFP4 GEMM otherwise
         self.decode_variants = None
         if execution.nvfp4_gemm == "cuda":
-            from ...kernels.grouped_gemm.nvfp4_decode import default_variant
+            from ...kernels.grouped_gemm import nvfp4_decode
             D, F = cfg.hidden_dim, cfg.intermediate_dim
-            v13 = default_variant(max_rows, num_local_experts, D)
+            v13 = nvfp4_decode.default_variant(max_rows, num_local_experts, D)
             if v13 is not None:
-                self.decode_variants = (v13, default_variant(max_rows, num_local_experts, F))
+                # an explicit override skips Execution's probe: fail here, at creation
+                if not nvfp4_decode.loads(device):
+                    raise RuntimeError(
+                        "nvfp4's CUDA decode GEMM (Execution.nvfp4_gemm='cuda') cannot run on "
+                        f"{device}: it needs an sm_90 GPU where csrc/nvfp4_decode_mm.cu builds "
+                        "(nvcc); use execution_overrides={'nvfp4_gemm': 'triton'}")
+                self.decode_variants = (v13, nvfp4_decode.default_variant(
+                    max_rows, num_local_experts, F))
 
     def _gemm(self, which: int, **kw) -> None:
         if self.decode_variants is not None:

@@ -7,8 +7,8 @@ stored at out[r] ("store") or at out_row_ptrs[r] ("scatter", skipped where 0).
 Where it runs: up to 32 rows per expert on average (decode: the GEMM is a stream of 4.5-bit
 weights and their decode). Weights are the MMA's M side and tokens its N side (one
 mma.sync.m16n8k16 per 16 weight rows x 8 tokens x 16 k), each thread decodes exactly the
-weight values of its fragment straight from its 16-byte loads, and a GEMM is one wave of
-warps that each stream their rows over all of K (the source file says how). Larger row counts
+weight values of its fragment straight from its 16-byte loads, and every warp streams its rows
+over its slice of K (long K is split over 2-4 warps of a block; the source file says how). Larger row counts
 run the Triton kernel, whose wgmma tiles reuse each decoded weight tile across 128-256 rows.
 
 The library builds with nvcc on first use (seconds; no CUTLASS, no torch headers) and is cached
@@ -123,6 +123,18 @@ def loads(device: torch.device) -> bool:
     return True
 
 
+def _check_dense(x: torch.Tensor, name: str, dtype: torch.dtype, width: int,
+                 dev: torch.device) -> None:
+    """A dense operand (not a device pointer) has the rows the kernel reads: 16-byte aligned,
+    row width `width`, on the weights' device."""
+    if x.dtype == torch.int64 and x.numel() == 1:
+        assert x.device == dev, f"{name}: the device pointer is on {x.device}, expected {dev}"
+        return
+    assert x.device == dev, f"{name} is on {x.device}, expected {dev}"
+    assert x.dim() == 2 and x.shape[1] == width and x.dtype == dtype, (
+        f"{name}: expected {dtype} [R, {width}], got {x.dtype} {tuple(x.shape)}")
+
+
 def nvfp4_decode_mm(*, a, a16, weight, expert_offsets: torch.Tensor, max_rows: int,
                     epilogue: str = "store", out=None, out_row_ptrs=None,
                     variant: Optional[int] = None) -> None:
@@ -148,7 +160,20 @@ def nvfp4_decode_mm(*, a, a16, weight, expert_offsets: torch.Tensor, max_rows: i
     senc = weight.global_scale
     assert senc.dtype == torch.float32 and senc.is_contiguous() and senc.device == dev, (
         "weight.global_scale must be a contiguous fp32 tensor on the weights' device")
+    # what the kernel's loads assume: 16-byte weight rows, 2-byte scale pairs
+    packed, scales = weight.packed, weight.scales
+    assert (packed.dtype == torch.uint8 and packed.is_contiguous()
+            and packed.data_ptr() % 16 == 0), (
+        "weight.packed must be a contiguous, 16-byte aligned uint8 tensor")
+    assert scales.is_contiguous() and scales.device == dev and scales.data_ptr() % 2 == 0, (
+        "weight.scales must be a contiguous, 2-byte aligned tensor on the weights' device")
+    _check_dense(a, "a", torch.uint8, nvfp4_row_bytes(K), dev)
+    _check_dense(a16, "a16", torch.float16, K, dev)
     variant = variant if variant is not None else default_variant(max_rows, E, K)
+    assert variant is not None, (
+        f"max_rows={max_rows} over E={E} experts is above {MAX_ROWS_PER_EXPERT} rows per "
+        "expert, where no variant is the default (nvfp4.nvfp4_grouped_mm runs that regime); "
+        "pass variant= to force one")
     assert variant in variants(), f"variant={variant}: expected one of {variants()}"
     out_addr = rows_ptr = None
     if epilogue == "store":
@@ -161,12 +186,13 @@ def nvfp4_decode_mm(*, a, a16, weight, expert_offsets: torch.Tensor, max_rows: i
         rows_ptr = out_row_ptrs
     a_addr = as_device_ptr(a, "a")
     a16_addr = as_device_ptr(a16, "a16", torch.float16)
-    status = _run_fn()(
-        variant, E, N, K, nvfp4_row_bytes(K), a16_addr.data_ptr(), a_addr.data_ptr(),
-        weight.packed.data_ptr(), weight.scales.data_ptr(), senc.data_ptr(),
-        expert_offsets.data_ptr(), None if out_addr is None else out_addr.data_ptr(),
-        None if rows_ptr is None else rows_ptr.data_ptr(),
-        torch.cuda.current_stream(dev).cuda_stream)
+    with torch.cuda.device(dev):   # the launch goes to the current device: the weights' one
+        status = _run_fn()(
+            variant, E, N, K, nvfp4_row_bytes(K), a16_addr.data_ptr(), a_addr.data_ptr(),
+            packed.data_ptr(), scales.data_ptr(), senc.data_ptr(), expert_offsets.data_ptr(),
+            None if out_addr is None else out_addr.data_ptr(),
+            None if rows_ptr is None else rows_ptr.data_ptr(),
+            torch.cuda.current_stream(dev).cuda_stream)
     if status != 0:
         raise RuntimeError(f"nvfp4_decode_mm [E={E}, N={N}, K={K}], variant {variant}: "
                            f"{_STATUS.get(status, f'status {status}')}")
