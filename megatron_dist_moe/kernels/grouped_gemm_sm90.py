@@ -247,6 +247,13 @@ class _GroupedCallSm90:
         self.workspace = torch.zeros(max(self.workspace_bytes, 16), dtype=torch.uint8,
                                      device=device)
 
+    def _check_built_for(self, name: str, E: int, device: torch.device) -> None:
+        """An operand of E experts on `device` matches the instance's E and device."""
+        if E != self.E:
+            raise ValueError(f"{name} has {E} experts; this GEMM was built for {self.E}")
+        if device != self.device:
+            raise ValueError(f"{name} is on {device}, expected {self.device}")
+
 
 class GroupedFpropSm90(_GroupedCallSm90):
     """out[r] = a[r] @ w[e]^T per expert on one CUTLASS configuration ("coop" or "pingpong").
@@ -269,10 +276,7 @@ class GroupedFpropSm90(_GroupedCallSm90):
             raise ValueError(f"w: expected a contiguous bf16 [E, N, K] tensor, got {w.dtype} "
                              f"{tuple(w.shape)}")
         E, N, K = w.shape
-        if E != self.E:
-            raise ValueError(f"w has {E} experts; this GEMM was built for {self.E}")
-        if w.device != self.device:
-            raise ValueError(f"w is on {w.device}, expected {self.device}")
+        self._check_built_for("w", E, w.device)
         if N % 8 or K % 8:
             raise ValueError(f"w: N={N} and K={K} must be multiples of 8 (16-byte TMA rows)")
         _check_offsets(expert_offsets, E, self.device)
@@ -316,10 +320,7 @@ class GroupedWgradSm90(_GroupedCallSm90):
             raise ValueError(f"out: expected a contiguous {self.out_dtype} [E, M, N] tensor, got "
                              f"{out.dtype} {tuple(out.shape)}")
         E, M, N = out.shape
-        if E != self.E:
-            raise ValueError(f"out has {E} experts; this GEMM was built for {self.E}")
-        if out.device != self.device:
-            raise ValueError(f"out is on {out.device}, expected {self.device}")
+        self._check_built_for("out", E, out.device)
         if M % 8 or N % 8:
             raise ValueError(f"out: M={M} and N={N} must be multiples of 8 (16-byte TMA rows)")
         _check_offsets(expert_offsets, E, self.device)
@@ -439,10 +440,7 @@ class GroupedFp8WgradSm90:
             raise ValueError(f"out: dtype {dtype}, expected torch.bfloat16 or torch.float32")
         if accumulate and dtype != torch.float32:
             raise ValueError(f"out: accumulate=True needs an fp32 out, got {dtype}")
-        if E != self.E:
-            raise ValueError(f"out has {E} experts; this GEMM was built for {self.E}")
-        if out.device != self.device:
-            raise ValueError(f"out is on {out.device}, expected {self.device}")
+        self._check_built_for("out", E, out.device)
         if M % 128 or N % 128:
             raise ValueError(f"out: M={M} and N={N} must be multiples of 128")
         return base, table, dtype, M, N
