@@ -141,7 +141,7 @@ def main():
                           "skipped")
                 continue
             # nvfp4: the default engine, and the Triton GEMMs beside it (same run) where the
-            # default is the CUDA decode GEMM
+            # default is the CUDA GEMMs
             decode_gemm = False
             for engine in (("", "triton") if precision == "nvfp4" else ("",)):
                 if engine and not decode_gemm:   # the default ran Triton's GEMMs already
@@ -161,7 +161,7 @@ def main():
                 overrides = {"nvfp4_gemm": engine} if engine else None
                 with dm.create_context(config=cfg, device=dev,
                                        execution_overrides=overrides) as ctx:
-                    variant = getattr(ctx.backend.experts, "decode_variants", None)
+                    variant = getattr(ctx.backend.experts, "cuda_variants", None)
                     decode_gemm = decode_gemm or variant is not None
                     with torch.no_grad():
                         y = dm.routed_experts(inp["x"], inp["ids"], inp["s"], w13, w2, ctx)
@@ -182,7 +182,7 @@ def main():
                     t = time_windows(fwd, graph=True)
                     note = "CUDA graph"
                     if precision == "nvfp4":
-                        note += ("; GEMMs: CUDA decode GEMM W13 / W2 variants %d / %d" % variant
+                        note += ("; GEMMs: CUDA W13 / W2 variants %d / %d" % variant
                                  if variant else "; GEMMs: Triton")
                     if str(T) in args.profile_tokens.split(","):
                         os.makedirs(args.out, exist_ok=True)

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import append_csv_fields, git_commit, pyplot, time_windows  # noqa: E402
 from megatron_dist_moe.kernels.grouped_gemm import grouped_mm_fwd  # noqa: E402
-from megatron_dist_moe.kernels.grouped_gemm import nvfp4_decode  # noqa: E402
+from megatron_dist_moe.kernels.grouped_gemm import nvfp4_decode, nvfp4_wgmma  # noqa: E402
 from megatron_dist_moe.kernels.grouped_gemm.nvfp4 import (  # noqa: E402
     Nvfp4Tiles, default_tiles, nvfp4_grouped_mm)
 from megatron_dist_moe.kernels.quant_nvfp4 import dequantize_rows  # noqa: E402
@@ -92,7 +92,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also time the tile shapes of SWEEP "
                     "and every variant of the CUDA decode GEMM")
     ap.add_argument("--cuda-sweep", action="store_true",
-                    help="every variant of the CUDA decode GEMM (not the Triton tiles)")
+                    help="every variant of the CUDA decode and wgmma GEMMs (not the Triton "
+                    "tiles)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     commit, gpu = git_commit(), torch.cuda.get_device_name()
@@ -115,6 +116,10 @@ def main(argv=None) -> int:
             if cuda_default is not None and nvfp4_decode.loads(dev):
                 variants += [("cuda", v, True) for v in nvfp4_decode.variants()
                              if args.sweep or args.cuda_sweep or v == cuda_default]
+            if nvfp4_decode.loads(dev):
+                wg_default = nvfp4_wgmma.default_variant(R, E, K)
+                variants += [("wgmma", v, True) for v in nvfp4_wgmma.variants()
+                             if args.sweep or args.cuda_sweep or v == wg_default]
             a16 = torch.empty(R, K, dtype=torch.float16, device=dev)
             nrows = torch.tensor([R], dtype=torch.int32, device=dev)
             t_bf16 = None
@@ -128,7 +133,13 @@ def main(argv=None) -> int:
                     def fn(p=p, out=out, decode=decode, tiles=tiles, pre=pre, a16=a16,
                            nrows=nrows, K=K):
                         if pre:
-                            dequantize_rows(p["a"], nrows, R, K, out=a16)
+                            dequantize_rows(p["a"], nrows, R, K, out=a16,
+                                            order="fragment" if decode == "wgmma" else "k")
+                        if decode == "wgmma":
+                            nvfp4_wgmma.nvfp4_wgmma_mm(
+                                a=p["a"], a16=a16, weight=p["W"], expert_offsets=p["offs"],
+                                max_rows=R, epilogue="store", out=out, variant=tiles)
+                            return
                         if decode == "cuda":
                             nvfp4_decode.nvfp4_decode_mm(
                                 a=p["a"], a16=a16, weight=p["W"], expert_offsets=p["offs"],
@@ -138,6 +149,7 @@ def main(argv=None) -> int:
                                          max_rows=R, epilogue="store", out=out, tiles=tiles,
                                          decode=decode, a16=a16 if pre else None)
                     name = (f"cuda decode+A once/{tiles}" if decode == "cuda" else
+                            f"cuda wgmma+A once/{tiles}" if decode == "wgmma" else
                             f"{decode}{'+A once' if pre else ''}/{tiles_name(tiles)}")
                     tol = 8e-3
                 out.fill_(float("nan"))
@@ -170,6 +182,7 @@ def main(argv=None) -> int:
                                       / (t.median_ms * 1e-3) / 1e9),
                     ratio_to_bf16="" if t_bf16 is None else round(t_bf16 / t.median_ms, 3),
                     note=("CUDA decode GEMM (csrc/nvfp4_decode_mm.cu)" if decode == "cuda" else
+                          "CUDA wgmma GEMM (csrc/nvfp4_wgmma_mm.cu)" if decode == "wgmma" else
                           "the pipeline's form" if tiles == default and pre and
                           decode == "f16_asm" else "")))
                 print(f"  R={R:<6} {gemm:<4} {name:<40} {us:9.1f} us "

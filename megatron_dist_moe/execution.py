@@ -21,10 +21,11 @@ Development overrides select the plain-torch twins that the tests and baselines 
                   grouped kernel, csrc/; the default on a Hopper GPU where its library loads:
                   built on first use, cached) | "triton" (our kernel, the default elsewhere,
                   and on every rank of a group where some rank cannot load the library)
-    nvfp4_gemm    nvfp4 inference's GEMMs up to 32 rows per expert (the decode regime): "cuda"
-                  (our CUDA C++ decode GEMM, csrc/nvfp4_decode_mm.cu; the default on a Hopper
-                  GPU where its library loads: built on first use in seconds, cached) |
-                  "triton" (our Triton NVFP4 GEMM, which also runs every larger row count)
+    nvfp4_gemm    nvfp4 inference's GEMMs: "cuda" (our CUDA C++ GEMMs: the decode GEMM up to
+                  32 rows per expert, csrc/nvfp4_decode_mm.cu, and the wgmma GEMM above,
+                  csrc/nvfp4_wgmma_mm.cu; the default on a Hopper GPU where their library
+                  loads: built on first use in seconds, cached) | "triton" (our Triton NVFP4
+                  GEMM at every row count)
 
 Pass them to `create_context(..., execution_overrides={"gemm_engine": "torch"})`, or set
 `DIST_MOE_EXECUTION="gemm_engine=torch,routing=torch"`; an unknown name or value raises.
@@ -190,7 +191,7 @@ class Execution:
                              f"context runs precision={self.precision!r} on {self.backend!r}"
                              f"{' (inference)' if self.inference else ''}")
         if self.nvfp4_gemm == "cuda" and (self.backend != "cuda" or self.precision != "nvfp4"):
-            raise ValueError(f"nvfp4_gemm='cuda' is nvfp4's CUDA-backend decode GEMM; this "
+            raise ValueError(f"nvfp4_gemm='cuda' is nvfp4's CUDA-backend GEMMs; this "
                              f"context runs precision={self.precision!r} on {self.backend!r}")
         if self.gemm_engine == "torch" and self.precision != "bf16":
             raise ValueError(f"gemm_engine='torch' is the bf16 GEMM oracle; precision="
@@ -238,9 +239,11 @@ class Execution:
             elif self.precision == "nvfp4":
                 triton = ("Triton NVFP4 grouped GEMMs on prepared weights (E2M1 x E4M3 decoded "
                           "into exact fp16 in registers, fp16 MMAs)")
-                gemms = (f"at a row bound of up to 32 rows per expert, our CUDA C++ decode GEMM "
-                         f"(csrc/nvfp4_decode_mm.cu: weights as the MMA's M side, each thread "
-                         f"decoding its fragment's E2M1 values); above it, {triton}"
+                gemms = ("our CUDA C++ NVFP4 GEMMs, weights as the MMA's M side and each "
+                         "thread decoding its fragment's E2M1 values from its own loads: "
+                         "mma.sync at a row bound of up to 32 rows per expert "
+                         "(csrc/nvfp4_decode_mm.cu), wgmma with the weights from registers "
+                         "above (csrc/nvfp4_wgmma_mm.cu)"
                          if self.nvfp4_gemm == "cuda" else triton)
                 gemms += ("; the global scales in the epilogue, scatter to the owners in the "
                           "W2 epilogue")

@@ -146,7 +146,38 @@ def check_nvfp4_decode_mm(device, big=False):
             _check_decode_mm(device, lens, N, K, nvfp4_decode.variants())
 
 
-def _check_decode_mm(device, lens, N, K, variants):
+def check_a16_fragment_order(device, big=False):
+    """dequantize_rows(order="fragment") against the k order permuted by its torch twin
+    (quant/nvfp4.a16_fragment_index), bitwise, for one-block rows and chunked ones."""
+    from megatron_dist_moe.kernels.quant_nvfp4 import dequantize_rows
+    for K in ((256, 3072, 7168, 9216) if big else (256, 640)):
+        x = torch.randn(37, K, generator=torch.Generator().manual_seed(K)).to(BF).to(device)
+        a = NV.quantize_row_bytes(x)
+        n = torch.tensor([37], dtype=torch.int32, device=device)
+        k_ord = torch.empty(37, K, dtype=torch.float16, device=device)
+        f_ord = torch.empty_like(k_ord)
+        dequantize_rows(a, n, 37, K, out=k_ord)
+        dequantize_rows(a, n, 37, K, out=f_ord, order="fragment")
+        assert torch.equal(f_ord, k_ord[:, NV.a16_fragment_index(K).to(device)]), (
+            f"dequantize_rows(order='fragment') K={K}: differs from a16_fragment_index's order")
+
+
+def check_nvfp4_wgmma_mm(device, big=False):
+    """The CUDA wgmma GEMM (csrc/nvfp4_wgmma_mm.cu), every variant, as check_nvfp4_decode_mm
+    (twin math, the Triton kernel, scatter, graph replay with new offsets) on a16 in the
+    fragment order: experts of more rows than one token tile (and fewer), empty experts, N
+    not a multiple of a block's 128 or 256 weight rows."""
+    from megatron_dist_moe.kernels.grouped_gemm import nvfp4_decode, nvfp4_wgmma
+    assert nvfp4_decode.loads(torch.device(device)), (
+        "the CUDA NVFP4 GEMMs did not load (they need an sm_90 GPU and nvcc)")
+    shapes = [(6144, 7168), (7168, 3072), (224, 256)] if big else [(224, 256)]
+    for N, K in shapes:
+        for lens in ([300, 0, 1, 130, 64, 257], [8, 0, 1, 13, 5, 7], [33, 0, 0, 0, 0, 96]):
+            _check_decode_mm(device, lens, N, K, nvfp4_wgmma.variants(),
+                             nvfp4_wgmma.nvfp4_wgmma_mm, "fragment")
+
+
+def _check_decode_mm(device, lens, N, K, variants, fn=None, order="k"):
     import megatron_dist_moe as dm
     from megatron_dist_moe.kernels.grouped_gemm.nvfp4 import nvfp4_grouped_mm
     from megatron_dist_moe.kernels.quant_nvfp4 import dequantize_rows
@@ -165,19 +196,22 @@ def _check_decode_mm(device, lens, N, K, variants):
     dequantize_rows(a, torch.tensor([R], dtype=torch.int32, device=device), R + 3, K, out=a16)
     tri = torch.full((R, N), float("nan"), dtype=BF, device=device)
     nvfp4_grouped_mm(a=a, a16=a16, weight=W, expert_offsets=offs, max_rows=R, out=tri)
+    if order != "k":
+        dequantize_rows(a, torch.tensor([R], dtype=torch.int32, device=device), R + 3, K,
+                        out=a16, order=order)
     for variant in variants:
         _check_decode_variant(device, lens, N, K, variant, offs, a, a16, W, xd, wd, ref, tri,
-                              graph=variant == variants[0])
+                              graph=variant == variants[0], fn=fn)
 
 
 def _check_decode_variant(device, lens, N, K, variant, offs, a, a16, W, xd, wd, ref, tri,
-                          graph):
+                          graph, fn=None):
     from megatron_dist_moe.kernels.grouped_gemm.nvfp4_decode import nvfp4_decode_mm
+    fn = fn or nvfp4_decode_mm
     E, R = len(lens), sum(lens)
-    name = f"decode variant {variant} [N={N}, K={K}] lens {lens}"
+    name = f"{fn.__name__} variant {variant} [N={N}, K={K}] lens {lens}"
     out = torch.full((R, N), float("nan"), dtype=BF, device=device)
-    nvfp4_decode_mm(a=a, a16=a16, weight=W, expert_offsets=offs, max_rows=R, out=out,
-                    variant=variant)
+    fn(a=a, a16=a16, weight=W, expert_offsets=offs, max_rows=R, out=out, variant=variant)
     _close(name, out.float(), ref, 8e-3)
     # the same exact products, summed in another order: at most one bf16 rounding apart
     _close(f"{name} vs the Triton kernel", out.float(), tri.float(), 2 ** -7)
@@ -185,8 +219,8 @@ def _check_decode_variant(device, lens, N, K, variant, offs, a, a16, W, xd, wd, 
     perm = torch.randperm(R + 2, generator=torch.Generator().manual_seed(2))[:R].to(device)
     ptrs = dst.data_ptr() + perm.long() * N * 2
     ptrs[0] = 0
-    nvfp4_decode_mm(a=a, a16=a16, weight=W, expert_offsets=offs, max_rows=R,
-                    epilogue="scatter", out_row_ptrs=ptrs, variant=variant)
+    fn(a=a, a16=a16, weight=W, expert_offsets=offs, max_rows=R, epilogue="scatter",
+       out_row_ptrs=ptrs, variant=variant)
     keep = torch.arange(R, device=device) != 0
     assert torch.equal(dst[perm][keep], out[keep]), f"{name}: scatter differs from store"
     assert torch.isnan(dst[perm[0]].float()).all(), f"{name}: row with address 0 written"
@@ -198,8 +232,8 @@ def _check_decode_variant(device, lens, N, K, variant, offs, a, a16, W, xd, wd, 
         with torch.cuda.stream(stream):
             replay = torch.cuda.CUDAGraph()
             with torch.cuda.graph(replay, stream=stream):
-                nvfp4_decode_mm(a=a, a16=a16, weight=W, expert_offsets=offs_g, max_rows=R,
-                                out=out_g, variant=variant)
+                fn(a=a, a16=a16, weight=W, expert_offsets=offs_g, max_rows=R, out=out_g,
+                   variant=variant)
         lens2 = list(reversed(lens))
         offs_g.copy_(torch.tensor([0] + torch.tensor(lens2).cumsum(0).tolist(),
                                   dtype=torch.int32))
@@ -211,5 +245,6 @@ def _check_decode_variant(device, lens, N, K, variant, offs, a, a16, W, xd, wd, 
 
 
 CHECKS = {f.__name__[len("check_"):]: f for f in (check_quantize_rows, check_swiglu_quant,
-                                                  check_nvfp4_mm, check_nvfp4_decode_mm)}
-GPU_ONLY = ("nvfp4_decode_mm",)   # CUDA C++: no interpreter
+                                                  check_nvfp4_mm, check_a16_fragment_order,
+                                                  check_nvfp4_decode_mm, check_nvfp4_wgmma_mm)}
+GPU_ONLY = ("nvfp4_decode_mm", "nvfp4_wgmma_mm")   # CUDA C++: no interpreter

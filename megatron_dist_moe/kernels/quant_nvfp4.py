@@ -25,7 +25,7 @@ from .common import as_device_ptr, load_ptr
 from .quant_fp8 import _hw, abs_nan0, round_bf16, to_e4m3
 from .rows import _act_fwd
 
-__all__ = ["quantize_rows", "swiglu_quant", "dequantize_rows", "e2m1_code"]
+__all__ = ["quantize_rows", "swiglu_quant", "dequantize_rows", "DEQ_ORDERS", "e2m1_code"]
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 _RCP_E2M1_MAX = tl.constexpr(1.0 / 6.0)       # fp32(1/6), TE's fp4_max_inv
@@ -144,7 +144,8 @@ def _decode_f16_asm(packed, scales16, ROWS: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _deq_rows_kernel(src_addr, num_rows_ptr, out_addr, K, src_stride, CHUNK: tl.constexpr):
+def _deq_rows_kernel(src_addr, num_rows_ptr, out_addr, K, src_stride, CHUNK: tl.constexpr,
+                     FRAGMENT: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     if r >= tl.load(num_rows_ptr):
         return
@@ -158,7 +159,12 @@ def _deq_rows_kernel(src_addr, num_rows_ptr, out_addr, K, src_stride, CHUNK: tl.
         s16 = s8.to(tl.float8e4nv, bitcast=True).to(tl.float16)
         v = _decode_f16(packed[None, :], s16[None, :], 1, CHUNK)
         c = k0 + tl.arange(0, CHUNK)[None, :]
-        tl.store(out + c, v, mask=c < K)
+        if FRAGMENT:   # quant/nvfp4.a16_fragment_index's order, per 128-wide chunk
+            kk = c % 128
+            p = c - kk + 16 * (kk % 32 // 4) + 8 * (kk % 2) + 2 * (kk // 32) + kk % 4 // 2
+        else:
+            p = c
+        tl.store(out + p, v, mask=c < K)
 
 
 _ONE_PASS = 8192   # rows up to this width are read once (one masked block: one load round trip)
@@ -200,15 +206,24 @@ def quantize_rows(x, num_rows: torch.Tensor, max_rows: int, K: int, *, out,
     _launch(x, num_rows, max_rows, K, out, False, 1.702, 7.0, False, out_stride)
 
 
-def dequantize_rows(rows, num_rows: torch.Tensor, max_rows: int, K: int, *, out) -> None:
+DEQ_ORDERS = ("k", "fragment")
+
+
+def dequantize_rows(rows, num_rows: torch.Tensor, max_rows: int, K: int, *, out,
+                    order: str = "k") -> None:
     """out [>= R, K] fp16 (tensor or device pointer) = the values of NVFP4 byte rows [R,
     nvfp4_row_bytes(K)] before their row's global scale: E2M1 x E4M3 per 16, exact in fp16
     (the NVFP4 GEMM's A operand, decoded once instead of by every program that reads it; the
-    GEMM applies each row's S_dec from the byte row)."""
+    GEMM applies each row's S_dec from the byte row). order "k": value k at column k;
+    "fragment": each 128-wide chunk in the order of the wgmma GEMM's weight fragments
+    (quant/nvfp4.a16_fragment_index; K % 128 == 0)."""
+    assert order in DEQ_ORDERS, f"order={order!r}: expected one of {DEQ_ORDERS}"
+    assert order == "k" or K % 128 == 0, f"order='fragment' needs K % 128 == 0, got K={K}"
     chunk, warps = _chunk(K)
     _deq_rows_kernel[(max(1, max_rows),)](as_device_ptr(rows, "rows"), num_rows,
                                           as_device_ptr(out, "out", torch.float16), K,
-                                          nvfp4_row_bytes(K), CHUNK=chunk, num_warps=warps)
+                                          nvfp4_row_bytes(K), CHUNK=chunk,
+                                          FRAGMENT=order == "fragment", num_warps=warps)
 
 
 def swiglu_quant(h1, num_rows: torch.Tensor, max_rows: int, F: int, *, out,

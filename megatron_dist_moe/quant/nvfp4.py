@@ -70,7 +70,7 @@ __all__ = ["BLOCK", "E2M1_MAX", "E4M3_MAX", "FP32_MAX", "E2M1_VALUES", "SCALE_DT
            "global_scale", "global_decode_scale", "block_scales", "block_encode_scales",
            "e2m1_codes", "pack_e2m1", "unpack_e2m1", "quantize_rows", "dequantize_rows",
            "quantize_weight", "dequantize_weight", "row_bytes", "quantize_row_bytes",
-           "split_row_bytes", "dequantize_row_bytes"]
+           "split_row_bytes", "dequantize_row_bytes", "a16_fragment_index"]
 
 BLOCK = 16
 E2M1_MAX = 6.0
@@ -319,3 +319,18 @@ def dequantize_weight(packed: torch.Tensor, scales: torch.Tensor, global_scales,
         return (q.view(E, N, K // BLOCK, BLOCK) * f.unsqueeze(-1)).view(E, N, K)
     raise ValueError(f"dequantize_weight: scales {tuple(scales.shape)} match neither "
                      f"{(E, N // BLOCK, K // BLOCK)} (16 x 16 tiles) nor {(E, N, K // BLOCK)} (rows)")
+
+
+def a16_fragment_index(K: int) -> torch.Tensor:
+    """int64 [K]: the logical value at each position of a row in the wgmma NVFP4 GEMM's
+    fragment order (csrc/nvfp4_wgmma_mm.cu), row_in_fragment_order = row[:, index]. Per
+    128-wide chunk, position 16s + 8o + 2q + j holds value 32q + 4s + 2j + o (k16 step s,
+    thread q of a quad, o and j in {0, 1}): the order in which each thread's 16-byte weight
+    load of 32 consecutive values fills its MMA fragments."""
+    if K % 128:
+        raise ValueError(f"a16_fragment_index: K={K} must be a multiple of 128")
+    p = torch.arange(128)
+    s, o, q, j = p // 16, p % 16 // 8, p % 8 // 2, p % 2
+    chunk = 32 * q + 4 * s + 2 * j + o
+    return (torch.arange(0, K, 128)[:, None] + chunk[None, :]).reshape(K)
+

@@ -311,13 +311,18 @@ def test_nvfp4_gemm_engine_is_chosen_at_creation(monkeypatch):
     assert "csrc/nvfp4_decode_mm.cu" not in ex.replace(nvfp4_gemm="triton").explain()
     with pytest.raises(ValueError, match="nvfp4_gemm='cuda' is nvfp4's"):
         ex.replace(precision="bf16")
-    # the variant at the row bound (8 rows per expert), Triton's tiles above 32 per expert
+    # the decode GEMM's variant at the row bound (8 rows per expert), the wgmma GEMM's above
+    # 32 per expert; Triton's tiles where the engine is "triton"
     tiles = choice.gemm_tiles(ex, 32, 4, 256, 128, cuda)
-    assert tiles.startswith("CUDA decode GEMM, W13 variant 32142"), tiles
-    assert "W2 variant 32142" in tiles, tiles
+    assert tiles.startswith("CUDA GEMMs, W13 decode variant 32142"), tiles
+    assert "W2 decode variant 32142" in tiles, tiles
     assert "K split over 4 warps" in choice.gemm_tiles(ex, 32, 4, 7168, 3072, cuda)
-    assert not choice.gemm_tiles(ex, 4 * 33, 4, 256, 128, cuda).startswith("CUDA"), tiles
     assert nvfp4_decode.default_variant(4 * 33, 4, 256) is None
+    big = choice.gemm_tiles(ex, 4 * 33, 4, 256, 128, cuda)
+    assert big.startswith("CUDA GEMMs, W13 wgmma variant 1003224: 256 weight rows x 32"), big
+    assert "W2 wgmma variant 1012823" in choice.gemm_tiles(ex, 4 * 2048, 4, 256, 128, cuda)
+    assert not choice.gemm_tiles(ex.replace(nvfp4_gemm="triton"), 32, 4, 256, 128,
+                                 cuda).startswith("CUDA")
     # CPU devices never take it; a failing build warns once and is not retried
     assert not nvfp4_decode.loads(torch.device("cpu"))
     calls = []
@@ -364,6 +369,10 @@ def test_nvfp4_decode_gemm_refuses_what_its_kernel_cannot_read():
         nvfp4_decode_mm(**{**kw, "a16": torch.zeros(R, 128, dtype=torch.float16)})
     with pytest.raises(AssertionError, match=r"a: expected torch.uint8 \[R, 160\]"):
         nvfp4_decode_mm(**{**kw, "a": torch.zeros(R, 100, dtype=torch.uint8)})
+    # the wgmma GEMM shares the checks
+    from megatron_dist_moe.kernels.grouped_gemm.nvfp4_wgmma import nvfp4_wgmma_mm
+    with pytest.raises(AssertionError, match=r"a16: expected torch.float16 \[R, 256\]"):
+        nvfp4_wgmma_mm(**{**kw, "a16": torch.zeros(R, 128, dtype=torch.float16)})
 
 
 def test_fp8_wgrad_falls_back_to_triton(monkeypatch):

@@ -119,8 +119,8 @@ def test_wrapper_names_what_it_cannot_run(monkeypatch, tmp_path):
 @pytest.mark.skipif(shutil.which("nvcc") is None and not os.environ.get("CUDACXX"),
                     reason="nvcc is missing")
 def test_nvfp4_decode_library_builds_and_refuses_bad_shapes(tmp_path, monkeypatch):
-    """The NVFP4 decode GEMM's own library (one unit, no CUTLASS) builds here in seconds,
-    lists its variants, and its entry point refuses bad shapes before launching anything."""
+    """The NVFP4 GEMMs' own library (two units, no CUTLASS) builds here in seconds, lists
+    both GEMMs' variants, and their entry points refuse bad shapes before launching anything."""
     from megatron_dist_moe.kernels.grouped_gemm import nvfp4_decode as nd
     monkeypatch.setenv("DIST_MOE_CSRC_CACHE", str(tmp_path))
     nd._lib.cache_clear()
@@ -146,5 +146,18 @@ def test_nvfp4_decode_library_builds_and_refuses_bad_shapes(tmp_path, monkeypatc
         assert call(stride=4046) == 1 and call(variant=1) == 1
         assert call(rows=True) == 1 and call(out=False) == 1      # exactly one epilogue
         assert "32 weight rows per warp" in nd.describe(32142)
+        # the wgmma GEMM, in the same library: its defaults are instances, bad shapes refused
+        from megatron_dist_moe.kernels.grouped_gemm import nvfp4_wgmma as nw
+        wcodes = nw.variants()
+        assert wcodes and all(nw.is_variant(c) for c in wcodes)
+        assert not any(nw.is_variant(c) for c in codes)
+        for n in (33, 48, 64, 160, 161, 2048):
+            assert nw.cuda_variant(6 * n, 6, 7168) in wcodes
+        wrun = nd._lib()["nvfp4_wgmma_mm"][0]
+        assert wrun(wcodes[0], 257, 6144, 7168, 4048, null, null, null, null, null, null,
+                    ctypes.c_void_p(16), null, null) == 1      # more than 256 experts
+        assert wrun(wcodes[0], 6, 6144, 7000, 4048, null, null, null, null, null, null,
+                    ctypes.c_void_p(16), null, null) == 1
+        assert "256 weight rows x 128 token rows" in nw.describe(1012823)
     finally:
         nd._lib.cache_clear()

@@ -613,28 +613,29 @@ class Nvfp4Pipeline:
         self.act = dict(activation=cfg.activation, swiglu_alpha=cfg.swiglu_alpha,
                         swiglu_limit=cfg.swiglu_limit)
         self._T = torch.zeros(1, dtype=torch.int32, device=device)
-        # Execution.nvfp4_gemm: the CUDA decode GEMM up to 32 rows per expert at this row bound
-        # (kernels/grouped_gemm/nvfp4_decode.py; a variant per GEMM: W13 contracts D, W2 F),
-        # the Triton NVFP4 GEMM otherwise
-        self.decode_variants = None
+        # Execution.nvfp4_gemm: the CUDA engine's GEMM per GEMM at this row bound (W13
+        # contracts D, W2 F): the decode GEMM up to 32 rows per expert, the wgmma GEMM above
+        # (kernels/grouped_gemm/nvfp4_decode.py, nvfp4_wgmma.py), else the Triton NVFP4 GEMM;
+        # each GEMM's a16 is decoded in the order its kernel reads
+        self.cuda_variants = None
+        self.a16_orders = ("k", "k")
         if execution.nvfp4_gemm == "cuda":
-            from ...kernels.grouped_gemm import nvfp4_decode
+            from ...kernels.grouped_gemm import nvfp4_decode, nvfp4_wgmma
+            # an explicit override skips Execution's probe: fail here, at creation
+            if not nvfp4_decode.loads(device):
+                raise RuntimeError(
+                    "nvfp4's CUDA GEMMs (Execution.nvfp4_gemm='cuda') cannot run on "
+                    f"{device}: they need an sm_90 GPU where csrc/nvfp4_*_mm.cu build (nvcc); "
+                    "use execution_overrides={'nvfp4_gemm': 'triton'}")
             D, F = cfg.hidden_dim, cfg.intermediate_dim
-            v13 = nvfp4_decode.default_variant(max_rows, num_local_experts, D)
-            if v13 is not None:
-                # an explicit override skips Execution's probe: fail here, at creation
-                if not nvfp4_decode.loads(device):
-                    raise RuntimeError(
-                        "nvfp4's CUDA decode GEMM (Execution.nvfp4_gemm='cuda') cannot run on "
-                        f"{device}: it needs an sm_90 GPU where csrc/nvfp4_decode_mm.cu builds "
-                        "(nvcc); use execution_overrides={'nvfp4_gemm': 'triton'}")
-                self.decode_variants = (v13, nvfp4_decode.default_variant(
-                    max_rows, num_local_experts, F))
+            self.cuda_variants = tuple(nvfp4_wgmma.cuda_variant(max_rows, num_local_experts, k)
+                                       for k in (D, F))
+            self.a16_orders = tuple(nvfp4_wgmma.a16_order(v) for v in self.cuda_variants)
 
     def _gemm(self, which: int, **kw) -> None:
-        if self.decode_variants is not None:
-            from ...kernels.grouped_gemm.nvfp4_decode import nvfp4_decode_mm
-            nvfp4_decode_mm(variant=self.decode_variants[which], **kw)
+        if self.cuda_variants is not None:
+            from ...kernels.grouped_gemm import nvfp4_wgmma
+            nvfp4_wgmma.run(self.cuda_variants[which], **kw)
         else:
             from ...kernels.grouped_gemm.nvfp4 import nvfp4_grouped_mm
             nvfp4_grouped_mm(**kw)
@@ -659,12 +660,14 @@ class Nvfp4Pipeline:
         fan = tabs.fanout
         K_rows.fanout_rows(fan.dispatch_base_EP, 2 * D, fan.dest_rows, fan.T, fan.K, at["x_g"],
                            nrows, nvfp4_row_bytes(D) // 2, torch.bfloat16)
-        dequantize_rows(at["x_g"], nrows, self.max_rows, D, out=at["a16"])
+        dequantize_rows(at["x_g"], nrows, self.max_rows, D, out=at["a16"],
+                        order=self.a16_orders[0])
         self._gemm(0, a=at["x_g"], a16=at["a16"], weight=w13, expert_offsets=offs,
                    max_rows=self.max_rows, epilogue="store", out=at["h1"])
         swiglu_quant(at["h1"], nrows, self.max_rows, F, out=at["h2q"], **self.act)
         if scatter_ptrs is not None:
-            dequantize_rows(at["h2q"], nrows, self.max_rows, F, out=at["a16"])
+            dequantize_rows(at["h2q"], nrows, self.max_rows, F, out=at["a16"],
+                            order=self.a16_orders[1])
             self._gemm(1, a=at["h2q"], a16=at["a16"], weight=w2, expert_offsets=offs,
                        max_rows=self.max_rows, epilogue="scatter", out_row_ptrs=scatter_ptrs)
 

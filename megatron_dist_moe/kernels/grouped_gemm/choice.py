@@ -33,11 +33,10 @@ def gemm_tiles(execution, max_rows: int, num_local_experts: int, hidden_dim: int
         return (f"{c.block_m}x{c.block_n}x128 {c.num_warps}w {c.num_stages}st, "
                 f"{_per_sm(c.programs_per_sm)}, every GEMM ({where})")
     if execution.precision == "nvfp4":
-        from .nvfp4_decode import default_variant, describe
-        w13 = default_variant(max_rows, E, D) if execution.nvfp4_gemm == "cuda" else None
-        if w13 is not None:
-            return (f"CUDA decode GEMM, W13 {describe(w13)}; W2 "
-                    f"{describe(default_variant(max_rows, E, F))} ({where})")
+        if execution.nvfp4_gemm == "cuda":
+            from .nvfp4_wgmma import cuda_describe, cuda_variant
+            return (f"CUDA GEMMs, W13 {cuda_describe(cuda_variant(max_rows, E, D))}; W2 "
+                    f"{cuda_describe(cuda_variant(max_rows, E, F))} ({where})")
         t = launch_tiles(max_rows, E, device)
         return (f"{t.block_m}x{t.block_n}x{t.block_k} {t.num_warps}w {t.num_stages}st, "
                 f"{_per_sm(t.programs_per_sm)} ({where})")

@@ -30,12 +30,13 @@ from .. import csrc_build
 from ..common import as_device_ptr, check_offsets, check_rows, interpreting
 
 __all__ = ["variants", "variant_shape", "describe", "default_variant", "nvfp4_decode_mm",
-           "loads", "build_library", "MAX_ROWS_PER_EXPERT"]
+           "launch", "loads", "build_library", "MAX_ROWS_PER_EXPERT"]
 
 _UNIT = "nvfp4_decode_mm"
 MAX_ROWS_PER_EXPERT = 32   # above this (on average) the Triton kernel's wgmma tiles win
-_STATUS = {1: "bad shape: E < 1, N not a multiple of 16, K not a multiple of 128, a row stride "
-              "not a multiple of 4, or neither / both of out and out_row_ptrs",
+_STATUS = {1: "bad shape: E < 1 (above 256 for the wgmma GEMM), N not a multiple of 16, K not a "
+              "multiple of 128, a row stride not a multiple of 4, or neither / both of out and "
+              "out_row_ptrs",
            5: "the kernel launch failed"}
 
 
@@ -58,32 +59,42 @@ def default_variant(max_rows: int, E: int, K: int) -> Optional[int]:
     return 364441 if long_k else 64421
 
 
+# the library's units: this decode GEMM and the wgmma one (nvfp4_wgmma.py), one shared header
+_UNITS = (_UNIT, "nvfp4_wgmma_mm")
+_HEADERS = ("nvfp4_decode.cuh",)
+
+
 def build_library(verbose: bool = False) -> Path:
-    return csrc_build.build("dm_nvfp4_decode", csrc_build.csrc_dir(f"{_UNIT}.cu"), [_UNIT], [],
-                            what="NVFP4 decode GEMM", verbose=verbose)
+    return csrc_build.build("dm_nvfp4", csrc_build.csrc_dir(f"{_UNIT}.cu"), _UNITS, _HEADERS,
+                            what="NVFP4 GEMMs", verbose=verbose)
 
 
-@functools.lru_cache(maxsize=1)
-def _lib():
-    dll = ctypes.CDLL(str(build_library()))
-    fn = dll.dm_nvfp4_decode_mm_run
+def _entry(dll, name: str):
+    fn = getattr(dll, f"dm_{name}_run")
     i64, i32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     fn.argtypes = [i32, i32, i32, i32, i64, vp, vp, vp, vp, vp, vp, vp, vp, vp]
     fn.restype = i32
     codes = (ctypes.c_int * 64)()
-    n = dll.dm_nvfp4_decode_mm_variants(codes, 64)
+    n = getattr(dll, f"dm_{name}_variants")(codes, 64)
     return fn, tuple(codes[:n])
 
 
+@functools.lru_cache(maxsize=1)
+def _lib():
+    """{unit: (run function, variant codes)} of the library's two GEMMs."""
+    dll = ctypes.CDLL(str(build_library()))
+    return {u: _entry(dll, u) for u in _UNITS}
+
+
 def _run_fn():
-    return _lib()[0]
+    return _lib()[_UNIT][0]
 
 
 def variants() -> tuple:
     """The library's variant codes: (k slices per row group - 1) * 100000 + weight rows per warp
     * 1000 + token groups of 8 per pass * 100 + warps per block * 10 + chunks in the register
     ring (variant_shape decodes one)."""
-    return _lib()[1]
+    return _lib()[_UNIT][1]
 
 
 def variant_shape(code: int) -> dict:
@@ -152,6 +163,21 @@ def nvfp4_decode_mm(*, a, a16, weight, expert_offsets: torch.Tensor, max_rows: i
     variant         one of variants(); default: default_variant(max_rows, E, K)
     """
     E, N, K = weight.shape
+    variant = variant if variant is not None else default_variant(max_rows, E, K)
+    assert variant is not None, (
+        f"max_rows={max_rows} over E={E} experts is above {MAX_ROWS_PER_EXPERT} rows per "
+        "expert, where no variant is the default (nvfp4_wgmma.nvfp4_wgmma_mm runs that "
+        "regime); pass variant= to force one")
+    launch(_UNIT, "nvfp4_decode_mm", variant, a=a, a16=a16, weight=weight,
+           expert_offsets=expert_offsets, max_rows=max_rows, epilogue=epilogue, out=out,
+           out_row_ptrs=out_row_ptrs)
+
+
+def launch(unit: str, name: str, variant: int, *, a, a16, weight, expert_offsets, max_rows,
+           epilogue, out, out_row_ptrs) -> None:
+    """Check what the library's kernels assume and launch `unit`'s `variant` on the current
+    stream of the weights' device (both GEMMs share the argument block)."""
+    E, N, K = weight.shape
     dev = weight.packed.device
     check_offsets(expert_offsets, E, dev)
     assert K % 128 == 0 and N % 16 == 0, f"[N={N}, K={K}]: K % 128 and N % 16 must be 0"
@@ -160,7 +186,7 @@ def nvfp4_decode_mm(*, a, a16, weight, expert_offsets: torch.Tensor, max_rows: i
     senc = weight.global_scale
     assert senc.dtype == torch.float32 and senc.is_contiguous() and senc.device == dev, (
         "weight.global_scale must be a contiguous fp32 tensor on the weights' device")
-    # what the kernel's loads assume: 16-byte weight rows, 2-byte scale pairs
+    # what the kernels' loads assume: 16-byte weight rows, 2-byte scale pairs, 16-byte a16 rows
     packed, scales = weight.packed, weight.scales
     assert (packed.dtype == torch.uint8 and packed.is_contiguous()
             and packed.data_ptr() % 16 == 0), (
@@ -169,12 +195,8 @@ def nvfp4_decode_mm(*, a, a16, weight, expert_offsets: torch.Tensor, max_rows: i
         "weight.scales must be a contiguous, 2-byte aligned tensor on the weights' device")
     _check_dense(a, "a", torch.uint8, nvfp4_row_bytes(K), dev)
     _check_dense(a16, "a16", torch.float16, K, dev)
-    variant = variant if variant is not None else default_variant(max_rows, E, K)
-    assert variant is not None, (
-        f"max_rows={max_rows} over E={E} experts is above {MAX_ROWS_PER_EXPERT} rows per "
-        "expert, where no variant is the default (nvfp4.nvfp4_grouped_mm runs that regime); "
-        "pass variant= to force one")
-    assert variant in variants(), f"variant={variant}: expected one of {variants()}"
+    fn, codes = _lib()[unit]
+    assert variant in codes, f"variant={variant}: expected one of {codes}"
     out_addr = rows_ptr = None
     if epilogue == "store":
         assert out is not None, "epilogue='store' needs out"
@@ -187,12 +209,12 @@ def nvfp4_decode_mm(*, a, a16, weight, expert_offsets: torch.Tensor, max_rows: i
     a_addr = as_device_ptr(a, "a")
     a16_addr = as_device_ptr(a16, "a16", torch.float16)
     with torch.cuda.device(dev):   # the launch goes to the current device: the weights' one
-        status = _run_fn()(
+        status = fn(
             variant, E, N, K, nvfp4_row_bytes(K), a16_addr.data_ptr(), a_addr.data_ptr(),
             packed.data_ptr(), scales.data_ptr(), senc.data_ptr(), expert_offsets.data_ptr(),
             None if out_addr is None else out_addr.data_ptr(),
             None if rows_ptr is None else rows_ptr.data_ptr(),
             torch.cuda.current_stream(dev).cuda_stream)
     if status != 0:
-        raise RuntimeError(f"nvfp4_decode_mm [E={E}, N={N}, K={K}], variant {variant}: "
+        raise RuntimeError(f"{name} [E={E}, N={N}, K={K}], variant {variant}: "
                            f"{_STATUS.get(status, f'status {status}')}")
