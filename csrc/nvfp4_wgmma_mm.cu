@@ -198,14 +198,14 @@ struct Shape {
   static_assert(BN * kPitch * 2 <= S * kStage, "the output tile is staged in the token stages");
 };
 
-// P: chunks in the weight register ring (P - 1 chunks' loads in flight); FB: words whose
-// fragments are held (FB - 1 words' wgmmas in flight while the next word is decoded); SW: the
-// weights are copied into the stages with the tokens (cp.async) instead of loaded into
-// registers, so the proxy fence before each chunk has no register loads to wait for
-template <int BN, int MT, int S, int P, int FB, bool SW>
+// SW: the weights are copied into the stages with the tokens (cp.async) instead of loaded
+// into a two-chunk register ring, so the proxy fence before each chunk has no register loads
+// to wait for
+template <int BN, int MT, int S, bool SW>
 __global__ void __launch_bounds__(kThreads, 1) nvfp4_wgmma_mm_kernel(Args args) {
   using Sh = Shape<BN, MT, S, SW>;
-  static_assert((FB == 2 || FB == 4) && P >= 2, "FB divides a chunk's four words");
+  constexpr int P = 2;    // chunks of the weight register ring (without SW)
+  constexpr int FB = 2;   // words whose fragments are held: one word's wgmmas in flight
   extern __shared__ uint8_t smem_raw[];
   __shared__ int tile_end[kMaxExperts];   // cumulative tile counts
   __shared__ float s_tok[BN];
@@ -416,10 +416,10 @@ __global__ void __launch_bounds__(kThreads, 1) nvfp4_wgmma_mm_kernel(Args args) 
   }
 }
 
-template <int BN, int MT, int S, int P, int FB, bool SW>
+template <int BN, int MT, int S, bool SW>
 int launch(const Args& args, cudaStream_t stream) {
   using Sh = Shape<BN, MT, S, SW>;
-  auto kernel = nvfp4_wgmma_mm_kernel<BN, MT, S, P, FB, SW>;
+  auto kernel = nvfp4_wgmma_mm_kernel<BN, MT, S, SW>;
   static bool configured = false;   // per instance: the dynamic shared memory it needs
   if (!configured) {
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Sh::kSmem) !=
@@ -438,17 +438,12 @@ int launch(const Args& args, cudaStream_t stream) {
 }  // namespace wgmma_mm
 }  // namespace dm_nvfp4
 
-// variant = 1,000,000 * family + token rows per tile * 100 + 64-row weight tiles per warpgroup *
-// 10 + token stages; family 1 + 2 (P - 2) + (FB == 4) with register-loaded weights, 5 + (FB == 4)
-// with weights staged in shared memory
+// variant = 1,000,000 * (1 + 4 SW) + token rows per tile * 100 + 64-row weight tiles per
+// warpgroup * 10 + token stages
 #define DM_NVFP4_WGMMA_VARIANTS(X) \
-  X(32, 1, 4, 2, 2, 0) X(32, 2, 4, 2, 2, 0) X(64, 1, 4, 2, 2, 0) X(64, 2, 4, 2, 2, 0) \
-  X(128, 1, 4, 2, 2, 0) X(128, 2, 3, 2, 2, 0) X(128, 2, 4, 2, 2, 0) X(256, 1, 3, 2, 2, 0) \
-  X(32, 2, 4, 2, 2, 1) X(64, 2, 4, 2, 2, 1) X(128, 2, 3, 2, 2, 1) X(128, 2, 4, 2, 2, 1) \
-  X(256, 1, 3, 2, 2, 1) X(128, 1, 4, 2, 2, 1) X(64, 2, 4, 2, 4, 1) X(128, 2, 4, 2, 4, 1) \
-  X(256, 1, 3, 2, 4, 1)
-#define DM_NVFP4_WGMMA_CODE_OF(BN, MT, S, P, FB, SW) \
-  (1000000 * ((SW) ? 5 + (FB == 4) : 1 + 2 * (P - 2) + (FB == 4)) + BN * 100 + MT * 10 + S)
+  X(32, 1, 4, 0) X(32, 2, 4, 0) X(64, 2, 4, 0) X(128, 2, 4, 0) X(256, 1, 3, 0) X(128, 2, 4, 1)
+#define DM_NVFP4_WGMMA_CODE_OF(BN, MT, S, SW) \
+  (1000000 * (1 + 4 * (SW)) + BN * 100 + MT * 10 + S)
 
 extern "C" int dm_nvfp4_wgmma_mm_run(int variant, int E, int N, int K, int64_t a_stride,
                                      const int64_t* a16_addr, const int64_t* a_addr,
@@ -465,9 +460,8 @@ extern "C" int dm_nvfp4_wgmma_mm_run(int variant, int E, int N, int K, int64_t a
             static_cast<const uint8_t*>(w_scales), w_senc, offsets, out_addr, out_rows, E, N, K};
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (variant) {
-#define DM_NVFP4_WGMMA_CASE(BN, MT, S, P, FB, SW) \
-  case DM_NVFP4_WGMMA_CODE_OF(BN, MT, S, P, FB, SW): \
-    return wgmma_mm::launch<BN, MT, S, P, FB, SW>(args, s);
+#define DM_NVFP4_WGMMA_CASE(BN, MT, S, SW) \
+  case DM_NVFP4_WGMMA_CODE_OF(BN, MT, S, SW): return wgmma_mm::launch<BN, MT, S, SW>(args, s);
     DM_NVFP4_WGMMA_VARIANTS(DM_NVFP4_WGMMA_CASE)
 #undef DM_NVFP4_WGMMA_CASE
     default: return 1;
@@ -476,7 +470,7 @@ extern "C" int dm_nvfp4_wgmma_mm_run(int variant, int E, int N, int K, int64_t a
 
 extern "C" int dm_nvfp4_wgmma_mm_variants(int* out, int n) {
   int all[] = {
-#define DM_NVFP4_WGMMA_CODE(BN, MT, S, P, FB, SW) DM_NVFP4_WGMMA_CODE_OF(BN, MT, S, P, FB, SW),
+#define DM_NVFP4_WGMMA_CODE(BN, MT, S, SW) DM_NVFP4_WGMMA_CODE_OF(BN, MT, S, SW),
       DM_NVFP4_WGMMA_VARIANTS(DM_NVFP4_WGMMA_CODE)
 #undef DM_NVFP4_WGMMA_CODE
   };

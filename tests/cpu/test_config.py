@@ -320,7 +320,7 @@ def test_nvfp4_gemm_engine_is_chosen_at_creation(monkeypatch):
     assert nvfp4_decode.default_variant(4 * 33, 4, 256) is None
     big = choice.gemm_tiles(ex, 4 * 33, 4, 256, 128, cuda)
     assert big.startswith("CUDA GEMMs, W13 wgmma variant 1003224: 256 weight rows x 32"), big
-    assert "W2 wgmma variant 1012823" in choice.gemm_tiles(ex, 4 * 2048, 4, 256, 128, cuda)
+    assert "W2 wgmma variant 5012824" in choice.gemm_tiles(ex, 4 * 2048, 4, 256, 128, cuda)
     assert not choice.gemm_tiles(ex.replace(nvfp4_gemm="triton"), 32, 4, 256, 128,
                                  cuda).startswith("CUDA")
     # CPU devices never take it; a failing build warns once and is not retried

@@ -158,6 +158,6 @@ def test_nvfp4_decode_library_builds_and_refuses_bad_shapes(tmp_path, monkeypatc
                     ctypes.c_void_p(16), null, null) == 1      # more than 256 experts
         assert wrun(wcodes[0], 6, 6144, 7000, 4048, null, null, null, null, null, null,
                     ctypes.c_void_p(16), null, null) == 1
-        assert "256 weight rows x 128 token rows" in nw.describe(1012823)
+        assert "256 weight rows x 128 token rows" in nw.describe(5012824)
     finally:
         nd._lib.cache_clear()

@@ -30,36 +30,37 @@ A16_ORDER = "fragment"   # what dequantize_rows writes for this GEMM
 
 
 def variants() -> tuple:
-    """The library's variant codes: 1,000,000 * (1 + 2 (weight ring chunks - 2) + (4 words of
-    fragments held)) + token rows per tile * 100 + 64-row weight tiles per warpgroup * 10 +
-    token stages (variant_shape decodes one)."""
+    """The library's variant codes: 1,000,000 * (1, or 5 with the weights staged in shared
+    memory) + token rows per tile * 100 + 64-row weight tiles per warpgroup * 10 + token
+    stages (variant_shape decodes one)."""
     return nvfp4_decode._lib()[_UNIT][1]
 
 
 def variant_shape(code: int) -> dict:
-    depth = code // 1000000 - 1          # 2 (P - 2) + (FB == 4)
     return dict(token_rows=code // 100 % 1000, weight_rows=2 * 64 * (code // 10 % 10),
-                stages=code % 10, ring=2 + depth // 2, words=4 if depth % 2 else 2)
+                stages=code % 10, staged_weights=code // 1000000 == 5)
 
 
 def describe(code: int) -> str:
     v = variant_shape(code)
+    where = ("staged in shared memory with the tokens" if v["staged_weights"] else
+             "loaded into a 2-chunk register ring")
     return (f"wgmma variant {code}: {v['weight_rows']} weight rows x {v['token_rows']} token "
-            f"rows per tile, {v['stages']} token stages, {v['ring']}-chunk weight ring, "
-            f"{v['words'] - 1} word(s) of wgmmas in flight")
+            f"rows per tile, {v['stages']} stages, weights {where}")
 
 
 def default_variant(max_rows: int, E: int, K: int) -> int:
     """The variant by rows per expert on average (max_rows / E): the fastest of
-    bench_nvfp4_gemm --cuda-sweep on one H200 at the guide shapes (docs/decisions.md): 32 token
-    rows per tile up to 48 rows per expert, 64 up to 160 (a tile of 256 weight rows keeps the
-    weight stream of few token tiles long), 128 above (the most FLOPs per decoded weight)."""
+    bench_nvfp4_gemm --cuda-sweep on one H200 at the guide shapes (docs/decisions.md). Tiles
+    of 256 weight rows throughout; 32 token rows per tile up to 48 rows per expert, 64 up to
+    160, 128 above (the most MMA work per decoded word), with the weights staged in shared
+    memory."""
     per_expert = -(-max_rows // E)
     if per_expert <= 48:
         return 1003224
     if per_expert <= 160:
         return 1006424
-    return 1012823
+    return 5012824
 
 
 def is_variant(code: int) -> bool:
@@ -105,7 +106,7 @@ def nvfp4_wgmma_mm(*, a, a16, weight, expert_offsets, max_rows: int, epilogue: s
     E, N, K = weight.shape
     assert E <= 256, f"E={E}: the wgmma GEMM takes at most 256 experts"
     assert weight.scales.data_ptr() % 8 == 0, (
-        "weight.scales must be 8-byte aligned (the wgmma GEMM copies 8 scales at a time)")
+        "weight.scales must be 8-byte aligned (the staged-weight variants copy 8 at a time)")
     variant = variant if variant is not None else default_variant(max_rows, E, K)
     nvfp4_decode.launch(_UNIT, "nvfp4_wgmma_mm", variant, a=a, a16=a16, weight=weight,
                         expert_offsets=expert_offsets, max_rows=max_rows, epilogue=epilogue,
