@@ -8,7 +8,7 @@
 #   fp8kernels the fp8_block kernel tests alone (quantizers bit-exact, GEMMs vs their twins)
 #   mxkernels  the mxfp8 kernel tests alone (every output bit-exact vs quant/mxfp8.py)
 #   nvkernels  the nvfp4 kernel tests alone (byte rows bit-exact, the NVFP4 GEMMs vs their twin:
-#              the Triton kernel and the CUDA decode GEMM of csrc/nvfp4_decode_mm.cu)
+#              the Triton kernel and the CUDA GEMMs of csrc/nvfp4_decode_mm.cu, nvfp4_wgmma_mm.cu)
 #   sm90       the CUTLASS units of csrc/ (bf16 FPROP / WGRAD, FP8 WGRAD) vs their oracles
 #   megakernel the Mega forward kernel against the standard two launches
 #   check      dist_check on 1 GPU (and 2 when present): every gradient vs the fp64 oracle,

@@ -19,10 +19,10 @@ skipped where 0: the owners' combine rows). Persistent over the device tile list
 Tiles (Nvfp4Tiles): 16- and 32-row tiles in the decode regime (mma.sync: few rows per expert,
 every weight read once or twice), 128 x 256 tiles at training-size row counts (wgmma: the decoded tiles pass
 through shared memory; tests/cpu/test_kernels_compile_sm90.py records the PTX). Both are
-measured on the GPU by benchmarks/bench_nvfp4_gemm.py and bench_decode.py. Up to 32 rows per
-expert the CUDA backend runs nvfp4_decode.py's CUDA C++ kernel instead where its library loads
-(Execution.nvfp4_gemm; about 1.8x faster there): this kernel is the decode regime's fallback
-and everything above it.
+measured on the GPU by benchmarks/bench_nvfp4_gemm.py and bench_decode.py. Where the CUDA
+library of nvfp4_decode.py loads (Execution.nvfp4_gemm) the CUDA backend runs its C++ kernels
+instead (the decode GEMM up to 32 rows per expert, about 1.8x faster there; nvfp4_wgmma.py
+above, 1.2-1.6x): this kernel is the fallback, and the interpreter's.
 """
 
 from __future__ import annotations

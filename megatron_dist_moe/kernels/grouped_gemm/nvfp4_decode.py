@@ -9,10 +9,10 @@ weights and their decode). Weights are the MMA's M side and tokens its N side (o
 mma.sync.m16n8k16 per 16 weight rows x 8 tokens x 16 k), each thread decodes exactly the
 weight values of its fragment straight from its 16-byte loads, and every warp streams its rows
 over its slice of K (long K is split over 2-4 warps of a block; the source file says how). Larger row counts
-run the Triton kernel, whose wgmma tiles reuse each decoded weight tile across 128-256 rows.
+run the wgmma GEMM of the same library (nvfp4_wgmma.py).
 
-The library builds with nvcc on first use (seconds; no CUTLASS, no torch headers) and is cached
-as csrc_build says. `loads(device)` tells whether it can run here.
+The library (both GEMMs) builds with nvcc on first use (seconds; no CUTLASS, no torch headers)
+and is cached as csrc_build says. `loads(device)` tells whether it can run here.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ __all__ = ["variants", "variant_shape", "describe", "default_variant", "nvfp4_de
            "launch", "loads", "build_library", "MAX_ROWS_PER_EXPERT"]
 
 _UNIT = "nvfp4_decode_mm"
-MAX_ROWS_PER_EXPERT = 32   # above this (on average) the Triton kernel's wgmma tiles win
+MAX_ROWS_PER_EXPERT = 32   # above this (on average) the wgmma GEMM (nvfp4_wgmma.py) runs
 _STATUS = {1: "bad shape: E < 1 (above 256 for the wgmma GEMM), N not a multiple of 16, K not a "
               "multiple of 128, a row stride not a multiple of 4, or neither / both of out and "
               "out_row_ptrs",
