@@ -17,9 +17,9 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
-__all__ = ["NVCC_FLAGS", "csrc_dir", "nvcc_path", "cache_root", "build"]
+__all__ = ["NVCC_FLAGS", "csrc_dir", "nvcc_path", "cache_root", "build", "LoadProbe"]
 
 NVCC_FLAGS = ("-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr",
               "-gencode=arch=compute_90a,code=sm_90a", "-Xcompiler", "-fPIC")
@@ -105,3 +105,38 @@ def build(lib_name: str, src: Path, units: Sequence[str], headers: Sequence[str]
             raise RuntimeError(f"linking lib{lib_name}.so failed:\n{r.stderr[-4000:]}")
         os.replace(tmp, lib)
     return lib
+
+
+class LoadProbe:
+    """Whether a csrc/ library runs on a device: a CUDA device of compute capability 9.0 (the
+    libraries' sm_90a code), not the Triton interpreter, `precondition()` true (e.g. the
+    headers it needs are present), and `load()` (build on first use, or load from the cache)
+    succeeding. One attempt per process: a failure is kept in `error` and warns once with
+    `fallback` (what runs instead), so a model of many layers neither rebuilds nor warns per
+    layer."""
+
+    def __init__(self, load: Callable[[], object], fallback: str,
+                 precondition: Callable[[], bool] = lambda: True):
+        self.load, self.fallback, self.precondition = load, fallback, precondition
+        self.error: BaseException | None = None
+
+    def __call__(self, device) -> bool:
+        import warnings
+
+        import torch
+
+        from .common import interpreting
+        if device.type != "cuda" or interpreting():
+            return False
+        if torch.cuda.get_device_capability(device) != (9, 0) or self.error is not None:
+            return False
+        if not self.precondition():
+            return False
+        try:
+            self.load()
+        except (RuntimeError, OSError) as err:
+            self.error = err
+            warnings.warn(f"{self.fallback}: {err}", stacklevel=3)
+            return False
+        return True
+

@@ -30,7 +30,6 @@ import ctypes
 import functools
 import importlib.util
 import os
-import warnings
 from pathlib import Path
 
 import torch
@@ -171,28 +170,12 @@ def load_library() -> _Lib:
     return _Lib(build_library())
 
 
-def fp8_wgrad_loads(device: torch.device) -> bool:
-    """Whether fp8_block's WGRADs run on CUTLASS here: a Hopper GPU (not the Triton
-    interpreter) where the csrc/ library can be built or loaded from its cache."""
-    from .common import interpreting
-    if device.type != "cuda" or interpreting():
-        return False
-    if torch.cuda.get_device_capability(device) != (9, 0):
-        return False
-    global _LOAD_ERROR
-    if not available() or _LOAD_ERROR is not None:
-        return False
-    try:    # build (minutes, once) or load the cached library now, not at the first backward
-        load_library()
-    except (RuntimeError, OSError) as err:
-        _LOAD_ERROR = err     # one attempt per process, not one per layer
-        warnings.warn(f"fp8_block's WGRADs run on our Triton kernel: the CUTLASS library "
-                      f"(csrc/) could not be built or loaded here: {err}", stacklevel=3)
-        return False
-    return True
-
-
-_LOAD_ERROR: BaseException | None = None
+# whether fp8_block's WGRADs run on CUTLASS here (fp8_wgrad_loads(device)): a Hopper GPU where
+# the library can be built (minutes, once, at context creation rather than at the first
+# backward) or loaded from its cache
+fp8_wgrad_loads = csrc_build.LoadProbe(
+    lambda: load_library(), "fp8_block's WGRADs run on our Triton kernel: the CUTLASS library "
+    "(csrc/) could not be built or loaded here", precondition=lambda: available())
 
 
 def _addr_tensor(x: torch.Tensor, name: str, device: torch.device) -> torch.Tensor:

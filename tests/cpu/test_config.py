@@ -330,10 +330,9 @@ def test_nvfp4_gemm_engine_is_chosen_at_creation(monkeypatch):
     def failing_lib():
         calls.append(1)
         raise RuntimeError("nvcc failed on nvfp4_decode_mm.cu")
-    monkeypatch.setattr(nvfp4_decode, "_LOAD_ERROR", None)
+    monkeypatch.setattr(nvfp4_decode.loads, "error", None)
     monkeypatch.setattr(nvfp4_decode, "_run_fn", failing_lib)
     monkeypatch.setattr(common, "interpreting", lambda: False)
-    monkeypatch.setattr(nvfp4_decode, "interpreting", lambda: False)
     with pytest.warns(UserWarning, match="could not be built or loaded here: nvcc failed"):
         assert not nvfp4_decode.loads(cuda)
     assert not nvfp4_decode.loads(cuda) and len(calls) == 1
@@ -388,7 +387,7 @@ def test_fp8_wgrad_falls_back_to_triton(monkeypatch):
     def failing_load():
         calls.append(1)
         raise RuntimeError("nvcc failed on grouped_gemm_sm90_fp8_wgrad_coop_f32.cu")
-    monkeypatch.setattr(grouped_gemm_sm90, "_LOAD_ERROR", None)
+    monkeypatch.setattr(grouped_gemm_sm90.fp8_wgrad_loads, "error", None)
     monkeypatch.setattr(common, "interpreting", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     monkeypatch.setattr(grouped_gemm_sm90, "available", lambda: True)

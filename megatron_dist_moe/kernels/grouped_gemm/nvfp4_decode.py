@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -27,7 +26,7 @@ import torch
 
 from ...layout import nvfp4_row_bytes
 from .. import csrc_build
-from ..common import as_device_ptr, check_offsets, check_rows, interpreting
+from ..common import as_device_ptr, check_offsets, check_rows
 
 __all__ = ["variants", "variant_shape", "describe", "default_variant", "nvfp4_decode_mm",
            "launch", "loads", "build_library", "MAX_ROWS_PER_EXPERT"]
@@ -111,27 +110,10 @@ def describe(code: int) -> str:
             "register ring")
 
 
-_LOAD_ERROR: BaseException | None = None
-
-
-def loads(device: torch.device) -> bool:
-    """Whether the decode GEMM runs here: a CUDA device of compute capability 9.0 (the library's
-    sm_90a code), not the Triton interpreter, where the library builds or loads from its cache
-    (one attempt per process; a failure warns once)."""
-    global _LOAD_ERROR
-    if device.type != "cuda" or interpreting():
-        return False
-    if torch.cuda.get_device_capability(device) != (9, 0) or _LOAD_ERROR is not None:
-        return False
-    try:
-        _run_fn()
-    except (RuntimeError, OSError, FileNotFoundError) as err:
-        _LOAD_ERROR = err
-        warnings.warn(f"nvfp4's decode-regime GEMM runs on our Triton kernel: the CUDA library "
-                      f"(csrc/{_UNIT}.cu) could not be built or loaded here: {err}",
-                      stacklevel=3)
-        return False
-    return True
+# whether the library's GEMMs run here (loads(device)): a Hopper GPU where it builds or loads
+loads = csrc_build.LoadProbe(
+    lambda: _run_fn(), "nvfp4's GEMMs run on our Triton kernel: the CUDA library "
+    f"(csrc/{_UNIT}.cu, csrc/nvfp4_wgmma_mm.cu) could not be built or loaded here")
 
 
 def _check_dense(x: torch.Tensor, name: str, dtype: torch.dtype, width: int,
