@@ -22,7 +22,8 @@
 // tokens of one expert; tiles are ordered weight strip by weight strip, token tiles fastest
 // (blocks running together share a strip's weights in L2) and walked by a persistent grid of
 // one block per SM. Per 128-wide chunk: the token stage is copied S - 2 chunks ahead (S
-// stages), the weights one chunk ahead into a register ring; per 32-bit word of the weights
+// stages), the weights one chunk ahead into a register ring or (SW) with the tokens into the
+// stage, read from there at the chunk's start; per 32-bit word of the weights
 // (two k16 steps) a warpgroup decodes its fragments while the previous word's wgmmas run
 // (wait_group 1; the registers of an in-flight wgmma are kept live until it is waited for).
 // The epilogue scales the fp32 sums (x 2^6 x S_dec(row) x S_dec(e), the other kernels' order),
