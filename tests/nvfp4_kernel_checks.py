@@ -50,6 +50,26 @@ def check_quantize_rows(device, big=False):
         assert (out[R:] == 0xAB).all(), "rows past num_rows written"
 
 
+def check_publish_quantized(device, big=False):
+    """The source rank's one-launch publication: header T, int16 IDs, byte rows 2K bytes apart,
+    bit-equal to quantize_rows' rows; nothing past T written."""
+    from megatron_dist_moe.kernels.quant_nvfp4 import publish_quantized
+    K, KI = (7168, 6) if big else (256, 3)
+    for T in ((1, 8, 300) if big else (1, 5, 0)):
+        x = rows_of(max(T, 6), K, seed=T, device=device)[:T].contiguous()
+        ids = torch.randint(-1, 20, (T, KI), device=device)
+        header = torch.full((1,), -7, dtype=torch.int32, device=device)
+        ids16 = torch.full((T + 2, KI), 99, dtype=torch.int16, device=device)
+        disp = torch.full((T + 2, 2 * K), 0xAB, dtype=torch.uint8, device=device)
+        publish_quantized(x, ids, header, ids16, disp.view(torch.bfloat16), out_stride=2 * K)
+        assert int(header) == T, f"T={T}: header {int(header)}"
+        assert torch.equal(ids16[:T].long().cpu(), ids.cpu()), f"T={T}: ids differ"
+        assert (ids16[T:] == 99).all() and (disp[T:] == 0xAB).all(), f"T={T}: past T written"
+        W = nvfp4_row_bytes(K)
+        if T:
+            _bits_equal(f"publish K={K} T={T}", disp[:T, :W], NV.quantize_row_bytes(x.cpu()), K)
+
+
 def check_swiglu_quant(device, big=False):
     from megatron_dist_moe.kernels.quant_nvfp4 import swiglu_quant
     R, F = (600, 3072) if big else (21, 128)
@@ -244,7 +264,8 @@ def _check_decode_variant(device, lens, N, K, variant, offs, a, a16, W, xd, wd, 
         _close(f"{name}: graph replay with new offsets", out_g.float(), ref2, 8e-3)
 
 
-CHECKS = {f.__name__[len("check_"):]: f for f in (check_quantize_rows, check_swiglu_quant,
+CHECKS = {f.__name__[len("check_"):]: f for f in (check_quantize_rows, check_publish_quantized,
+                                                  check_swiglu_quant,
                                                   check_nvfp4_mm, check_a16_fragment_order,
                                                   check_nvfp4_decode_mm, check_nvfp4_wgmma_mm)}
 GPU_ONLY = ("nvfp4_decode_mm", "nvfp4_wgmma_mm")   # CUDA C++: no interpreter

@@ -23,9 +23,9 @@ import triton.language as tl
 from ..layout import nvfp4_row_bytes
 from .common import as_device_ptr, load_ptr
 from .quant_fp8 import _hw, abs_nan0, round_bf16, to_e4m3
-from .rows import _act_fwd
+from .rows import _act_fwd, publish_ids
 
-__all__ = ["quantize_rows", "swiglu_quant", "dequantize_rows", "DEQ_ORDERS", "e2m1_code"]
+__all__ = ["quantize_rows", "publish_quantized", "swiglu_quant", "dequantize_rows", "DEQ_ORDERS", "e2m1_code"]
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 _RCP_E2M1_MAX = tl.constexpr(1.0 / 6.0)       # fp32(1/6), TE's fp4_max_inv
@@ -57,13 +57,10 @@ def _load_values(src, r, c, K, F, ACT: tl.constexpr, CLAMPED: tl.constexpr, alph
 
 
 @triton.jit
-def _quant_rows_kernel(src_addr, num_rows_ptr, out_addr, K, out_stride, alpha, limit,
-                       ACT: tl.constexpr, CLAMPED: tl.constexpr, CHUNK: tl.constexpr,
-                       PAD: tl.constexpr, HW: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
-    if r >= tl.load(num_rows_ptr):
-        return
-    src = load_ptr(src_addr, tl.bfloat16)
+def _quant_row(src, r, out, K, alpha, limit, ACT: tl.constexpr, CLAMPED: tl.constexpr,
+               CHUNK: tl.constexpr, PAD: tl.constexpr, HW: tl.constexpr):
+    """The NVFP4 byte row of row r of src (bf16) at out (uint8): two passes, the second from
+    L2 (one when the row is one CHUNK)."""
     F = K      # ACT: the row is h2 [F] from h1 [2F]
     amax = tl.zeros((), tl.float32)
     for k0 in range(0, K, CHUNK):
@@ -75,7 +72,6 @@ def _quant_rows_kernel(src_addr, num_rows_ptr, out_addr, K, out_stride, alpha, l
     s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
     s_dec = (tl.full((), 1.0, tl.float64) / s_enc.to(tl.float64)).to(tl.float32)   # div.rn.f64
     mult = s_enc * _RCP_E2M1_MAX
-    out = load_ptr(out_addr, tl.uint8) + r * out_stride
     NB: tl.constexpr = CHUNK // 16
     for k0 in range(0, K, CHUNK):
         v = _load_values(src, r, k0 + tl.arange(0, CHUNK), K, F, ACT, CLAMPED, alpha, limit, HW)
@@ -95,6 +91,28 @@ def _quant_rows_kernel(src_addr, num_rows_ptr, out_addr, K, out_stride, alpha, l
     if PAD > 0:
         p = tl.arange(0, 16)
         tl.store(out + tail + 4 + p, tl.zeros((16,), tl.uint8), mask=p < PAD)
+
+
+@triton.jit
+def _quant_rows_kernel(src_addr, num_rows_ptr, out_addr, K, out_stride, alpha, limit,
+                       ACT: tl.constexpr, CLAMPED: tl.constexpr, CHUNK: tl.constexpr,
+                       PAD: tl.constexpr, HW: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    if r >= tl.load(num_rows_ptr):
+        return
+    _quant_row(load_ptr(src_addr, tl.bfloat16), r, load_ptr(out_addr, tl.uint8) + r * out_stride,
+               K, alpha, limit, ACT, CLAMPED, CHUNK, PAD, HW)
+
+
+@triton.jit
+def _publish_quant_kernel(x_ptr, ids_ptr, header_ptr, ids16_ptr, out_ptr, T, K, out_stride,
+                          KI: tl.constexpr, KI_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                          PAD: tl.constexpr, HW: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    publish_ids(t, T, ids_ptr, header_ptr, ids16_ptr, KI, KI_PAD)
+    if t < T:
+        _quant_row(x_ptr, t, out_ptr + t * out_stride, K, 1.702, 7.0, False, False, CHUNK, PAD,
+                   HW)
 
 
 @triton.jit
@@ -204,6 +222,25 @@ def quantize_rows(x, num_rows: torch.Tensor, max_rows: int, K: int, *, out,
     out_stride: bytes between out's rows (default the row size; a source rank writes its rows
     into the dispatch buffer's bf16 row slots, 2K bytes apart)."""
     _launch(x, num_rows, max_rows, K, out, False, 1.702, 7.0, False, out_stride)
+
+
+def publish_quantized(x_TD: torch.Tensor, ids_TK: torch.Tensor, header: torch.Tensor,
+                      ids16: torch.Tensor, dispatch: torch.Tensor, out_stride: int) -> None:
+    """A source rank's publication in NVFP4, one launch: header[0] = T, ids16[:T*K] = ids_TK
+    as int16 and dispatch's row t (out_stride bytes apart) = quantize_rows(x_TD)[t] (what
+    rows.publish_tokens does for bf16 rows)."""
+    T, K = x_TD.shape
+    KI = ids_TK.shape[1]
+    W = nvfp4_row_bytes(K)
+    assert x_TD.dtype == torch.bfloat16 and x_TD.is_contiguous(), "x_TD: dense bf16"
+    assert ids_TK.is_contiguous() and header.dtype == torch.int32 and ids16.dtype == torch.int16
+    assert out_stride >= W and out_stride % 16 == 0, f"out_stride={out_stride}: >= {W}, % 16"
+    assert dispatch.numel() * dispatch.element_size() >= T * out_stride, "dispatch: T rows"
+    chunk, warps = _chunk(K)
+    _publish_quant_kernel[(max(1, T),)](
+        x_TD, ids_TK, header, ids16, dispatch.view(torch.uint8), T, K, out_stride, KI=KI,
+        KI_PAD=max(2, triton.next_power_of_2(KI)), CHUNK=chunk,
+        PAD=W - (K // 2 + K // 16 + 4), HW=_hw(header), num_warps=warps)
 
 
 DEQ_ORDERS = ("k", "fragment")

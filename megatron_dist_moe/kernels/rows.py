@@ -6,6 +6,8 @@ runs inside CUDA graphs without host reads. Operands whose address is chosen on 
 Plain-torch twins live in rows_ref.py.
 
 Kernels:
+    publish_tokens  a source rank's call header in one launch: T, its expert IDs as int16 and
+                    its token rows into the dispatch buffer
     gather_rows     dst[i, :] = *row_ptrs[i]      (peer reads; 0 = zero row), i < num_rows
     scatter_rows    *row_ptrs[i] = src[i, :]      (peer writes; 0 = skip),    i < num_rows
     copy_rows       dst_addr[i, :] = src_addr[i, :] for i < num_rows (slot <-> scratch)
@@ -33,10 +35,52 @@ from .common import TL_DTYPES as _TL_DTYPE
 from .common import device_ptr
 
 
-__all__ = ["device_ptr", "gather_rows", "fanout_rows", "scatter_rows", "copy_rows",
+__all__ = ["device_ptr", "publish_tokens", "publish_ids", "gather_rows", "fanout_rows", "scatter_rows", "copy_rows",
            "combine_routes", "publish_grad_routes", "reduce_routes", "swiglu_fwd", "swiglu_bwd",
            "swiglu_grad", "publish_grad_y", "route_score_ptrs", "score_grad_rows",
            "sum_score_parts"]
+
+
+# -- publication: what a source rank's peers read ------------------------------------------
+@triton.jit
+def publish_ids(t, T, ids_ptr, header_ptr, ids16_ptr, K: tl.constexpr, K_PAD: tl.constexpr):
+    """The routing header of program t of a per-token grid: T (program 0) and token t's IDs as
+    int16 (shared with quant_nvfp4's publishing quantizer)."""
+    if t == 0:
+        tl.store(header_ptr, T)
+    kk = tl.arange(0, K_PAD)
+    live = (kk < K) & (t < T)
+    ids = tl.load(ids_ptr + t * K + kk, mask=live, other=0)
+    tl.store(ids16_ptr + t * K + kk, ids.to(tl.int16), mask=live)
+
+
+@triton.jit
+def _publish_tokens_kernel(x_ptr, ids_ptr, header_ptr, ids16_ptr, dst_ptr, T, D: tl.constexpr,
+                           K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    if c == 0:
+        publish_ids(t, T, ids_ptr, header_ptr, ids16_ptr, K, K_PAD)
+    d = c * BLOCK_D + tl.arange(0, BLOCK_D)
+    m = (d < D) & (t < T)
+    tl.store(dst_ptr + t * D + d, tl.load(x_ptr + t * D + d, mask=m), mask=m)
+
+
+def publish_tokens(x_TD: torch.Tensor, ids_TK: torch.Tensor, header: torch.Tensor,
+                   ids16: torch.Tensor, dispatch: torch.Tensor) -> None:
+    """header[0] = T, ids16[:T*K] = ids_TK as int16, dispatch[:T*D] = x_TD (bf16), in one
+    launch instead of three (a fill, a conversion, a copy): what the peers read after the call's
+    first barrier. Tensors are taken as they are (dense, on one device)."""
+    T, D = x_TD.shape
+    K = ids_TK.shape[1]
+    assert x_TD.is_contiguous() and ids_TK.is_contiguous(), "x_TD, ids_TK: dense tensors"
+    assert header.dtype == torch.int32 and ids16.dtype == torch.int16, "header int32, ids int16"
+    assert dispatch.dtype == x_TD.dtype and dispatch.numel() >= T * D, "dispatch: x's dtype, T*D"
+    assert ids16.numel() >= T * K, f"ids16: {ids16.numel()} entries < T*K = {T * K}"
+    block = min(4096, triton.next_power_of_2(D))
+    _publish_tokens_kernel[(max(1, T), triton.cdiv(D, block))](
+        x_TD, ids_TK, header, ids16, dispatch, T, D=D, K=K,
+        K_PAD=max(2, triton.next_power_of_2(K)), BLOCK_D=block, num_warps=4)
 
 
 # -- gather / scatter / copy ----------------------------------------------------------------
@@ -74,6 +118,7 @@ def _fanout_rows_kernel(src_base_ptr, dest_ptr, dst_addr, num_rows_ptr, n_tokens
                         src_stride_bytes, K: tl.constexpr, K_PAD: tl.constexpr, W: tl.constexpr,
                         DT: tl.constexpr, BLOCK_W: tl.constexpr):
     tok = tl.program_id(0)            # flat (source rank r, token t)
+    c0 = tl.program_id(1) * BLOCK_W   # its columns [c0, c0 + BLOCK_W)
     if tok >= n_tokens:
         return
     n = tl.load(num_rows_ptr).to(tl.int64)
@@ -86,15 +131,13 @@ def _fanout_rows_kernel(src_base_ptr, dest_ptr, dst_addr, num_rows_ptr, n_tokens
     src = (tl.load(src_base_ptr + r) + (tok - r * T).to(tl.int64) * src_stride_bytes).to(
         tl.pointer_type(DT))
     dst = tl.load(dst_addr).to(tl.pointer_type(DT))
-    cols = tl.arange(0, BLOCK_W)
-    for c0 in range(0, W, BLOCK_W):
-        c = c0 + cols
-        cm = c < W
-        v = tl.load(src + c, mask=cm)  # read once ...
-        for k in tl.static_range(K_PAD):
-            dk = tl.sum(tl.where(kk == k, d, 0), 0)
-            okk = tl.sum(tl.where(kk == k, ok.to(tl.int32), 0), 0) > 0
-            tl.store(dst + dk * W + c, v, mask=cm & okk)   # ... written to every row
+    c = c0 + tl.arange(0, BLOCK_W)
+    cm = c < W
+    v = tl.load(src + c, mask=cm)     # read once ...
+    for k in tl.static_range(K_PAD):
+        dk = tl.sum(tl.where(kk == k, d, 0), 0)
+        okk = tl.sum(tl.where(kk == k, ok.to(tl.int32), 0), 0) > 0
+        tl.store(dst + dk * W + c, v, mask=cm & okk)   # ... written to every row
 
 
 def fanout_rows(src_base_EP: torch.Tensor, src_stride_bytes: int, dest_rows: torch.Tensor,
@@ -104,17 +147,19 @@ def fanout_rows(src_base_EP: torch.Tensor, src_stride_bytes: int, dest_rows: tor
     src_stride_bytes) for every route whose row is in [0, num_rows) (device). Each token row is
     read once and written to all of its rows; tokens with no row here are not read at all. The
     same result as `gather_rows` over the matching row addresses, with a token's peer row read
-    once instead of once per route (one program per token)."""
+    once instead of once per route (a program per token and column block: a decode step's few
+    tokens still fill the GPU)."""
     EP = src_base_EP.numel()
     assert dest_rows.numel() == EP * T * K, (
         f"dest_rows has {dest_rows.numel()} entries, expected EP*T*K = {EP}*{T}*{K}")
     assert dest_rows.dtype == torch.int32, f"dest_rows must be int32, got {dest_rows.dtype}"
     if EP * T == 0:
         return
-    _fanout_rows_kernel[(EP * T,)](
+    block = min(1024, triton.next_power_of_2(width))
+    _fanout_rows_kernel[(EP * T, triton.cdiv(width, block))](
         src_base_EP, dest_rows, dst_addr, num_rows, EP * T, T, src_stride_bytes, K=K,
         K_PAD=max(2, triton.next_power_of_2(K)), W=width, DT=_TL_DTYPE[dtype],
-        BLOCK_W=min(2048, triton.next_power_of_2(width)), num_warps=8)
+        BLOCK_W=block, num_warps=4)
 
 
 @triton.jit

@@ -33,6 +33,7 @@
 #   floor      the layer's six GEMMs alone (ours, torch's) next to the dense mm, settled
 #   weights    the Megatron plugin's weight plumbing per layer call
 #   packbench  bench_packing (PACK_ARGS)
+#   routing    the routing-table kernels (one launch and two) against the torch tables
 #   decode     bench_decode: the forward at T = 1..2048 next to its weight-read floor (DECODE_ARGS)
 #   megatron   tiny GPT, dist_moe vs alltoall (SEEDS, STEPS, MB, MOE_BACKEND, PERTURB,
 #              MEGATRON_ARGS)
@@ -80,6 +81,7 @@ for s in $sections; do case $s in
   fp8kernels) LIMIT=300 run fp8kernels python3 -m pytest -q tests/gpu/test_kernel_checks_gpu.py -m gpu \
                   -k "fp8_kernel_checks and not mxfp8" ;;
   mxkernels) LIMIT=240 run mxkernels python3 -m pytest -q tests/gpu/test_kernel_checks_gpu.py -m gpu -k mxfp8 ;;
+  routing) LIMIT=180 run routing python3 -m pytest -q tests/gpu/test_routing_gpu.py -m gpu ;;
   nvkernels) LIMIT=240 run nvkernels python3 -m pytest -q tests/gpu/test_kernel_checks_gpu.py -m gpu -k nvfp4 ;;
   sm90) LIMIT=300 run sm90 python3 -m pytest -q tests/gpu/test_grouped_gemm_sm90_gpu.py -m gpu ;;
   megakernel) LIMIT=240 run megakernel python3 -m pytest -q tests/gpu/test_kernel_checks_gpu.py -m gpu -k mega ;;

@@ -1,5 +1,6 @@
-"""Two-launch routing tables (kernels/routing.py) under Triton's CPU interpreter, against the torch
-version (backends/cuda/routing.py: build_routing_tables), which they must match exactly.
+"""Routing tables (kernels/routing.py: the one-launch tile and the two launches) under Triton's
+CPU interpreter, against the torch version (backends/cuda/routing.py: build_routing_tables),
+which they must match exactly.
 
 "Peers" are CPU buffers laid out as routing regions (int32 T at byte 0, int16 IDs [T, K] at byte
 128); dispatch/combine bases are arbitrary numbers (the kernels only compute addresses). Checks
@@ -64,7 +65,7 @@ def case(name, *, EP, T, K, E_local, rank, max_rows, T_max=None, seed=0, inactiv
                           own_scores_TK=sc, trap=False, fanout=fanout)
     offs, nrows, rows_EP, fwd, comb, disp, status = got[:7]
     code, a, b = status.tolist()
-    out = {"name": name, "code": code, "a": a, "b": b}
+    out = {"name": name, "code": code, "a": a, "b": b, "launches": ws.launches(T, K)}
     if code != expect:
         out["error"] = f"status {(code, a, b)}, expected code {expect}"
         return out
@@ -137,6 +138,20 @@ CASES = [
          bad={(1, 7, 2): 4, (1, 9, 0): -5, (0, 1, 1): 99}, expect=3),
     dict(name="inactive_score", EP=2, T=30, K=3, E_local=2, rank=0, max_rows=400,
          bad={(0, 5, 1): -1}, scores={(5, 1): 0.5}, expect=4),
+    # the one-launch tile (decode) with a zero tail longer than one program's share
+    dict(name="one_launch_long_tail", EP=1, T=8, K=6, E_local=6, rank=0, max_rows=9000,
+         scores="clean", seed=8),
+    dict(name="one_launch_ep2", EP=2, T=8, K=6, E_local=3, rank=1, max_rows=96, seed=9,
+         scores="clean"),
+    # the failed checks once more where the routes need the two launches (count, place)
+    dict(name="unequal_T_two", EP=2, T=1100, K=2, E_local=2, rank=0, max_rows=5000,
+         T_EP=[1100, 1099], expect=1),
+    dict(name="overflow_two", EP=2, T=600, K=4, E_local=2, rank=1, max_rows=100,
+         inactive=0.0, expect=2),
+    dict(name="bad_id_two", EP=2, T=700, K=3, E_local=2, rank=1, max_rows=5000,
+         bad={(1, 600, 2): 4, (1, 650, 0): -5, (0, 1, 1): 99}, expect=3),
+    dict(name="inactive_score_two", EP=2, T=700, K=3, E_local=2, rank=0, max_rows=5000,
+         bad={(0, 500, 1): -1}, scores={(500, 1): 0.5}, expect=4),
 ]
 
 names = set(sys.argv[1:])
@@ -154,7 +169,8 @@ for c in CASES:
 
 NAMES = ["ep2_guide_like", "ep2_rank1", "multi_chunk", "ep4_k1_tmax", "ep1", "hot_expert",
          "all_inactive", "zero_tokens", "exact_fit", "unequal_T", "overflow", "peer_rejected",
-         "bad_id", "inactive_score"]
+         "bad_id", "inactive_score", "one_launch_long_tail", "one_launch_ep2", "unequal_T_two",
+         "overflow_two", "bad_id_two", "inactive_score_two"]
 # (code, a, b) that the failing cases must report: the numbers the trap message prints
 EXPECT_NUMBERS = {
     "unequal_T": (1, 2, 17),                   # peer rank 2 has T=17
@@ -162,7 +178,17 @@ EXPECT_NUMBERS = {
     "peer_rejected": (5, 1, -1),               # rank 1 published T = -1 (its input was bad)
     "bad_id": (3, 7 * 3 + 2, 4),               # first bad flat route of rank 1: t=7, k=2, id 4
     "inactive_score": (4, 5 * 3 + 1, 0x3F000000),  # t=5, k=1, bits of 0.5
+    "unequal_T_two": (1, 1, 1099),
+    "overflow_two": (2, None, 100),
+    "bad_id_two": (3, 600 * 3 + 2, 4),
+    "inactive_score_two": (4, 500 * 3 + 1, 0x3F000000),
 }
+
+
+# the cases that take the one-launch tile (the others the two launches)
+ONE_LAUNCH = {"ep4_k1_tmax", "ep1", "all_inactive", "zero_tokens", "exact_fit", "unequal_T",
+              "overflow", "peer_rejected", "bad_id", "inactive_score", "one_launch_long_tail",
+              "one_launch_ep2"}
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +202,7 @@ def test_routing_kernels_match_torch_tables(results, name):
     res = results.get(name)
     assert res is not None, f"{name}: no result"
     assert "error" not in res, f"{name}: {res['error']}\n{res.get('trace', '')}"
+    assert res["launches"] == (1 if name in ONE_LAUNCH else 2), res["launches"]
     if name in EXPECT_NUMBERS:
         code, a, b = EXPECT_NUMBERS[name]
         assert res["code"] == code

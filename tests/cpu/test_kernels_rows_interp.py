@@ -21,6 +21,17 @@ BODY = textwrap.dedent(r'''
     torch.manual_seed(0)
     bf = torch.bfloat16
     D, F, T, Kk = 96, 80, 7, 3
+    # publication: header T, int16 IDs and the rows, nothing past T (D wider than one block)
+    for Tp, Dp in ((5, 96), (0, 96), (3, 4100)):
+        xp = torch.randn(Tp, Dp).to(bf)
+        idp = torch.randint(-1, 30, (Tp, Kk))
+        hdr = torch.full((1,), -3, dtype=torch.int32)
+        ids16 = torch.full((Tp + 2, Kk), 77, dtype=torch.int16)
+        disp = torch.full(((Tp + 2) * Dp,), 9.0).to(bf)
+        K.publish_tokens(xp, idp, hdr, ids16, disp)
+        assert int(hdr) == Tp and torch.equal(ids16[:Tp].long(), idp), ("publish ids", Tp)
+        assert torch.equal(disp[:Tp * Dp].view(Tp, Dp), xp), ("publish rows", Tp)
+        assert (ids16[Tp:] == 77).all() and (disp[Tp * Dp:] == 9).all(), ("publish past T", Tp)
     # gather: rows from scattered addresses, 0 = zero row, rows >= n untouched
     src = torch.randn(20, D).to(bf)
     idx = torch.tensor([3, 0, 19, 7, 7])

@@ -1,4 +1,5 @@
-"""Two-launch Triton routing tables on the GPU, bit-equal to the torch version.
+"""Triton routing tables on the GPU (the one-launch tile and the two launches), bit-equal to
+the torch version.
 
 "Peers" are routing regions in this GPU's memory (int32 T at byte 0, int16 IDs at byte 128);
 dispatch/combine bases are arbitrary numbers (only addresses are computed). The failing-check
@@ -35,10 +36,12 @@ def _regions(ids_EPTK, T_EP):
     return bufs, torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=DEV)
 
 
-@pytest.mark.parametrize("EP,T,K,E_local,rank,hot", [
-    (2, 2048, 6, 6, 0, None), (2, 2048, 6, 6, 1, 7), (8, 4096, 8, 32, 5, None),
-    (4, 37, 1, 3, 3, None), (1, 0, 2, 4, 0, None), (2, 8192, 8, 8, 1, 2)])
-def test_route_tables_match_torch(EP, T, K, E_local, rank, hot):
+@pytest.mark.parametrize("EP,T,K,E_local,rank,hot,launches", [
+    (2, 2048, 6, 6, 0, None, 2), (2, 2048, 6, 6, 1, 7, 2), (8, 4096, 8, 32, 5, None, 2),
+    (4, 37, 1, 3, 3, None, 1), (1, 0, 2, 4, 0, None, 1), (2, 8192, 8, 8, 1, 2, 2),
+    (1, 8, 6, 6, 0, None, 1), (1, 32, 6, 6, 0, None, 1), (2, 128, 6, 6, 1, 3, 1),
+    (8, 16, 8, 32, 6, None, 1), (1, 512, 6, 6, 0, None, 2)])
+def test_route_tables_match_torch(EP, T, K, E_local, rank, hot, launches):
     g = torch.Generator(device=DEV).manual_seed(EP * 1000 + T)
     E = EP * E_local
     ids = torch.randint(0, E, (EP, T, K), generator=g, device=DEV)
@@ -53,6 +56,7 @@ def test_route_tables_match_torch(EP, T, K, E_local, rank, hot):
     max_rows = EP * T * min(K, E_local) + 100
     scores = torch.where(ids[rank] >= 0, torch.rand(T, K, generator=g, device=DEV), 0.0)
     ws = KR.RouteWorkspace(EP, T, K, E_local, DEV)
+    assert ws.launches(T, K) == launches
     for _ in range(2):   # the workspace is reused across calls
         got = KR.route_tables(ws, base, T, K, rank, E, max_rows, disp, comb, 14336,
                               own_scores_TK=scores, trap=False)
@@ -65,8 +69,9 @@ def test_route_tables_match_torch(EP, T, K, E_local, rank, hot):
     assert got[6].tolist() == [0, 0, 0], f"status {got[6].tolist()}"
 
 
-def test_route_tables_in_cuda_graph():
-    EP, T, K, E_local, rank = 2, 512, 4, 4, 1
+@pytest.mark.parametrize("T", [512, 8])
+def test_route_tables_in_cuda_graph(T):
+    EP, K, E_local, rank = 2, 4, 4, 1
     E = EP * E_local
     ids = torch.randint(-1, E, (EP, T, K), device=DEV).to(torch.int16)
     bufs, base = _regions(ids, [T] * EP)
@@ -89,7 +94,7 @@ def test_route_tables_in_cuda_graph():
 
 
 @pytest.mark.parametrize("EP,T,K,E_local,rank", [(2, 2048, 6, 6, 0), (2, 2048, 8, 8, 1),
-                                                 (4, 333, 3, 2, 2)])
+                                                 (4, 333, 3, 2, 2), (1, 8, 6, 6, 0)])
 def test_fanout_gather_equals_the_row_gather(EP, T, K, E_local, rank):
     """Fan-out gathers: the fan-out table equals the torch one, and rows.fanout_rows
     (each token read once) writes exactly what gather_rows (one read per route) writes."""

@@ -115,14 +115,14 @@ class CudaBackend:
             self.sym.barrier(0)
 
     def _publish(self, x_TD: torch.Tensor, ids_TK: torch.Tensor) -> None:
-        T, D = x_TD.shape
-        self.sym.header.fill_(T)
-        self.sym.ids_TK[:T].copy_(ids_TK)
+        """T, the IDs and the token rows where the peers read them, in one launch."""
         publish = getattr(self.experts, "publish", None)
+        args = (x_TD.contiguous(), ids_TK.contiguous(), self.sym.header, self.sym.ids_TK,
+                self.sym.dispatch)
         if publish is not None:       # the precision's own row form (nvfp4: quantized rows)
-            publish(x_TD, self.sym.dispatch)
+            publish(*args)
         else:
-            self.sym.dispatch[: T * D].view(T, D).copy_(x_TD)
+            K_rows.publish_tokens(*args)
 
     def _routing(self, T: int, scores_TK: torch.Tensor | None) -> RoutingTables:
         fanout = self.experts.uses_fanout   # the fan-out table only where the gathers use it

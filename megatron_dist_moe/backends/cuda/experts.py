@@ -612,7 +612,6 @@ class Nvfp4Pipeline:
         self.cfg, self.E, self.max_rows, self.device = cfg, num_local_experts, max_rows, device
         self.act = dict(activation=cfg.activation, swiglu_alpha=cfg.swiglu_alpha,
                         swiglu_limit=cfg.swiglu_limit)
-        self._T = torch.zeros(1, dtype=torch.int32, device=device)
         # Execution.nvfp4_gemm: the CUDA engine's GEMM per GEMM at this row bound (W13
         # contracts D, W2 F): the decode GEMM up to 32 rows per expert, the wgmma GEMM above
         # (kernels/grouped_gemm/nvfp4_decode.py, nvfp4_wgmma.py), else the Triton NVFP4 GEMM;
@@ -640,12 +639,11 @@ class Nvfp4Pipeline:
             from ...kernels.grouped_gemm.nvfp4 import nvfp4_grouped_mm
             nvfp4_grouped_mm(**kw)
 
-    def publish(self, x_TD: torch.Tensor, dispatch: torch.Tensor) -> None:
-        """Quantize this rank's token rows into its dispatch buffer (row slots 2D bytes apart)."""
-        from ...kernels.quant_nvfp4 import quantize_rows
-        T, D = x_TD.shape
-        self._T.fill_(T)
-        quantize_rows(x_TD, self._T, T, D, out=dispatch, out_stride=2 * D)
+    def publish(self, x_TD, ids_TK, header, ids16, dispatch) -> None:
+        """T, the IDs and this rank's token rows quantized into its dispatch buffer (row slots
+        2D bytes apart), in one launch."""
+        from ...kernels.quant_nvfp4 import publish_quantized
+        publish_quantized(x_TD, ids_TK, header, ids16, dispatch, out_stride=2 * x_TD.shape[1])
 
     def prepare(self, w13, w2, training: bool, into=None):
         assert not training, "nvfp4 runs inference only"
