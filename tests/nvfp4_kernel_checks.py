@@ -91,6 +91,62 @@ def check_swiglu_quant(device, big=False):
         assert bool(((got_v - want_v).abs() <= step + 1e-30).all()), f"{act}: h2 rows off"
         flips = (out.cpu() != want).float().mean().item()
         assert flips < 2e-3, f"{act}: {flips:.2e} of the bytes differ from the twin"
+        # the same pass's a16, in both orders: bit-equal to dequantize_rows of its byte rows
+        from megatron_dist_moe.kernels.quant_nvfp4 import dequantize_rows
+        n = torch.tensor([R - 3], dtype=torch.int32, device=device)
+        for order in ("k", "fragment"):
+            out2 = torch.zeros_like(out)
+            a16 = torch.full((R, F), 7.0, dtype=torch.float16, device=device)
+            swiglu_quant(h1, n, R, F, out=out2, activation=act, swiglu_alpha=a.alpha,
+                         swiglu_limit=a.limit, a16=a16, a16_order=order)
+            want16 = torch.empty(R - 3, F, dtype=torch.float16, device=device)
+            dequantize_rows(out2, n, R, F, out=want16, order=order)
+            assert torch.equal(out2[:R - 3], out[:R - 3]), f"{act}: rows differ with a16"
+            assert torch.equal(a16[:R - 3].view(torch.int16), want16.view(torch.int16)), (
+                f"{act}, order {order}: swiglu_quant's a16 differs from dequantize_rows")
+            assert (a16[R - 3:] == 7.0).all(), f"{act}: a16 past num_rows written"
+
+
+def check_fanout_dequantize(device, big=False):
+    """The owner's fan-out of byte rows with their decode: x_g rows equal the source rows, a16
+    equals dequantize_rows(x_g) bitwise in both orders, rows at or past num_rows untouched."""
+    from megatron_dist_moe.kernels.quant_nvfp4 import dequantize_rows, fanout_dequantize
+    D, EP, T, KR = (7168, 2, 9, 6) if big else (256, 2, 5, 3)
+    W = nvfp4_row_bytes(D)
+    g = torch.Generator().manual_seed(D)
+    srcs = []
+    for r in range(EP):       # each rank's rows in 2D-byte slots, as the dispatch buffer
+        b = torch.full((T, 2 * D), 0xCD, dtype=torch.uint8)
+        b[:, :W] = NV.quantize_row_bytes(rows_of(max(T, 6), D, seed=10 + r)[:T])
+        srcs.append(b.to(device))
+    base = torch.tensor([b.data_ptr() for b in srcs], dtype=torch.int64, device=device)
+    n_routes = EP * T * KR
+    R = n_routes // 2
+    dest = torch.full((n_routes,), -1, dtype=torch.int32)
+    perm = torch.randperm(n_routes, generator=g)[:R + 1]
+    dest[perm[:R]] = torch.randperm(R, generator=g).to(torch.int32)
+    dest[perm[R]] = R + 1                              # past num_rows: never written
+    dest = dest.to(device)
+    n = torch.tensor([R], dtype=torch.int32, device=device)
+    for order in ("k", "fragment"):
+        xg = torch.full((R + 2, W), 0xEE, dtype=torch.uint8, device=device)
+        a16 = torch.full((R + 2, D), 5.0, dtype=torch.float16, device=device)
+        fanout_dequantize(base, 2 * D, dest, T, KR, xg, n, D, a16=a16, order=order)
+        want = torch.full_like(xg, 0xEE)
+        for j, i in enumerate(dest.tolist()):
+            if 0 <= i < R:
+                r, t = divmod(j // KR, T)
+                want[i] = srcs[r][t, :W]
+        assert torch.equal(xg, want), f"order {order}: fanned-out byte rows differ"
+        want16 = torch.empty(R, D, dtype=torch.float16, device=device)
+        dequantize_rows(xg, n, R, D, out=want16, order=order)
+        assert torch.equal(a16[:R].view(torch.int16), want16.view(torch.int16)), (
+            f"order {order}: fanout_dequantize's a16 differs from dequantize_rows")
+        assert (a16[R:] == 5.0).all(), f"order {order}: a16 past num_rows written"
+    xz = torch.full((R + 2, W), 0xEE, dtype=torch.uint8, device=device)
+    fanout_dequantize(base, 2 * D, dest, T, KR, xz, torch.zeros_like(n), D,
+                      a16=torch.zeros(R + 2, D, dtype=torch.float16, device=device))
+    assert (xz == 0xEE).all(), "num_rows = 0 (a failed routing check): rows written"
 
 
 
@@ -265,7 +321,7 @@ def _check_decode_variant(device, lens, N, K, variant, offs, a, a16, W, xd, wd, 
 
 
 CHECKS = {f.__name__[len("check_"):]: f for f in (check_quantize_rows, check_publish_quantized,
-                                                  check_swiglu_quant,
+                                                  check_swiglu_quant, check_fanout_dequantize,
                                                   check_nvfp4_mm, check_a16_fragment_order,
                                                   check_nvfp4_decode_mm, check_nvfp4_wgmma_mm)}
 GPU_ONLY = ("nvfp4_decode_mm", "nvfp4_wgmma_mm")   # CUDA C++: no interpreter

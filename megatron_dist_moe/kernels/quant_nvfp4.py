@@ -3,8 +3,13 @@
     quantize_rows   bf16 rows [R, K] -> NVFP4 byte rows (layout.nvfp4_row_bytes(K) each: packed
                     E2M1 | E4M3 scales per 16 | the row's fp32 S_dec), each row its own tensor
                     (its amax sets its global scale): what a source rank publishes
-    swiglu_quant    h1 [R, 2F] -> the byte rows of h2 = round(act(h1)) (the W2 operand)
+    publish_quantized  quantize_rows of a source rank's tokens into its dispatch buffer, with
+                    the routing header (T, int16 IDs), in one launch
+    swiglu_quant    h1 [R, 2F] -> the byte rows of h2 = round(act(h1)) (the W2 operand), and
+                    optionally their decoded values (a16) from the same pass
     dequantize_rows byte rows -> fp16 values without the rows' global scales (exact)
+    fanout_dequantize  the owner's fan-out of byte rows (rows.fanout_rows) with their decode
+                    into a16 in the same pass
 
 and the E2M1 decode the NVFP4 GEMM shares (_decode_f16: Triton ops; _decode_f16_asm: the same
 bits in packed PTX, which the interpreter cannot run).
@@ -25,7 +30,7 @@ from .common import as_device_ptr, load_ptr
 from .quant_fp8 import _hw, abs_nan0, round_bf16, to_e4m3
 from .rows import _act_fwd, publish_ids
 
-__all__ = ["quantize_rows", "publish_quantized", "swiglu_quant", "dequantize_rows", "DEQ_ORDERS", "e2m1_code"]
+__all__ = ["quantize_rows", "publish_quantized", "swiglu_quant", "fanout_dequantize", "dequantize_rows", "DEQ_ORDERS", "e2m1_code"]
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 _RCP_E2M1_MAX = tl.constexpr(1.0 / 6.0)       # fp32(1/6), TE's fp4_max_inv
@@ -57,10 +62,32 @@ def _load_values(src, r, c, K, F, ACT: tl.constexpr, CLAMPED: tl.constexpr, alph
 
 
 @triton.jit
-def _quant_row(src, r, out, K, alpha, limit, ACT: tl.constexpr, CLAMPED: tl.constexpr,
-               CHUNK: tl.constexpr, PAD: tl.constexpr, HW: tl.constexpr):
+def a16_position(c, FRAGMENT: tl.constexpr):
+    """Where value c of a row goes in a16: c ("k"), or quant/nvfp4.a16_fragment_index's order
+    within its 128-wide chunk ("fragment", the wgmma GEMM's)."""
+    if FRAGMENT:
+        kk = c % 128
+        return c - kk + 16 * (kk % 32 // 4) + 8 * (kk % 2) + 2 * (kk // 32) + kk % 4 // 2
+    return c
+
+
+@triton.jit
+def _code_values(codes, s8):
+    """fp16 of E2M1 codes [NB, 16] x their block's E4M3 scale s8 [NB] (exact: at most 6
+    significant bits in [2^-10, 2688]), the values dequantize_rows decodes from the bytes."""
+    mag = codes & 7
+    v = tl.where(mag < 2, mag.to(tl.float32) * 0.5,
+                 ((1 << (mag >> 1)) * (2 + (mag & 1))).to(tl.float32) * 0.25)
+    v = tl.where((codes & 8) != 0, -v, v)
+    return (v * s8.to(tl.float32)[:, None]).to(tl.float16)
+
+
+@triton.jit
+def _quant_row(src, r, out, a16, K, alpha, limit, ACT: tl.constexpr, CLAMPED: tl.constexpr,
+               CHUNK: tl.constexpr, PAD: tl.constexpr, HW: tl.constexpr, A16: tl.constexpr):
     """The NVFP4 byte row of row r of src (bf16) at out (uint8): two passes, the second from
-    L2 (one when the row is one CHUNK)."""
+    L2 (one when the row is one CHUNK). A16 (1 "k", 2 "fragment"): the row's values before its
+    global scale also go to a16 (fp16, dequantize_rows' result without its launch)."""
     F = K      # ACT: the row is h2 [F] from h1 [2F]
     amax = tl.zeros((), tl.float32)
     for k0 in range(0, K, CHUNK):
@@ -86,6 +113,10 @@ def _quant_row(src, r, out, K, alpha, limit, ACT: tl.constexpr, CLAMPED: tl.cons
         tl.store(out + cb, (lo | (hi << 4)).to(tl.uint8), mask=cb < K // 2)
         cs = k0 // 16 + tl.arange(0, NB)
         tl.store(out + K // 2 + cs, s8.to(tl.uint8, bitcast=True), mask=cs < K // 16)
+        if A16 > 0:
+            c = k0 + tl.arange(0, CHUNK)
+            tl.store(a16 + a16_position(c, A16 == 2),
+                     tl.reshape(_code_values(codes, s8), (CHUNK,)), mask=c < K)
     tail = K // 2 + K // 16
     tl.store((out + tail).to(tl.pointer_type(tl.float32)), s_dec)
     if PAD > 0:
@@ -94,14 +125,19 @@ def _quant_row(src, r, out, K, alpha, limit, ACT: tl.constexpr, CLAMPED: tl.cons
 
 
 @triton.jit
-def _quant_rows_kernel(src_addr, num_rows_ptr, out_addr, K, out_stride, alpha, limit,
+def _quant_rows_kernel(src_addr, num_rows_ptr, out_addr, a16_addr, K, out_stride, alpha, limit,
                        ACT: tl.constexpr, CLAMPED: tl.constexpr, CHUNK: tl.constexpr,
-                       PAD: tl.constexpr, HW: tl.constexpr):
+                       PAD: tl.constexpr, HW: tl.constexpr, A16: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     if r >= tl.load(num_rows_ptr):
         return
-    _quant_row(load_ptr(src_addr, tl.bfloat16), r, load_ptr(out_addr, tl.uint8) + r * out_stride,
-               K, alpha, limit, ACT, CLAMPED, CHUNK, PAD, HW)
+    src = load_ptr(src_addr, tl.bfloat16)
+    out = load_ptr(out_addr, tl.uint8) + r * out_stride
+    if A16 > 0:
+        _quant_row(src, r, out, load_ptr(a16_addr, tl.float16) + r * K, K, alpha, limit, ACT,
+                   CLAMPED, CHUNK, PAD, HW, A16)
+    else:
+        _quant_row(src, r, out, a16_addr, K, alpha, limit, ACT, CLAMPED, CHUNK, PAD, HW, 0)
 
 
 @triton.jit
@@ -111,8 +147,8 @@ def _publish_quant_kernel(x_ptr, ids_ptr, header_ptr, ids16_ptr, out_ptr, T, K, 
     t = tl.program_id(0).to(tl.int64)
     publish_ids(t, T, ids_ptr, header_ptr, ids16_ptr, KI, KI_PAD)
     if t < T:
-        _quant_row(x_ptr, t, out_ptr + t * out_stride, K, 1.702, 7.0, False, False, CHUNK, PAD,
-                   HW)
+        _quant_row(x_ptr, t, out_ptr + t * out_stride, x_ptr, K, 1.702, 7.0, False, False,
+                   CHUNK, PAD, HW, 0)
 
 
 @triton.jit
@@ -177,12 +213,73 @@ def _deq_rows_kernel(src_addr, num_rows_ptr, out_addr, K, src_stride, CHUNK: tl.
         s16 = s8.to(tl.float8e4nv, bitcast=True).to(tl.float16)
         v = _decode_f16(packed[None, :], s16[None, :], 1, CHUNK)
         c = k0 + tl.arange(0, CHUNK)[None, :]
-        if FRAGMENT:   # quant/nvfp4.a16_fragment_index's order, per 128-wide chunk
-            kk = c % 128
-            p = c - kk + 16 * (kk % 32 // 4) + 8 * (kk % 2) + 2 * (kk // 32) + kk % 4 // 2
-        else:
-            p = c
-        tl.store(out + p, v, mask=c < K)
+        tl.store(out + a16_position(c, FRAGMENT), v, mask=c < K)
+
+
+@triton.jit
+def _fanout_deq_kernel(src_base_ptr, dest_ptr, xg_addr, a16_addr, num_rows_ptr, n_tokens, T,
+                       src_stride_bytes, D, W, KR: tl.constexpr, KR_PAD: tl.constexpr,
+                       CH: tl.constexpr, FRAGMENT: tl.constexpr):
+    tok = tl.program_id(0)            # flat (source rank r, token t)
+    c0 = tl.program_id(1) * CH        # its values [c0, c0 + CH)
+    if tok >= n_tokens:
+        return
+    n = tl.load(num_rows_ptr).to(tl.int64)
+    kk = tl.arange(0, KR_PAD)
+    d = tl.load(dest_ptr + tok.to(tl.int64) * KR + kk, mask=kk < KR, other=-1).to(tl.int64)
+    ok = (d >= 0) & (d < n)
+    if tl.sum(ok.to(tl.int32), 0) == 0:
+        return                        # no route of this token lands here: no peer read
+    r = tok // T
+    src = (tl.load(src_base_ptr + r) + (tok - r * T).to(tl.int64) * src_stride_bytes).to(
+        tl.pointer_type(tl.uint8))
+    xg = load_ptr(xg_addr, tl.uint8)
+    a16 = load_ptr(a16_addr, tl.float16)
+    cb = c0 // 2 + tl.arange(0, CH // 2)
+    pm = cb < D // 2
+    packed = tl.load(src + cb, mask=pm, other=0)          # read once ...
+    cs = c0 // 16 + tl.arange(0, CH // 16)
+    sm = cs < D // 16
+    s8 = tl.load(src + D // 2 + cs, mask=sm, other=0)
+    s16 = s8.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    v = tl.reshape(_decode_f16(packed[None, :], s16[None, :], 1, CH), (CH,))
+    c = c0 + tl.arange(0, CH)
+    p = a16_position(c, FRAGMENT)
+    tb = tl.arange(0, 32)             # S_dec and the pad, by the first column block
+    tm = (tb < W - D // 2 - D // 16) & (c0 == 0)
+    tail = tl.load(src + D // 2 + D // 16 + tb, mask=tm, other=0)
+    for k in tl.static_range(KR_PAD):
+        dk = tl.sum(tl.where(kk == k, d, 0), 0)
+        okk = tl.sum(tl.where(kk == k, ok.to(tl.int32), 0), 0) > 0
+        row = xg + dk * W                                 # ... written to every row
+        tl.store(row + cb, packed, mask=pm & okk)
+        tl.store(row + D // 2 + cs, s8, mask=sm & okk)
+        tl.store(row + D // 2 + D // 16 + tb, tail, mask=tm & okk)
+        tl.store(a16 + dk * D + p, v, mask=(c < D) & okk)
+
+
+def fanout_dequantize(src_base_EP: torch.Tensor, src_stride_bytes: int, dest_rows: torch.Tensor,
+                      T: int, K_routes: int, x_g, num_rows: torch.Tensor, D: int, *, a16,
+                      order: str = "k") -> None:
+    """rows.fanout_rows of NVFP4 byte rows (layout.nvfp4_row_bytes(D) each) into x_g, and in
+    the same pass dequantize_rows(x_g, order=order) into a16 (fp16 [>= R, D]): each token's
+    byte row is read once over NVLink and decoded once for all of its rows here. x_g, a16:
+    tensors or device pointers."""
+    assert order in DEQ_ORDERS, f"order={order!r}: expected one of {DEQ_ORDERS}"
+    assert D % 32 == 0 and (order == "k" or D % 128 == 0), (
+        f"D={D}: a multiple of 32 (128 for order='fragment')")
+    EP = src_base_EP.numel()
+    assert dest_rows.numel() == EP * T * K_routes and dest_rows.dtype == torch.int32, (
+        f"dest_rows: int32 [EP*T*K] = [{EP * T * K_routes}], got {dest_rows.dtype} "
+        f"[{dest_rows.numel()}]")
+    if EP * T == 0:
+        return
+    ch = min(1024, triton.next_power_of_2(D))
+    _fanout_deq_kernel[(EP * T, triton.cdiv(D, ch))](
+        src_base_EP, dest_rows, as_device_ptr(x_g, "x_g"),
+        as_device_ptr(a16, "a16", torch.float16), num_rows, EP * T, T, src_stride_bytes, D,
+        nvfp4_row_bytes(D), KR=K_routes, KR_PAD=max(2, triton.next_power_of_2(K_routes)), CH=ch,
+        FRAGMENT=order == "fragment", num_warps=4)
 
 
 _ONE_PASS = 8192   # rows up to this width are read once (one masked block: one load round trip)
@@ -202,17 +299,22 @@ def _chunk(K: int) -> tuple[int, int]:
     return c, 4
 
 
-def _launch(src, num_rows, max_rows, K, out, act, alpha, limit, clamped, out_stride=None):
+def _launch(src, num_rows, max_rows, K, out, act, alpha, limit, clamped, out_stride=None,
+            a16=None, a16_order="k"):
     W = nvfp4_row_bytes(K)
     out_stride = W if out_stride is None else out_stride
     assert out_stride >= W and out_stride % 16 == 0, f"out_stride={out_stride}: >= {W}, % 16"
+    assert a16_order in DEQ_ORDERS, f"a16_order={a16_order!r}: expected one of {DEQ_ORDERS}"
+    assert a16_order == "k" or K % 128 == 0, f"a16_order='fragment' needs K % 128 == 0, K={K}"
     pad = W - (K // 2 + K // 16 + 4)
     chunk, warps = _chunk(K)
+    src_addr = as_device_ptr(src, "src", torch.bfloat16)
     _quant_rows_kernel[(max(1, max_rows),)](
-        as_device_ptr(src, "src", torch.bfloat16), num_rows, as_device_ptr(out, "out"), K,
-        out_stride,
+        src_addr, num_rows, as_device_ptr(out, "out"),
+        src_addr if a16 is None else as_device_ptr(a16, "a16", torch.float16), K, out_stride,
         float(alpha), float(limit), ACT=act, CLAMPED=clamped, CHUNK=chunk, PAD=pad,
-        HW=_hw(num_rows), num_warps=warps)
+        HW=_hw(num_rows), A16=0 if a16 is None else DEQ_ORDERS.index(a16_order) + 1,
+        num_warps=warps)
 
 
 def quantize_rows(x, num_rows: torch.Tensor, max_rows: int, K: int, *, out,
@@ -265,8 +367,10 @@ def dequantize_rows(rows, num_rows: torch.Tensor, max_rows: int, K: int, *, out,
 
 def swiglu_quant(h1, num_rows: torch.Tensor, max_rows: int, F: int, *, out,
                  activation: str = "swiglu", swiglu_alpha: float = 1.702,
-                 swiglu_limit: float = 7.0) -> None:
+                 swiglu_limit: float = 7.0, a16=None, a16_order: str = "k") -> None:
     """out [>= R, nvfp4_row_bytes(F)] uint8: the byte rows of h2 = round(act(h1)) from bf16 h1
-    [R, 2F] = [g | u]."""
+    [R, 2F] = [g | u]. a16 (fp16 [>= R, F], tensor or device pointer): also what
+    dequantize_rows(out, order=a16_order) would write there (the W2 GEMM's operand), from the
+    same pass."""
     _launch(h1, num_rows, max_rows, F, out, True, swiglu_alpha, swiglu_limit,
-            activation == "swiglu_clamped")
+            activation == "swiglu_clamped", a16=a16, a16_order=a16_order)

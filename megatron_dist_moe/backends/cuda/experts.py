@@ -598,9 +598,9 @@ class Nvfp4Pipeline:
     """nvfp4 inference (prepared.PreparedWeight weights). The source rank quantizes its token
     rows into its dispatch buffer (`publish`: one NVFP4 byte row per token in each bf16 row
     slot, so the routing tables' addresses hold); the experts' owner gathers them (fan-out,
-    layout.nvfp4_row_bytes(D) bytes per row) into x_g, its values decoded once into a16 (fp16),
-    W13 -> h1 (bf16), SwiGLU + quantization -> h2q (NVFP4 rows), decoded into a16, W2 + scatter
-    to the owners' combine rows in bf16
+    layout.nvfp4_row_bytes(D) bytes per row) into x_g and, in the same pass, their values into
+    a16 (fp16), W13 -> h1 (bf16), SwiGLU + quantization -> h2q (NVFP4 rows) and its a16, W2 +
+    scatter to the owners' combine rows in bf16
     (kernels/quant_nvfp4.py, kernels/grouped_gemm/nvfp4.py)."""
 
     name = "standard"
@@ -651,21 +651,20 @@ class Nvfp4Pipeline:
 
     def forward(self, tabs: RoutingTables, w13, w2, scatter_ptrs, at: dict, rows=None,
                 prepared=None, training: bool = False) -> None:
-        from ...kernels.quant_nvfp4 import dequantize_rows, swiglu_quant
-        from ...layout import nvfp4_row_bytes
+        from ...kernels.quant_nvfp4 import fanout_dequantize, swiglu_quant
         D, F = self.cfg.hidden_dim, self.cfg.intermediate_dim
         offs, nrows = rows if rows is not None else (tabs.expert_offsets, tabs.num_rows)
         fan = tabs.fanout
-        K_rows.fanout_rows(fan.dispatch_base_EP, 2 * D, fan.dest_rows, fan.T, fan.K, at["x_g"],
-                           nrows, nvfp4_row_bytes(D) // 2, torch.bfloat16)
-        dequantize_rows(at["x_g"], nrows, self.max_rows, D, out=at["a16"],
-                        order=self.a16_orders[0])
+        # each quantized token read once, decoded once into a16 for all of its rows here
+        fanout_dequantize(fan.dispatch_base_EP, 2 * D, fan.dest_rows, fan.T, fan.K, at["x_g"],
+                          nrows, D, a16=at["a16"], order=self.a16_orders[0])
         self._gemm(0, a=at["x_g"], a16=at["a16"], weight=w13, expert_offsets=offs,
                    max_rows=self.max_rows, epilogue="store", out=at["h1"])
-        swiglu_quant(at["h1"], nrows, self.max_rows, F, out=at["h2q"], **self.act)
+        # h2's byte rows, and their decode into a16 (W13's a16 is read by then), in one pass
+        swiglu_quant(at["h1"], nrows, self.max_rows, F, out=at["h2q"],
+                     a16=at["a16"] if scatter_ptrs is not None else None,
+                     a16_order=self.a16_orders[1], **self.act)
         if scatter_ptrs is not None:
-            dequantize_rows(at["h2q"], nrows, self.max_rows, F, out=at["a16"],
-                            order=self.a16_orders[1])
             self._gemm(1, a=at["h2q"], a16=at["a16"], weight=w2, expert_offsets=offs,
                        max_rows=self.max_rows, epilogue="scatter", out_row_ptrs=scatter_ptrs)
 
