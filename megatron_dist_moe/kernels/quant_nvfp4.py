@@ -30,7 +30,8 @@ from .common import as_device_ptr, load_ptr
 from .quant_fp8 import _hw, abs_nan0, round_bf16, to_e4m3
 from .rows import _act_fwd, publish_ids
 
-__all__ = ["quantize_rows", "publish_quantized", "swiglu_quant", "fanout_dequantize", "dequantize_rows", "DEQ_ORDERS", "e2m1_code"]
+__all__ = ["quantize_rows", "publish_quantized", "swiglu_quant", "fanout_dequantize",
+           "dequantize_rows", "DEQ_ORDERS", "e2m1_code"]
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 _RCP_E2M1_MAX = tl.constexpr(1.0 / 6.0)       # fp32(1/6), TE's fp4_max_inv
