@@ -73,17 +73,6 @@ def a16_position(c, FRAGMENT: tl.constexpr):
 
 
 @triton.jit
-def _code_values(codes, s8):
-    """fp16 of E2M1 codes [NB, 16] x their block's E4M3 scale s8 [NB] (exact: at most 6
-    significant bits in [2^-10, 2688]), the values dequantize_rows decodes from the bytes."""
-    mag = codes & 7
-    v = tl.where(mag < 2, mag.to(tl.float32) * 0.5,
-                 ((1 << (mag >> 1)) * (2 + (mag & 1))).to(tl.float32) * 0.25)
-    v = tl.where((codes & 8) != 0, -v, v)
-    return (v * s8.to(tl.float32)[:, None]).to(tl.float16)
-
-
-@triton.jit
 def _quant_row(src, r, out, a16, K, alpha, limit, ACT: tl.constexpr, CLAMPED: tl.constexpr,
                CHUNK: tl.constexpr, PAD: tl.constexpr, HW: tl.constexpr, A16: tl.constexpr):
     """The NVFP4 byte row of row r of src (bf16) at out (uint8): two passes, the second from
@@ -111,13 +100,19 @@ def _quant_row(src, r, out, a16, K, alpha, limit, ACT: tl.constexpr, CLAMPED: tl
         codes = e2m1_code(v2 * rcp[:, None])                          # [NB, 16]
         lo, hi = tl.split(tl.reshape(codes, (CHUNK // 2, 2)))
         cb = k0 // 2 + tl.arange(0, CHUNK // 2)
-        tl.store(out + cb, (lo | (hi << 4)).to(tl.uint8), mask=cb < K // 2)
+        packed = (lo | (hi << 4)).to(tl.uint8)
+        tl.store(out + cb, packed, mask=cb < K // 2)
         cs = k0 // 16 + tl.arange(0, NB)
-        tl.store(out + K // 2 + cs, s8.to(tl.uint8, bitcast=True), mask=cs < K // 16)
+        s8_bits = s8.to(tl.uint8, bitcast=True)
+        tl.store(out + K // 2 + cs, s8_bits, mask=cs < K // 16)
         if A16 > 0:
-            c = k0 + tl.arange(0, CHUNK)
+            # NOTE: decoded from the stored bits by the ops dequantize_rows runs (_deq_rows_kernel),
+            # so a16 is its result bit for bit; a decode from the codes and the fp8 scale through
+            # fp32 gave other bits on sm_90
+            s16 = s8_bits.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            c = k0 + tl.arange(0, CHUNK)[None, :]
             tl.store(a16 + a16_position(c, A16 == 2),
-                     tl.reshape(_code_values(codes, s8), (CHUNK,)), mask=c < K)
+                     _decode_f16(packed[None, :], s16[None, :], 1, CHUNK), mask=c < K)
     tail = K // 2 + K // 16
     tl.store((out + tail).to(tl.pointer_type(tl.float32)), s_dec)
     if PAD > 0:
