@@ -99,12 +99,13 @@ def check_mega_bwd_matches_standard(device, big=False):
     from megatron_dist_moe.kernels.grouped_gemm.mega import MegaFlags
     from megatron_dist_moe.kernels.grouped_gemm.mega_bwd import mega_bwd_w13, mega_bwd_w2
     cases = ([[900, 0, 2048, 1, 1800, 77]] if big else [[20, 0, 3, 37], [0, 0, 0, 0]])
-    variants = [("swiglu", False, "bf16"), ("swiglu_clamped", True, "fp32"),
-                ("swiglu", False, "table")]
+    # (activation, score gradients, WGRAD output, list order of the W2 / W13 launch)
+    variants = [("swiglu", False, "bf16", (1, 0)), ("swiglu_clamped", True, "fp32", (0, 9)),
+                ("swiglu", False, "table", (9, 1))]
     for lens in cases:
-        for act, scored, wg in variants:
+        for act, scored, wg, (lag2, lag13) in variants:
             E, D, F, R, x, w13, w2, offs = _problem(device, big, lens)
-            tag = f"lens={lens} {act} scored={scored} wgrad={wg}"
+            tag = f"lens={lens} {act} scored={scored} wgrad={wg} lags={lag2},{lag13}"
             g = torch.Generator().manual_seed(11)
             Rp = max(R, 1)
             g3 = torch.randn(Rp, D, generator=g).to(BF).to(device)
@@ -148,10 +149,11 @@ def check_mega_bwd_matches_standard(device, big=False):
                     for _ in range(2 if wg == "bf16" else 1):
                         h1.copy_(h1_0)
                         mega_bwd_w2(g3=g3, w2=w2, h1=h1, h2=h2, expert_offsets=offs,
-                                    max_rows=R + 5, grad_w2=o2, flags=flags, **sc, **kw)
+                                    max_rows=R + 5, grad_w2=o2, flags=flags, lag=lag2, **sc,
+                                    **kw)
                         mega_bwd_w13(grad_h1=h1, w13=w13, x_g=x, expert_offsets=offs,
                                      max_rows=R + 5, grad_x_row_ptrs=xptrs, grad_w13=o13,
-                                     flags=flags)
+                                     flags=flags, lag=lag13)
                     assert flags.status.tolist() == [0, 0, 0, 0], (
                         f"{tag}: a wait gave up {flags.status}")
                 w13g = torch.stack(list(o13.tensors)) if wg == "table" else o13

@@ -10,7 +10,9 @@
 #   nvkernels  the nvfp4 kernel tests alone (byte rows bit-exact, the NVFP4 GEMMs vs their twin:
 #              the Triton kernel and the CUDA GEMMs of csrc/nvfp4_decode_mm.cu, nvfp4_wgmma_mm.cu)
 #   sm90       the CUTLASS units of csrc/ (bf16 FPROP / WGRAD, FP8 WGRAD) vs their oracles
-#   megakernel the Mega forward kernel against the standard two launches
+#   megakernel the Mega kernels against the standard launches (forward; the backward's two
+#              work-record launches)
+#   megabwd    bench_mega_bwd: the Mega backward's launches at each list order (MEGABWD_ARGS)
 #   check      dist_check on 1 GPU (and 2 when present): every gradient vs the fp64 oracle,
 #              graph replay, no host sync, bitwise repeats, inference
 #   packing    ten layers in one slot inside one CUDA graph
@@ -85,6 +87,7 @@ for s in $sections; do case $s in
   nvkernels) LIMIT=240 run nvkernels python3 -m pytest -q tests/gpu/test_kernel_checks_gpu.py -m gpu -k nvfp4 ;;
   sm90) LIMIT=300 run sm90 python3 -m pytest -q tests/gpu/test_grouped_gemm_sm90_gpu.py -m gpu ;;
   megakernel) LIMIT=240 run megakernel python3 -m pytest -q tests/gpu/test_kernel_checks_gpu.py -m gpu -k mega ;;
+  megabwd) LIMIT=240 run megabwd python3 benchmarks/bench_mega_bwd.py --out "$OUT" ${MEGABWD_ARGS:-} ;;
   packing) LIMIT=240 run packing torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py ${PACKING_ARGS:-} ;;
   inference) LIMIT=480 run inference torchrun --nproc-per-node="$NGPU" tests/gpu/inference_check.py \
                  --json "$OUT/inference.json" ${INFERENCE_ARGS:-} ;;

@@ -60,6 +60,9 @@ __all__ = ["mega_bwd_w2", "mega_bwd_w13"]
 _SHIFT = tl.constexpr(SHIFT)
 _WAIT_WHAT = tl.constexpr(WAIT_MEGA_BWD_READY << 32)   # checks: what a timed-out wait names
 _EPI_SCATTER, _EPI_SWIGLU_BWD = 2, 3                    # mm.EPILOGUES' indices
+# The list order per launch (`lag`, see mega_bwd_w2): measured by benchmarks/bench_mega_bwd.py
+W2_LAG = 1
+W13_LAG = 0
 
 
 @triton.jit
@@ -70,25 +73,19 @@ def _list_total(offsets_ptr, E, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, n_dg
 
 
 @triton.jit
-def _record(item, offsets_ptr, E, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, n_dg, w_t,
-            LAG: tl.constexpr):
+def _record(item, offsets_ptr, E, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, n_dg, w_t, lag):
     """What list position `item` holds: (DGRAD?, expert e, position in e's range, e's m-tiles,
-    e's DGRAD records, e's rows [row_start, row_end)). Expert e's DGRAD range starts after the
-    DGRAD ranges of experts < e and the WGRAD ranges of experts < e - LAG; its WGRAD range after
-    the DGRAD ranges of experts <= e + LAG and the WGRAD ranges of experts < e. Recomputed from
+    e's DGRAD records, e's rows [row_start, row_end)). Expert e's DGRAD range follows the DGRAD
+    ranges of experts < e and the WGRAD ranges of experts < e - lag; its WGRAD range follows
+    the DGRAD ranges of experts <= e + lag and the WGRAD ranges of experts < e. Recomputed from
     the offsets (L1 hits) per record rather than held across the loop: registers the epilogues
     need."""
     e_idx, starts, ends, m_tiles = expert_segments(offsets_ptr, E, E_PAD, BLOCK_M)
     live = e_idx < E
     d_t = m_tiles * n_dg
-    d_cum = tl.cumsum(d_t, 0)
-    d_start = d_cum - d_t + w_t * tl.maximum(e_idx - LAG, 0)
-    w_start = d_cum + w_t * e_idx
-    if LAG:
-        nxt = e_idx + 1
-        s1 = tl.load(offsets_ptr + nxt, mask=nxt < E, other=0)
-        e1 = tl.load(offsets_ptr + nxt + 1, mask=nxt < E, other=0)
-        w_start += (e1 - s1 + BLOCK_M - 1) // BLOCK_M * n_dg
+    d_start = tl.cumsum(d_t, 0) - d_t + w_t * tl.maximum(e_idx - lag, 0)
+    before = e_idx[None, :] <= e_idx[:, None] + lag          # [e, e']: D_e' precedes W_e
+    w_start = tl.sum(tl.where(before, d_t[None, :], 0), 1) + w_t * e_idx
     in_d = live & (item >= d_start) & (item < d_start + d_t)
     in_w = live & (item >= w_start) & (item < w_start + w_t)
     e = tl.sum(tl.where(in_d | in_w, e_idx, 0), 0)
@@ -104,7 +101,7 @@ def _record(item, offsets_ptr, E, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, n_
 def _mega_bwd_kernel(
         a_addr, b_addr, w_ptr, offsets_ptr, out_addr, out2_addr, out_rows_ptr, wg_out_ptr,
         queue_ptr, ready_ptr, epoch_ptr, status_ptr,
-        N, Kd, NB, alpha, limit, score_grad_delta, part_stride, polls_max, rank,
+        N, Kd, NB, alpha, limit, score_grad_delta, part_stride, polls_max, rank, lag,
         E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EPILOGUE: tl.constexpr,
         SCORE_GRADS: tl.constexpr, STORE_AUX: tl.constexpr, ACT: tl.constexpr,
@@ -112,7 +109,6 @@ def _mega_bwd_kernel(
         OUT_DT: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr, ON_GPU: tl.constexpr):
     # DGRAD: out[r] = a[r] @ w[e] (w[e] is [Kd, N]); WGRAD: wg_out[e] [Kd, NB] = a_e^T @ b_e
     DT: tl.constexpr = w_ptr.dtype.element_ty
-    LAG: tl.constexpr = 1 if WAIT else 0     # the W2 launch lists W_e after D_{e+1}
     n_dg = tl.cdiv(N, BLOCK_N)
     num_m_wg = tl.cdiv(Kd, BLOCK_M)
     num_n_wg = tl.cdiv(NB, BLOCK_N)
@@ -136,7 +132,7 @@ def _mega_bwd_kernel(
     item = (tl.atomic_add(queue_ptr, 1, sem="relaxed", scope="gpu") - base).to(tl.int32)
     while item < total:
         is_d, e, local, num_m, need, row_start, row_end = _record(
-            item, offsets_ptr, E, E_PAD, BLOCK_M, n_dg, num_m_wg * num_n_wg, LAG)
+            item, offsets_ptr, E, E_PAD, BLOCK_M, n_dg, num_m_wg * num_n_wg, lag)
         if is_d:
             # DGRAD record (names apart from the WGRAD branch's: Triton types a name alike in
             # both branches)
@@ -230,13 +226,14 @@ def _wgrad_out(out, name: str, shape: tuple, device) -> tuple:
 
 def _launch(*, a, w, b, nb, expert_offsets, max_rows, wgrad_out, flags, epilogue, out, out2,
             out_rows, score_grads, score_grad_delta, part_stride, activation, swiglu_alpha,
-            swiglu_limit, wait, config, num_programs, timeout_s, rank) -> None:
+            swiglu_limit, wait, lag, config, num_programs, timeout_s, rank) -> None:
     """One launch of `_mega_bwd_kernel`: DGRAD records out = a @ w[e] ([R, Kd] x [Kd, N]) with
     `epilogue`, WGRAD records wgrad_out[e] = a_e^T b_e ([Kd, nb]); `wait`: the WGRAD records read
     b = h2 that the DGRAD records' epilogue writes (the W2 direction)."""
     E, Kd, N = w.shape
     NB = nb
     dev = w.device
+    assert lag >= 0, f"lag={lag}: an expert's WGRAD range must follow its DGRAD range"
     assert w.is_contiguous(), "w must be contiguous"
     assert activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}"
     check_offsets(expert_offsets, E, dev)
@@ -257,7 +254,8 @@ def _launch(*, a, w, b, nb, expert_offsets, max_rows, wgrad_out, flags, epilogue
         as_device_ptr(a, "a", w.dtype), as_device_ptr(b, "b", w.dtype), w, expert_offsets,
         out, out2, out_rows, tab_ptr, flags.queue, flags.ready, flags.epoch, flags.status,
         N, Kd, NB, float(swiglu_alpha), float(swiglu_limit), int(score_grad_delta),
-        int(part_stride), max_polls(timeout_s), rank, E=E, E_PAD=max(2, triton.next_power_of_2(E)),
+        int(part_stride), max_polls(timeout_s), rank, min(int(lag), E), E=E,
+        E_PAD=max(2, triton.next_power_of_2(E)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EPILOGUE=epilogue, SCORE_GRADS=score_grads, STORE_AUX=epilogue == _EPI_SWIGLU_BWD,
         ACT=ACTIVATIONS.index(activation), WAIT=wait, ACCUMULATE=table, OUT_TABLE=table,
@@ -279,7 +277,7 @@ def _rows(t, name: str, width: int, dtype: torch.dtype):
 def mega_bwd_w2(*, g3, w2: torch.Tensor, h1, h2, expert_offsets: torch.Tensor, max_rows: int,
                 grad_w2, flags: MegaFlags, score_ptrs: Optional[torch.Tensor] = None,
                 score_grad_delta: int = 0, part_stride: int = 0, activation: str = "swiglu",
-                swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
+                swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, lag: int = W2_LAG,
                 config: Optional[GroupedGemmConfig] = None, num_programs: Optional[int] = None,
                 timeout_s: float = 600.0, rank: int = 0) -> None:
     """The W2 direction of the backward in one launch: grouped_mm_dgrad(epilogue="swiglu_bwd")
@@ -293,6 +291,8 @@ def mega_bwd_w2(*, g3, w2: torch.Tensor, h1, h2, expert_offsets: torch.Tensor, m
     grad_w2     [E, D, F] bf16 / fp32 tensor (stored), or an fp32 ExpertOutTable (added into)
     score_ptrs  as grouped_mm_dgrad's (Config.save_route_outputs=False)
     flags       a MegaFlags for max_rows and E (its epoch advances here)
+    lag         expert e's WGRAD range follows expert (e + lag)'s DGRAD range in the list (0:
+                adjacent; >= E: every DGRAD record first)
     """
     E, D, F = w2.shape
     dev = w2.device
@@ -305,13 +305,15 @@ def mega_bwd_w2(*, g3, w2: torch.Tensor, h1, h2, expert_offsets: torch.Tensor, m
             out2=h2_addr, out_rows=score_ptrs if score_ptrs is not None else expert_offsets,
             score_grads=score_ptrs is not None, score_grad_delta=score_grad_delta,
             part_stride=part_stride, activation=activation, swiglu_alpha=swiglu_alpha,
-            swiglu_limit=swiglu_limit, wait=True, config=config, num_programs=num_programs,
+            swiglu_limit=swiglu_limit, wait=True, lag=lag, config=config,
+            num_programs=num_programs,
             timeout_s=timeout_s, rank=rank)
 
 
 def mega_bwd_w13(*, grad_h1, w13: torch.Tensor, x_g, expert_offsets: torch.Tensor,
                  max_rows: int, grad_x_row_ptrs: torch.Tensor, grad_w13, flags: MegaFlags,
-                 config: Optional[GroupedGemmConfig] = None, num_programs: Optional[int] = None,
+                 lag: int = W13_LAG, config: Optional[GroupedGemmConfig] = None,
+                 num_programs: Optional[int] = None,
                  timeout_s: float = 600.0, rank: int = 0) -> None:
     """The W13 direction of the backward in one launch: grouped_mm_dgrad(epilogue="scatter")
     and grouped_mm_wgrad(grad_h1, x_g) as work records, the same bits.
@@ -321,6 +323,7 @@ def mega_bwd_w13(*, grad_h1, w13: torch.Tensor, x_g, expert_offsets: torch.Tenso
     x_g              bf16 [R, D] the gathered input rows of the forward
     grad_x_row_ptrs  int64 [>= max_rows]: each row's grad_x destination (0: skip)
     grad_w13         [E, 2F, D] bf16 / fp32 tensor, or an fp32 ExpertOutTable (added into)
+    lag              as mega_bwd_w2's
     """
     E, F2, D = w13.shape
     dev = w13.device
@@ -330,5 +333,5 @@ def mega_bwd_w13(*, grad_h1, w13: torch.Tensor, x_g, expert_offsets: torch.Tenso
             wgrad_out=_wgrad_out(grad_w13, "grad_w13", (E, F2, D), dev), flags=flags,
             epilogue=_EPI_SCATTER, out=expert_offsets, out2=expert_offsets,
             out_rows=grad_x_row_ptrs, score_grads=False, score_grad_delta=0, part_stride=0,
-            activation="swiglu", swiglu_alpha=1.702, swiglu_limit=7.0, wait=False,
+            activation="swiglu", swiglu_alpha=1.702, swiglu_limit=7.0, wait=False, lag=lag,
             config=config, num_programs=num_programs, timeout_s=timeout_s, rank=rank)
