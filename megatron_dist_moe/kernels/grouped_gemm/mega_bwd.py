@@ -128,8 +128,13 @@ def _mega_bwd_kernel(
                                             block_shape=[BLOCK_K, BLOCK_M])
         b_desc = tl.make_tensor_descriptor(b_base, shape=[num_rows, NB], strides=[NB, 1],
                                            block_shape=[BLOCK_K, BLOCK_N])
-    # list positions stay below 2^19 (the launcher checks): 32-bit, as TMA offsets must be
-    item = (tl.atomic_add(queue_ptr, 1, sem="relaxed", scope="gpu") - base).to(tl.int32)
+    # list positions stay below 2^19 (the launcher checks): 32-bit, as TMA offsets must be.
+    # With waits, records are claimed from the counter in list order (deadlock freedom for any
+    # grid); without, each program walks its own stride (no claim latency per record).
+    if WAIT:
+        item = (tl.atomic_add(queue_ptr, 1, sem="relaxed", scope="gpu") - base).to(tl.int32)
+    else:
+        item = tl.program_id(0)
     while item < total:
         is_d, e, local, num_m, need, row_start, row_end = _record(
             item, offsets_ptr, E, E_PAD, BLOCK_M, n_dg, num_m_wg * num_n_wg, lag)
@@ -206,7 +211,10 @@ def _mega_bwd_kernel(
                 acc_w = _dot_t(at_t, b_t, acc_w, IEEE)
             _store_wgrad_tile(acc_w, wg_out_ptr, e, offs_m, wn * BLOCK_N, Kd, NB, row_start,
                               row_end, ACCUMULATE, OUT_TABLE, OUT_DT, BLOCK_N)
-        item = (tl.atomic_add(queue_ptr, 1, sem="relaxed", scope="gpu") - base).to(tl.int32)
+        if WAIT:
+            item = (tl.atomic_add(queue_ptr, 1, sem="relaxed", scope="gpu") - base).to(tl.int32)
+        else:
+            item += tl.num_programs(0)
 
 
 def _wgrad_out(out, name: str, shape: tuple, device) -> tuple:
