@@ -251,11 +251,6 @@ class Execution:
                 gemms = ("one persistent Triton launch for the forward: programs claim W13 "
                          "tiles (+ SwiGLU), then W2 tiles (+ scatter to the owners) from one "
                          "device work list; an m-tile's W2 tiles start once its h2 is stored")
-                if not self.inference:
-                    gemms += ("; backward: one launch per direction of DGRAD and WGRAD work "
-                              "records, W2 DGRAD (+ SwiGLU backward) with W2 WGRAD (an "
-                              "expert's WGRAD records start once its DGRAD records stored h2), "
-                              "then W13 DGRAD (+ scatter to the owners) with W13 WGRAD")
             elif self.gemm_engine == "triton":
                 gemms = ("Triton persistent grouped GEMMs (SwiGLU in the W13 epilogue, scatter "
                          "to the owners in the W2 epilogue)")

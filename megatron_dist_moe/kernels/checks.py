@@ -30,8 +30,7 @@ import triton.language as tl
 
 __all__ = ["CHECK_UNEQUAL_T", "CHECK_SCRATCH_OVERFLOW", "CHECK_BAD_EXPERT_ID",
            "CHECK_INACTIVE_SCORE", "CHECK_PEER_REJECTED", "CHECK_LAYOUT_OUTSIDE_ARENA",
-           "CHECK_WAIT_TIMEOUT", "WAIT_CLAIM_SLICES", "WAIT_MEGA_READY", "WAIT_MEGA_BWD_READY",
-           "MESSAGES",
+           "CHECK_WAIT_TIMEOUT", "WAIT_CLAIM_SLICES", "WAIT_MEGA_READY", "MESSAGES",
            "trap_on_code",
            "device_check", "wait_until_at_least", "max_polls", "trap", "check_status",
            "STATUS_WORDS"]
@@ -48,7 +47,6 @@ CHECK_WAIT_TIMEOUT = 7
 # plus the index of the thing waited on)
 WAIT_CLAIM_SLICES = 1     # the claimed copy of an m-tile (claim.py)
 WAIT_MEGA_READY = 2       # the W13 tiles of an m-tile, in the Mega forward (mega.py)
-WAIT_MEGA_BWD_READY = 3   # an expert's W2 DGRAD tiles, in the Mega backward (mega_bwd.py)
 
 # The host-side text of each code (tests and error messages); the device prints the same words.
 MESSAGES = {
@@ -60,9 +58,8 @@ MESSAGES = {
                           "peer rank, its T marker"),
     CHECK_LAYOUT_OUTSIDE_ARENA: ("the per-call layout does not fit the arena: bytes needed, "
                                  "bytes available, rows"),
-    CHECK_WAIT_TIMEOUT: ("a device wait timed out: what (claim slices = 1, Mega W13 tiles = 2, "
-                         "Mega W2 DGRAD tiles = 3) x 2^32 + m-tile or expert, rank, polls (about "
-                         "one microsecond each)"),
+    CHECK_WAIT_TIMEOUT: ("a device wait timed out: what (claim slices = 1, Mega W13 tiles = 2) "
+                         "x 2^32 + m-tile, rank, polls (about one microsecond each)"),
 }
 
 
@@ -108,8 +105,8 @@ def trap_on_code(code, a, b, c=0):
                             "needed, bytes available, rows:", a, b, c)
         elif code == 7:
             tl.device_print("dist_moe TRAP: a device wait timed out: what (claim slices = 1, "
-                            "Mega W13 tiles = 2, Mega W2 DGRAD tiles = 3) x 2^32 + m-tile or "
-                            "expert, rank, polls (about one microsecond each):", a, b, c)
+                            "Mega W13 tiles = 2) x 2^32 + m-tile, rank, polls (about one "
+                            "microsecond each):", a, b, c)
         else:
             tl.device_print("dist_moe TRAP: nonzero score on inactive route: "
                             "flat route index, score bits:", a, b)

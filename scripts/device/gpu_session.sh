@@ -10,9 +10,7 @@
 #   nvkernels  the nvfp4 kernel tests alone (byte rows bit-exact, the NVFP4 GEMMs vs their twin:
 #              the Triton kernel and the CUDA GEMMs of csrc/nvfp4_decode_mm.cu, nvfp4_wgmma_mm.cu)
 #   sm90       the CUTLASS units of csrc/ (bf16 FPROP / WGRAD, FP8 WGRAD) vs their oracles
-#   megakernel the Mega kernels against the standard launches (forward; the backward's two
-#              work-record launches)
-#   megabwd    bench_mega_bwd: the Mega backward's launches at each list order (MEGABWD_ARGS)
+#   megakernel the Mega forward kernel against the standard two launches
 #   check      dist_check on 1 GPU (and 2 when present): every gradient vs the fp64 oracle,
 #              graph replay, no host sync, bitwise repeats, inference
 #   packing    ten layers in one slot inside one CUDA graph
@@ -43,6 +41,8 @@
 #              training against the bf16 noise band, then the held-out loss with nvfp4 experts
 #              (LMEVAL_ARGS)
 #   pack       fold everything under $OUT into one archive (the device tool brings back few files)
+# GIT_COMMIT: the commit of the tree that travels (the device copy's git HEAD is the last
+# landed commit, not the working tree's), written into every CSV row; pass it in the command.
 # Knobs: CHECK_ARGS PACKING_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS FP8_ARGS (extra arguments), TMO
 # (seconds per step).
 # megatron-core travels as a wheel in .whl/ (carry it); it is installed into /tmp/site here.
@@ -87,7 +87,6 @@ for s in $sections; do case $s in
   nvkernels) LIMIT=240 run nvkernels python3 -m pytest -q tests/gpu/test_kernel_checks_gpu.py -m gpu -k nvfp4 ;;
   sm90) LIMIT=300 run sm90 python3 -m pytest -q tests/gpu/test_grouped_gemm_sm90_gpu.py -m gpu ;;
   megakernel) LIMIT=240 run megakernel python3 -m pytest -q tests/gpu/test_kernel_checks_gpu.py -m gpu -k mega ;;
-  megabwd) LIMIT=240 run megabwd python3 benchmarks/bench_mega_bwd.py --out "$OUT" ${MEGABWD_ARGS:-} ;;
   packing) LIMIT=240 run packing torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py ${PACKING_ARGS:-} ;;
   inference) LIMIT=480 run inference torchrun --nproc-per-node="$NGPU" tests/gpu/inference_check.py \
                  --json "$OUT/inference.json" ${INFERENCE_ARGS:-} ;;

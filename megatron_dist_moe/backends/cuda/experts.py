@@ -17,9 +17,7 @@ Two layers:
         TorchPipeline     torch._grouped_mm with separate gather / SwiGLU / scatter kernels:
                           the GEMM oracle and a baseline
         MegaPipeline      the forward's W13 + SwiGLU and W2 + scatter in one persistent launch
-                          after the gather (kernels/grouped_gemm/mega.py); the backward's DGRAD
-                          and WGRAD tiles as work records of one launch per direction after
-                          the gather (mega_bwd.py)
+                          after the gather (kernels/grouped_gemm/mega.py); backward as standard
         Fp8BlockPipeline  fp8_block: quantization kernels and the FP8 block-scaled GEMMs
         Mxfp8Pipeline     mxfp8: quantization kernels around StandardPipeline's bf16 GEMMs,
                           which read bf16 copies of the MXFP8 operands (exact)
@@ -240,14 +238,11 @@ class StagedPipeline(StandardPipeline):
 
 
 class MegaPipeline(StandardPipeline):
-    """The Mega pipeline (bf16). Forward: the gather kernel, then one persistent launch whose
-    programs claim W13 tiles (+ SwiGLU) and then W2 tiles (+ scatter to the owners) from one
-    device work list, an m-tile's W2 tiles starting as soon as its h2 is stored. A replay that
-    stops after W13 (no route outputs kept) runs the standard W13 launch. Backward: the gather
-    kernel, then two persistent launches of DGRAD and WGRAD work records (mega_bwd.py): W2
-    DGRAD (+ SwiGLU backward, + score-gradient parts) with W2 WGRAD, an expert's WGRAD records
-    starting once its DGRAD records stored h2; then W13 DGRAD (+ scatter to the owners) with
-    W13 WGRAD. The same bits as the standard backward's four launches."""
+    """The Mega forward (bf16): the gather kernel, then one persistent launch whose programs
+    claim W13 tiles (+ SwiGLU) and then W2 tiles (+ scatter to the owners) from one device work
+    list, an m-tile's W2 tiles starting as soon as its h2 is stored. A replay that stops after
+    W13 (no route outputs kept) runs the standard W13 launch. The backward is the standard
+    pipeline's."""
 
     name = "mega"
 
@@ -255,7 +250,6 @@ class MegaPipeline(StandardPipeline):
         super().__init__(cfg, execution, num_local_experts, max_rows, device, rank)
         from ...kernels.grouped_gemm.mega import MegaFlags
         self.flags = MegaFlags(max_rows, num_local_experts, device)
-        self.bwd_flags = MegaFlags(max_rows, num_local_experts, device)
         self.timeout = dict(timeout_s=execution.wait_timeout_s, rank=rank)
 
     def _w13_tiles(self, w13):
@@ -274,33 +268,6 @@ class MegaPipeline(StandardPipeline):
         mega_fwd(xg=at["x_g"], w13=w13_E2FD, w2=w2_EDF, expert_offsets=offs,
                  max_rows=self.max_rows, h2=at["h2"], h1=at["h1"], out_row_ptrs=scatter_ptrs,
                  flags=self.flags, **self.k.act, **self.timeout)
-
-    def backward(self, tabs: RoutingTables, w13_E2FD, w2_EDF, gather_ptrs, scatter_ptrs, ba,
-                 wgrad_dtype: str, score_ptrs=None, score_grad_delta: int = 0,
-                 part_stride: int = 0, wgrad_into=None, prepared=None):
-        """StandardPipeline.backward's contract and bits, in two work-record launches."""
-        from ...kernels.grouped_gemm.mega_bwd import mega_bwd_w2, mega_bwd_w13
-        D, F = self.cfg.hidden_dim, self.cfg.intermediate_dim
-        offs, nrows = tabs.expert_offsets, tabs.num_rows
-        out_dtype = wgrad_store_dtype(wgrad_dtype, w13_E2FD.dtype)
-        at = ba.at
-        # grad_y is published once per token without saved route outputs (score_ptrs)
-        self.k.gather(tabs, gather_ptrs, at["g3"], nrows,
-                      "combine" if score_ptrs is not None else None)
-        grad_w2 = wgrad_output(wgrad_into, 1, (self.E, D, F), out_dtype, self.device)
-        sc = {} if score_ptrs is None else dict(score_ptrs=score_ptrs,
-                                                score_grad_delta=score_grad_delta,
-                                                part_stride=part_stride)
-        mega_bwd_w2(g3=at["g3"], w2=w2_EDF, h1=at["h1"], h2=at["h2"], expert_offsets=offs,
-                    max_rows=self.max_rows, grad_w2=grad_w2, flags=self.bwd_flags, **sc,
-                    **self.k.act, **self.timeout)
-        grad_w13 = wgrad_output(wgrad_into, 0, (self.E, 2 * F, D), out_dtype, self.device)
-        mega_bwd_w13(grad_h1=at["h1"], w13=w13_E2FD, x_g=at["x_g"], expert_offsets=offs,
-                     max_rows=self.max_rows, grad_x_row_ptrs=scatter_ptrs, grad_w13=grad_w13,
-                     flags=self.bwd_flags, **self.timeout)
-        if wgrad_into is not None:
-            return None, None
-        return grad_w13, grad_w2
 
 
 class TorchPipeline:

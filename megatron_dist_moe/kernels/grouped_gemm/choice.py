@@ -47,10 +47,7 @@ def gemm_tiles(execution, max_rows: int, num_local_experts: int, hidden_dim: int
         w13 = select_config("fwd", n=2 * F, kd=D, device=device, rows_per_expert=rows)
         w2 = select_config("fwd", n=D, kd=F, device=device, rows_per_expert=per_expert)
     text = f"W13 FPROP {bf16(w13)}, W2 FPROP {bf16(w2)}"
-    if not execution.inference and execution.pipeline == "mega":
-        text += (f"; DGRAD and WGRAD records "
-                 f"{bf16(select_config('dgrad', n=F, kd=D, device=device))}")
-    elif not execution.inference:
+    if not execution.inference:
         text += (f"; DGRAD {bf16(select_config('dgrad', n=F, kd=D, device=device))}, "
                  f"WGRAD {bf16(select_config('wgrad', n=D, kd=2 * F, device=device))}")
     return f"{text} ({where})"

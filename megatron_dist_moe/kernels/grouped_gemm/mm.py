@@ -213,73 +213,6 @@ def _quarters(x, BLOCK_M: tl.constexpr, Q: tl.constexpr):
 
 
 @triton.jit
-def dgrad_epilogue(acc, rows, row_ok, cols, col_ok, pid_n, out_addr_ptr, out2_addr_ptr,
-                   out_rows_ptr, N, alpha, limit, score_grad_delta, part_stride,
-                   DT: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
-                   EPILOGUE: tl.constexpr, SCORE_GRADS: tl.constexpr, STORE_AUX: tl.constexpr,
-                   ACT: tl.constexpr, ON_GPU: tl.constexpr):
-    """The DGRAD epilogues of a [BLOCK_M, BN] fp32 tile (rows, cols: its output coordinates):
-    swiglu_bwd (EPILOGUE 3, with or without score gradients) or scatter (2). Shared by the
-    DGRAD launches here and the Mega backward (mega_bwd.py)."""
-    rows64 = rows.to(tl.int64)
-    if EPILOGUE == 3 and SCORE_GRADS:
-        # W2 DGRAD with expert-side score gradients: acc is u = W2^T grad_y (unscaled);
-        # out_rows_ptr holds each row's address of its owner's score. This tile's share of
-        # <u, h2> per row goes to the owner's part slot pid_n of that route (score address
-        # + score_grad_delta + pid_n * part_stride bytes); the owner sums the parts in a
-        # fixed order (`rows.sum_score_parts`): atomics would make it differ run to run.
-        Q: tl.constexpr = BN // 4
-        s_addr = tl.load(out_rows_ptr + rows, mask=row_ok, other=0)
-        s_ok = row_ok & (s_addr != 0)
-        s = tl.load(s_addr.to(tl.pointer_type(tl.float32)), mask=s_ok, other=0.0)
-        gu_0, gu_1, gu_2, gu_3 = _quarters(acc, BLOCK_M, Q)
-        h1_base = load_ptr(out_addr_ptr, DT)
-        c0 = pid_n * BN + tl.arange(0, Q)
-        part = _swiglu_bwd_tile_scored(gu_0, s, rows64, row_ok, c0, h1_base, out2_addr_ptr,
-                                       N, alpha, limit, DT, ACT == 1, STORE_AUX)
-        part += _swiglu_bwd_tile_scored(gu_1, s, rows64, row_ok, c0 + Q, h1_base,
-                                        out2_addr_ptr, N, alpha, limit, DT, ACT == 1,
-                                        STORE_AUX)
-        part += _swiglu_bwd_tile_scored(gu_2, s, rows64, row_ok, c0 + 2 * Q, h1_base,
-                                        out2_addr_ptr, N, alpha, limit, DT, ACT == 1,
-                                        STORE_AUX)
-        part += _swiglu_bwd_tile_scored(gu_3, s, rows64, row_ok, c0 + 3 * Q, h1_base,
-                                        out2_addr_ptr, N, alpha, limit, DT, ACT == 1,
-                                        STORE_AUX)
-        p_addr = (s_addr + (score_grad_delta + pid_n.to(tl.int64) * part_stride)).to(
-            tl.pointer_type(tl.float32))
-        if ON_GPU:
-            # NOTE: an exchange, not a plain store: each slot is written once either way,
-            # and the store made ptxas spill 356 B here against 88 B (sm_90, this tile)
-            tl.atomic_xchg(p_addr, part, mask=s_ok, sem="relaxed")
-        else:   # the interpreter has no float exchange
-            tl.store(p_addr, part, mask=s_ok)
-    elif EPILOGUE == 3:  # W2 DGRAD + SwiGLU backward: h1 [R, 2F] -> grad_h1, in place
-        # NOTE: acc is grad_h2; it is rounded to the dtype first, exactly what a separate
-        # DGRAD would store and `rows.swiglu_bwd` reload, so both give the same bits. Each
-        # h1 element is read and overwritten by the one program that owns its tile. The
-        # tile is processed in column quarters: a whole 128x256 tile's g, u, dg, du (fp32)
-        # do not fit in registers next to each other (ptxas: ~6.5 KB of spills).
-        Q: tl.constexpr = BN // 4
-        dh_0, dh_1, dh_2, dh_3 = _quarters(acc.to(DT), BLOCK_M, Q)
-        h1_base = load_ptr(out_addr_ptr, DT)
-        c0 = pid_n * BN + tl.arange(0, Q)
-        _swiglu_bwd_tile(dh_0, rows64, row_ok, c0, h1_base, out2_addr_ptr, N, alpha, limit,
-                         DT, ACT == 1, STORE_AUX)
-        _swiglu_bwd_tile(dh_1, rows64, row_ok, c0 + Q, h1_base, out2_addr_ptr, N, alpha,
-                         limit, DT, ACT == 1, STORE_AUX)
-        _swiglu_bwd_tile(dh_2, rows64, row_ok, c0 + 2 * Q, h1_base, out2_addr_ptr, N, alpha,
-                         limit, DT, ACT == 1, STORE_AUX)
-        _swiglu_bwd_tile(dh_3, rows64, row_ok, c0 + 3 * Q, h1_base, out2_addr_ptr, N, alpha,
-                         limit, DT, ACT == 1, STORE_AUX)
-    else:  # scatter: row i to address out_rows[i], skipped when 0
-        o_addr = tl.load(out_rows_ptr + rows, mask=row_ok, other=0)
-        o_row_base = tl.multiple_of(o_addr.to(tl.pointer_type(DT)), [16])
-        o_ptrs = o_row_base[:, None] + cols[None, :]
-        tl.store(o_ptrs, acc.to(DT), mask=(o_addr != 0)[:, None] & col_ok[None, :])
-
-
-@triton.jit
 def _grouped_mm_kernel(
     a_addr_ptr, a_rows_ptr, w_ptr, offsets_ptr,
     out_addr_ptr, out2_addr_ptr, out_rows_ptr, claimed_ptr, copied_ptr, epoch_ptr, status_ptr,
@@ -404,10 +337,61 @@ def _grouped_mm_kernel(
             h = _act_fwd(g.to(tl.float32), u.to(tl.float32), ACT == 1, alpha, limit)
             h2_base = load_ptr(out2_addr_ptr, DT)
             tl.store(h2_base + rows64[:, None] * N + cols[None, :], h.to(DT), mask=mask)
-        else:  # the DGRAD epilogues: swiglu_bwd (3), scatter (2)
-            dgrad_epilogue(acc, rows, row_ok, cols, col_ok, pid_n, out_addr_ptr, out2_addr_ptr,
-                           out_rows_ptr, N, alpha, limit, score_grad_delta, part_stride, DT,
-                           BLOCK_M, BN, EPILOGUE, SCORE_GRADS, STORE_AUX, ACT, ON_GPU)
+        elif EPILOGUE == 3 and SCORE_GRADS:
+            # W2 DGRAD with expert-side score gradients: acc is u = W2^T grad_y (unscaled);
+            # out_rows_ptr holds each row's address of its owner's score. This tile's share of
+            # <u, h2> per row goes to the owner's part slot pid_n of that route (score address
+            # + score_grad_delta + pid_n * part_stride bytes); the owner sums the parts in a
+            # fixed order (`rows.sum_score_parts`): atomics would make it differ run to run.
+            Q: tl.constexpr = BN // 4
+            s_addr = tl.load(out_rows_ptr + rows, mask=row_ok, other=0)
+            s_ok = row_ok & (s_addr != 0)
+            s = tl.load(s_addr.to(tl.pointer_type(tl.float32)), mask=s_ok, other=0.0)
+            gu_0, gu_1, gu_2, gu_3 = _quarters(acc, BLOCK_M, Q)
+            h1_base = load_ptr(out_addr_ptr, DT)
+            c0 = pid_n * BN + tl.arange(0, Q)
+            part = _swiglu_bwd_tile_scored(gu_0, s, rows64, row_ok, c0, h1_base, out2_addr_ptr,
+                                           N, alpha, limit, DT, ACT == 1, STORE_AUX)
+            part += _swiglu_bwd_tile_scored(gu_1, s, rows64, row_ok, c0 + Q, h1_base,
+                                            out2_addr_ptr, N, alpha, limit, DT, ACT == 1,
+                                            STORE_AUX)
+            part += _swiglu_bwd_tile_scored(gu_2, s, rows64, row_ok, c0 + 2 * Q, h1_base,
+                                            out2_addr_ptr, N, alpha, limit, DT, ACT == 1,
+                                            STORE_AUX)
+            part += _swiglu_bwd_tile_scored(gu_3, s, rows64, row_ok, c0 + 3 * Q, h1_base,
+                                            out2_addr_ptr, N, alpha, limit, DT, ACT == 1,
+                                            STORE_AUX)
+            p_addr = (s_addr + (score_grad_delta + pid_n.to(tl.int64) * part_stride)).to(
+                tl.pointer_type(tl.float32))
+            if ON_GPU:
+                # NOTE: an exchange, not a plain store: each slot is written once either way,
+                # and the store made ptxas spill 356 B here against 88 B (sm_90, this tile)
+                tl.atomic_xchg(p_addr, part, mask=s_ok, sem="relaxed")
+            else:   # the interpreter has no float exchange
+                tl.store(p_addr, part, mask=s_ok)
+        elif EPILOGUE == 3:  # W2 DGRAD + SwiGLU backward: h1 [R, 2F] -> grad_h1, in place
+            # NOTE: acc is grad_h2; it is rounded to the dtype first, exactly what a separate
+            # DGRAD would store and `rows.swiglu_bwd` reload, so both give the same bits. Each
+            # h1 element is read and overwritten by the one program that owns its tile. The
+            # tile is processed in column quarters: a whole 128x256 tile's g, u, dg, du (fp32)
+            # do not fit in registers next to each other (ptxas: ~6.5 KB of spills).
+            Q: tl.constexpr = BN // 4
+            dh_0, dh_1, dh_2, dh_3 = _quarters(acc.to(DT), BLOCK_M, Q)
+            h1_base = load_ptr(out_addr_ptr, DT)
+            c0 = pid_n * BN + tl.arange(0, Q)
+            _swiglu_bwd_tile(dh_0, rows64, row_ok, c0, h1_base, out2_addr_ptr, N, alpha, limit,
+                             DT, ACT == 1, STORE_AUX)
+            _swiglu_bwd_tile(dh_1, rows64, row_ok, c0 + Q, h1_base, out2_addr_ptr, N, alpha,
+                             limit, DT, ACT == 1, STORE_AUX)
+            _swiglu_bwd_tile(dh_2, rows64, row_ok, c0 + 2 * Q, h1_base, out2_addr_ptr, N, alpha,
+                             limit, DT, ACT == 1, STORE_AUX)
+            _swiglu_bwd_tile(dh_3, rows64, row_ok, c0 + 3 * Q, h1_base, out2_addr_ptr, N, alpha,
+                             limit, DT, ACT == 1, STORE_AUX)
+        else:  # scatter: row i to address out_rows[i], skipped when 0
+            o_addr = tl.load(out_rows_ptr + rows, mask=row_ok, other=0)
+            o_row_base = tl.multiple_of(o_addr.to(tl.pointer_type(DT)), [16])
+            o_ptrs = o_row_base[:, None] + cols[None, :]
+            tl.store(o_ptrs, acc.to(DT), mask=(o_addr != 0)[:, None] & col_ok[None, :])
 
 
 # --------------------------------------------------------------------------------------------

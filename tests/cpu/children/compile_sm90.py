@@ -258,36 +258,8 @@ _MEGA_CFG = G.CONFIG_TABLE[("fwd", "large")]
 VARIANTS["mega_fwd"] = lambda: GM.mega_fwd(xg=p, w13=w13, w2=w2, expert_offsets=offs,
     max_rows=R, h2=p, h1=p, out_row_ptrs=rows_tab, flags=GM.MegaFlags(R, E, "cpu"),
     activation="swiglu_clamped", config=_MEGA_CFG, num_programs=132)
-# the Mega backward's two launches, with the GPU's tile config
-from megatron_dist_moe.kernels.grouped_gemm import mega_bwd as GMB  # noqa: E402
-_DG_CFG = G.CONFIG_TABLE[("dgrad", "large")]
-VARIANTS["mega_bwd_w2"] = lambda: GMB.mega_bwd_w2(g3=p, w2=w2, h1=p, h2=p, expert_offsets=offs,
-    max_rows=R, grad_w2=torch.empty(E, D, F, dtype=bf), flags=GM.MegaFlags(R, E, "cpu"),
-    activation="swiglu_clamped", config=_DG_CFG, num_programs=132)
-VARIANTS["mega_bwd_w2_score_grads_table"] = lambda: GMB.mega_bwd_w2(g3=p, w2=w2, h1=p, h2=p,
-    expert_offsets=offs, max_rows=R,
-    grad_w2=G.ExpertOutTable(torch.zeros(E, dtype=torch.int64), D, F, torch.float32),
-    flags=GM.MegaFlags(R, E, "cpu"), score_ptrs=rows_tab, score_grad_delta=49152,
-    part_stride=49152, config=_DG_CFG, num_programs=132)
-VARIANTS["mega_bwd_w13"] = lambda: GMB.mega_bwd_w13(grad_h1=p, w13=w13, x_g=p,
-    expert_offsets=offs, max_rows=R, grad_x_row_ptrs=rows_tab,
-    grad_w13=torch.empty(E, 2 * F, D), flags=GM.MegaFlags(R, E, "cpu"), config=_DG_CFG,
-    num_programs=132)
-VARIANTS["mega_bwd_w2_score_grads"] = lambda: GMB.mega_bwd_w2(g3=p, w2=w2, h1=p, h2=p,
-    expert_offsets=offs, max_rows=R, grad_w2=torch.empty(E, D, F, dtype=bf),
-    flags=GM.MegaFlags(R, E, "cpu"), score_ptrs=rows_tab, score_grad_delta=49152,
-    part_stride=49152, config=_DG_CFG, num_programs=132)
-VARIANTS["mega_bwd_w2_table"] = lambda: GMB.mega_bwd_w2(g3=p, w2=w2, h1=p, h2=p,
-    expert_offsets=offs, max_rows=R,
-    grad_w2=G.ExpertOutTable(torch.zeros(E, dtype=torch.int64), D, F, torch.float32),
-    flags=GM.MegaFlags(R, E, "cpu"), config=_DG_CFG, num_programs=132)
 JIT = {"rows_device_check": (K_checks, "_device_check_kernel"),
        "mega_fwd": (GM, "_mega_fwd_kernel"),
-       "mega_bwd_w2": (GMB, "_mega_bwd_kernel"),
-       "mega_bwd_w2_score_grads_table": (GMB, "_mega_bwd_kernel"),
-       "mega_bwd_w13": (GMB, "_mega_bwd_kernel"),
-       "mega_bwd_w2_score_grads": (GMB, "_mega_bwd_kernel"),
-       "mega_bwd_w2_table": (GMB, "_mega_bwd_kernel"),
        "nvfp4_mm_store": (GN, "_nvfp4_mm_kernel"),
        "nvfp4_mm_store_medium": (GN, "_nvfp4_mm_kernel"),
        "nvfp4_mm_scatter_decode": (GN, "_nvfp4_mm_kernel"),
@@ -335,8 +307,6 @@ for name in names:
                       PROXY_FENCE=bool(kw.get("A_CLAIM")) and bool(kw.get("USE_TMA")))
         if module is GM:   # as on the GPU: tensor cores, sleeping bounded waits, TMA loads
             kw = dict(kw, IEEE=False, SLEEP=True, USE_TMA=True)
-        if module is GMB:  # as on the GPU: tensor cores, TMA loads, proxy fences, sleeping waits
-            kw = dict(kw, IEEE=False, USE_TMA=True, ON_GPU=True)
         if module in (G8, KQ, KM, KN, GN):   # as on the GPU: TMA, fp8 tensor cores, hardware conversions
             kw = dict(kw, HW=True)
             if "IEEE" in kw:
