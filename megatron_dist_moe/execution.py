@@ -15,7 +15,7 @@ Development overrides select the plain-torch twins that the tests and baselines 
 
     gemm_engine   "triton" (our grouped GEMMs) | "torch" (torch._grouped_mm with separate
                   gather / SwiGLU / scatter kernels: the GEMM oracle and a baseline)
-    routing       "triton" (two launches) | "torch" (sort / scatter ops: the routing oracle)
+    routing       "triton" (one or two launches) | "torch" (sort / scatter ops: the routing oracle)
     bookkeeping   "triton" (one launch) | "torch" (the shared planner functions: its oracle)
     fp8_wgrad     fp8_block training's two WGRADs: "cutlass" (CUTLASS's sm_90a blockwise-scaled
                   grouped kernel, csrc/; the default on a Hopper GPU where its library loads:
