@@ -41,7 +41,7 @@ def rows_of(R, K, seed=0, device="cpu"):
 
 def check_quantize_rows(device, big=False):
     from megatron_dist_moe.kernels.quant_nvfp4 import quantize_rows
-    for K in ((7168, 3072) if big else (256, 96)):
+    for K in ((7168, 3072) if big else (256, 192)):
         R = 300 if big else 23
         x = rows_of(R, K, seed=K, device=device)
         out = torch.full((R + 2, nvfp4_row_bytes(K)), 0xAB, dtype=torch.uint8, device=device)

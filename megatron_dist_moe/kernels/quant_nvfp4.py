@@ -265,6 +265,8 @@ def fanout_dequantize(src_base_EP: torch.Tensor, src_stride_bytes: int, dest_row
     assert D % 32 == 0 and (order == "k" or D % 128 == 0), (
         f"D={D}: a multiple of 32 (128 for order='fragment')")
     EP = src_base_EP.numel()
+    assert src_stride_bytes >= nvfp4_row_bytes(D), (
+        f"src_stride_bytes={src_stride_bytes}: below one byte row ({nvfp4_row_bytes(D)})")
     assert dest_rows.numel() == EP * T * K_routes and dest_rows.dtype == torch.int32, (
         f"dest_rows: int32 [EP*T*K] = [{EP * T * K_routes}], got {dest_rows.dtype} "
         f"[{dest_rows.numel()}]")
@@ -295,8 +297,16 @@ def _chunk(K: int) -> tuple[int, int]:
     return c, 4
 
 
+def _check_width(K: int) -> None:
+    """The quantizers store a row's fp32 S_dec at byte K/2 + K/16: 4-byte aligned for K % 64 == 0
+    (Config asks multiples of 128 of D and F for nvfp4)."""
+    assert K % 64 == 0, (f"K={K}: the NVFP4 row quantizers need a multiple of 64 (the row's fp32 "
+                         f"S_dec at byte K/2 + K/16 = {K // 2 + K // 16} must be 4-byte aligned)")
+
+
 def _launch(src, num_rows, max_rows, K, out, act, alpha, limit, clamped, out_stride=None,
             a16=None, a16_order="k"):
+    _check_width(K)
     W = nvfp4_row_bytes(K)
     out_stride = W if out_stride is None else out_stride
     assert out_stride >= W and out_stride % 16 == 0, f"out_stride={out_stride}: >= {W}, % 16"
@@ -329,9 +339,12 @@ def publish_quantized(x_TD: torch.Tensor, ids_TK: torch.Tensor, header: torch.Te
     rows.publish_tokens does for bf16 rows)."""
     T, K = x_TD.shape
     KI = ids_TK.shape[1]
+    _check_width(K)
     W = nvfp4_row_bytes(K)
     assert x_TD.dtype == torch.bfloat16 and x_TD.is_contiguous(), "x_TD: dense bf16"
-    assert ids_TK.is_contiguous() and header.dtype == torch.int32 and ids16.dtype == torch.int16
+    assert ids_TK.is_contiguous() and ids_TK.shape[0] == T, f"ids_TK: dense [T={T}, K]"
+    assert header.dtype == torch.int32 and ids16.dtype == torch.int16, "header int32, ids int16"
+    assert ids16.numel() >= T * KI, f"ids16: {ids16.numel()} entries < T*K = {T * KI}"
     assert out_stride >= W and out_stride % 16 == 0, f"out_stride={out_stride}: >= {W}, % 16"
     assert dispatch.numel() * dispatch.element_size() >= T * out_stride, "dispatch: T rows"
     chunk, warps = _chunk(K)

@@ -6,10 +6,11 @@ then source rank, token, route) of the routes this rank's experts receive, and f
 peer addresses the expert kernels read from and write to.
 
     one    grid (G,), where all ranks' routes fit one tile (EP_PAD * next_pow2(T*K) <= ONE_MAX,
-           decode): every program loads every rank's IDs as one flat tile (a single load round
-           trip), counts and checks them; program 0 writes the status word, the counts and the
-           rows, and all G programs share the zero tail. Half the launches of count + place,
-           and no tile wider than the call's routes.
+           decode, and its one-hot tiles within ONE_HOT_MAX elements): every program loads
+           every rank's IDs as one flat tile (a single load round trip), counts and checks
+           them; program 0 writes the status word, the counts and the rows, and all G programs
+           share the zero tail. Half the launches of count + place, and no tile wider than the
+           call's routes.
 
 Otherwise two launches:
 
@@ -51,6 +52,10 @@ _BAD_SCORE = tl.constexpr(_checks.CHECK_INACTIVE_SCORE)
 _PEER_REJECTED = tl.constexpr(_checks.CHECK_PEER_REJECTED)
 CHUNK = 4096                        # flat routes per program (count, place)
 ONE_MAX = 2048                      # flat route slots (EP_PAD * N_PAD) of the one-launch tile
+# ... and elements of its one-hot tiles ([slots, E_PAD] over experts, [slots, EP_PAD] over
+# owners): the largest the GPU tests ran ([1024, 32]); many local experts take the two launches,
+# whose one-hots stay at 8192 elements per block (2048 x 1024 does not compile)
+ONE_HOT_MAX = 32768
 TAIL_ROWS = 4096                    # zero-tail rows per program of the one-launch kernel
 
 
@@ -323,8 +328,11 @@ class RouteWorkspace:
         self.status = torch.zeros(3, dtype=torch.int64, device=device)
 
     def launches(self, T: int, K: int) -> int:
-        """1 where every rank's T*K routes fit the one-launch tile, else 2 (count, place)."""
-        return 1 if self.EP_PAD * _one_launch_width(T, K) <= ONE_MAX else 2
+        """1 where every rank's T*K routes fit the one-launch tile and its one-hot tiles stay
+        within ONE_HOT_MAX elements, else 2 (count, place)."""
+        slots = self.EP_PAD * _one_launch_width(T, K)
+        one_hot = slots * max(self.E_PAD, self.EP_PAD)
+        return 1 if slots <= ONE_MAX and one_hot <= ONE_HOT_MAX else 2
 
 
 def route_tables(ws: RouteWorkspace, base_EP: torch.Tensor, T: int, K: int, rank: int,

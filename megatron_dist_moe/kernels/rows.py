@@ -74,6 +74,7 @@ def publish_tokens(x_TD: torch.Tensor, ids_TK: torch.Tensor, header: torch.Tenso
     T, D = x_TD.shape
     K = ids_TK.shape[1]
     assert x_TD.is_contiguous() and ids_TK.is_contiguous(), "x_TD, ids_TK: dense tensors"
+    assert ids_TK.shape[0] == T, f"ids_TK: {ids_TK.shape[0]} rows, x_TD {T}"
     assert header.dtype == torch.int32 and ids16.dtype == torch.int16, "header int32, ids int16"
     assert dispatch.dtype == x_TD.dtype and dispatch.numel() >= T * D, "dispatch: x's dtype, T*D"
     assert ids16.numel() >= T * K, f"ids16: {ids16.numel()} entries < T*K = {T * K}"

@@ -208,3 +208,12 @@ def test_routing_kernels_match_torch_tables(results, name):
         assert res["code"] == code
         assert a is None or res["a"] == a, f"{name}: a={res['a']}, want {a}"
         assert res["b"] == b, f"{name}: b={res['b']}, want {b}"
+
+
+@pytest.mark.parametrize("EP,T,K,E_local,launches", [
+    (1, 8, 6, 6, 1), (8, 16, 8, 32, 1),      # decode shapes the GPU tests run in one launch
+    (1, 256, 4, 1024, 2),                    # a [2048, 1024] one-hot would not compile
+    (8, 32, 8, 32, 2), (64, 4, 8, 4, 2)])    # [2048, 32] and [2048, 64] one-hots: two launches
+def test_one_launch_only_where_its_one_hot_tiles_stay_small(EP, T, K, E_local, launches):
+    from megatron_dist_moe.kernels import routing as KR
+    assert KR.RouteWorkspace(EP, T, K, E_local, "cpu").launches(T, K) == launches

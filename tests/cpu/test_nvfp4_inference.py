@@ -123,3 +123,23 @@ def test_nvfp4_needs_an_inference_context_and_a_pipeline_that_runs_it():
         _config(inference=False, num_activation_slots=1)
     with pytest.raises(dm.ConfigError, match="pipeline"):
         _config(backend="cuda", pipeline="mega")
+
+
+def test_row_kernels_refuse_widths_they_cannot_store():
+    """The NVFP4 row quantizers store each row's fp32 S_dec at byte K/2 + K/16 (4-byte aligned
+    only for K % 64 == 0), the fan-out reads whole byte rows: both refuse before any launch."""
+    from megatron_dist_moe.kernels import quant_nvfp4 as KN
+    n = torch.tensor([2], dtype=torch.int32)
+    x = torch.zeros(2, 96, dtype=torch.bfloat16)
+    with pytest.raises(AssertionError, match="multiple of 64"):
+        KN.quantize_rows(x, n, 2, 96, out=torch.zeros(2, 64, dtype=torch.uint8))
+    ids = torch.zeros(2, 2, dtype=torch.int64)
+    with pytest.raises(AssertionError, match="ids16"):
+        KN.publish_quantized(torch.zeros(2, 128, dtype=torch.bfloat16), ids,
+                             torch.zeros(1, dtype=torch.int32), torch.zeros(3, dtype=torch.int16),
+                             torch.zeros(2, 256, dtype=torch.uint8), out_stride=256)
+    with pytest.raises(AssertionError, match="src_stride_bytes"):
+        KN.fanout_dequantize(torch.zeros(1, dtype=torch.int64), 64,
+                             torch.zeros(4, dtype=torch.int32), 2, 2,
+                             torch.zeros(1, dtype=torch.int64), n, 128,
+                             a16=torch.zeros(1, dtype=torch.int64))
