@@ -52,8 +52,11 @@ def test_stored_profile_matches_the_hand_made_table(tmp_path):
     ("_publish_tokens_kernel", "row copies and checks (ours)"),
     ("_publish_quant_kernel", "activation quantization (fp8_block, mxfp8, nvfp4)"),
     ("_fanout_deq_kernel", "row gathers and scatters"),
-    ("void nvfp4_decode_mm_kernel<2, 64, 4>(Args)", "grouped GEMMs (FPROP, DGRAD)"),
-    ("void nvfp4_wgmma_mm_kernel<64, 2, false>(Args)", "grouped GEMMs (FPROP, DGRAD)"),
+    # the csrc/ NVFP4 GEMMs as the profiler names them (call 2 of 2026-12-02f)
+    ("void dm_nvfp4::nvfp4_decode_mm_kernel<2, 64, 4>(dm_nvfp4::Args)",
+     "grouped GEMMs (FPROP, DGRAD)"),
+    ("void dm_nvfp4::wgmma_mm::nvfp4_wgmma_mm_kernel<128, ...", "grouped GEMMs (FPROP, DGRAD)"),
+    ("dm_nvfp4::wgmma_mm::nvfp4_wgmma_mm_kernel", "grouped GEMMs (FPROP, DGRAD)"),
     ("c10d::symmetric_memory::barrier_kernel(unsigned int*...", "device barriers"),
     ("Memset (Device)", "torch ops, copies, memsets"),
     ("some_new_kernel", pb.OTHER),
