@@ -28,7 +28,7 @@ import triton.language as tl
 from ..layout import nvfp4_row_bytes
 from .common import as_device_ptr, load_ptr
 from .quant_fp8 import _hw, abs_nan0, round_bf16, to_e4m3
-from .rows import _act_fwd, publish_ids
+from .rows import _act_fwd, check_publish_ids, publish_ids
 
 __all__ = ["quantize_rows", "publish_quantized", "swiglu_quant", "fanout_dequantize",
            "dequantize_rows", "DEQ_ORDERS", "e2m1_code"]
@@ -297,23 +297,23 @@ def _chunk(K: int) -> tuple[int, int]:
     return c, 4
 
 
-def _check_width(K: int) -> None:
-    """The quantizers store a row's fp32 S_dec at byte K/2 + K/16: 4-byte aligned for K % 64 == 0
-    (Config asks multiples of 128 of D and F for nvfp4)."""
+def _row_layout(K: int, out_stride: int | None) -> tuple[int, int, int, int]:
+    """(out_stride, pad bytes, CHUNK, warps) of the row quantizers' byte rows of K values. They
+    store a row's fp32 S_dec at byte K/2 + K/16: 4-byte aligned for K % 64 == 0 (Config asks
+    multiples of 128 of D and F for nvfp4)."""
     assert K % 64 == 0, (f"K={K}: the NVFP4 row quantizers need a multiple of 64 (the row's fp32 "
                          f"S_dec at byte K/2 + K/16 = {K // 2 + K // 16} must be 4-byte aligned)")
+    W = nvfp4_row_bytes(K)
+    out_stride = W if out_stride is None else out_stride
+    assert out_stride >= W and out_stride % 16 == 0, f"out_stride={out_stride}: >= {W}, % 16"
+    return (out_stride, W - (K // 2 + K // 16 + 4)) + _chunk(K)
 
 
 def _launch(src, num_rows, max_rows, K, out, act, alpha, limit, clamped, out_stride=None,
             a16=None, a16_order="k"):
-    _check_width(K)
-    W = nvfp4_row_bytes(K)
-    out_stride = W if out_stride is None else out_stride
-    assert out_stride >= W and out_stride % 16 == 0, f"out_stride={out_stride}: >= {W}, % 16"
+    out_stride, pad, chunk, warps = _row_layout(K, out_stride)
     assert a16_order in DEQ_ORDERS, f"a16_order={a16_order!r}: expected one of {DEQ_ORDERS}"
     assert a16_order == "k" or K % 128 == 0, f"a16_order='fragment' needs K % 128 == 0, K={K}"
-    pad = W - (K // 2 + K // 16 + 4)
-    chunk, warps = _chunk(K)
     src_addr = as_device_ptr(src, "src", torch.bfloat16)
     _quant_rows_kernel[(max(1, max_rows),)](
         src_addr, num_rows, as_device_ptr(out, "out"),
@@ -339,19 +339,14 @@ def publish_quantized(x_TD: torch.Tensor, ids_TK: torch.Tensor, header: torch.Te
     rows.publish_tokens does for bf16 rows)."""
     T, K = x_TD.shape
     KI = ids_TK.shape[1]
-    _check_width(K)
-    W = nvfp4_row_bytes(K)
+    out_stride, pad, chunk, warps = _row_layout(K, out_stride)
     assert x_TD.dtype == torch.bfloat16 and x_TD.is_contiguous(), "x_TD: dense bf16"
-    assert ids_TK.is_contiguous() and ids_TK.shape[0] == T, f"ids_TK: dense [T={T}, K]"
-    assert header.dtype == torch.int32 and ids16.dtype == torch.int16, "header int32, ids int16"
-    assert ids16.numel() >= T * KI, f"ids16: {ids16.numel()} entries < T*K = {T * KI}"
-    assert out_stride >= W and out_stride % 16 == 0, f"out_stride={out_stride}: >= {W}, % 16"
+    check_publish_ids(T, ids_TK, header, ids16)
     assert dispatch.numel() * dispatch.element_size() >= T * out_stride, "dispatch: T rows"
-    chunk, warps = _chunk(K)
     _publish_quant_kernel[(max(1, T),)](
         x_TD, ids_TK, header, ids16, dispatch.view(torch.uint8), T, K, out_stride, KI=KI,
-        KI_PAD=max(2, triton.next_power_of_2(KI)), CHUNK=chunk,
-        PAD=W - (K // 2 + K // 16 + 4), HW=_hw(header), num_warps=warps)
+        KI_PAD=max(2, triton.next_power_of_2(KI)), CHUNK=chunk, PAD=pad, HW=_hw(header),
+        num_warps=warps)
 
 
 DEQ_ORDERS = ("k", "fragment")

@@ -35,7 +35,8 @@ from .common import TL_DTYPES as _TL_DTYPE
 from .common import device_ptr
 
 
-__all__ = ["device_ptr", "publish_tokens", "publish_ids", "gather_rows", "fanout_rows", "scatter_rows", "copy_rows",
+__all__ = ["device_ptr", "publish_tokens", "publish_ids", "check_publish_ids", "gather_rows",
+           "fanout_rows", "scatter_rows", "copy_rows",
            "combine_routes", "publish_grad_routes", "reduce_routes", "swiglu_fwd", "swiglu_bwd",
            "swiglu_grad", "publish_grad_y", "route_score_ptrs", "score_grad_rows",
            "sum_score_parts"]
@@ -66,6 +67,17 @@ def _publish_tokens_kernel(x_ptr, ids_ptr, header_ptr, ids16_ptr, dst_ptr, T, D:
     tl.store(dst_ptr + t * D + d, tl.load(x_ptr + t * D + d, mask=m), mask=m)
 
 
+def check_publish_ids(T: int, ids_TK: torch.Tensor, header: torch.Tensor,
+                      ids16: torch.Tensor) -> None:
+    """What the publishing launchers (publish_tokens, quant_nvfp4.publish_quantized) need of the
+    routing header's operands before `publish_ids` writes them."""
+    assert ids_TK.is_contiguous() and ids_TK.shape[0] == T, (
+        f"ids_TK: dense [T={T}, K], got {list(ids_TK.shape)}")
+    assert header.dtype == torch.int32 and ids16.dtype == torch.int16, "header int32, ids int16"
+    K = ids_TK.shape[1]
+    assert ids16.numel() >= T * K, f"ids16: {ids16.numel()} entries < T*K = {T * K}"
+
+
 def publish_tokens(x_TD: torch.Tensor, ids_TK: torch.Tensor, header: torch.Tensor,
                    ids16: torch.Tensor, dispatch: torch.Tensor) -> None:
     """header[0] = T, ids16[:T*K] = ids_TK as int16, dispatch[:T*D] = x_TD (bf16), in one
@@ -73,11 +85,9 @@ def publish_tokens(x_TD: torch.Tensor, ids_TK: torch.Tensor, header: torch.Tenso
     first barrier. Tensors are taken as they are (dense, on one device)."""
     T, D = x_TD.shape
     K = ids_TK.shape[1]
-    assert x_TD.is_contiguous() and ids_TK.is_contiguous(), "x_TD, ids_TK: dense tensors"
-    assert ids_TK.shape[0] == T, f"ids_TK: {ids_TK.shape[0]} rows, x_TD {T}"
-    assert header.dtype == torch.int32 and ids16.dtype == torch.int16, "header int32, ids int16"
+    assert x_TD.is_contiguous(), "x_TD: a dense tensor"
+    check_publish_ids(T, ids_TK, header, ids16)
     assert dispatch.dtype == x_TD.dtype and dispatch.numel() >= T * D, "dispatch: x's dtype, T*D"
-    assert ids16.numel() >= T * K, f"ids16: {ids16.numel()} entries < T*K = {T * K}"
     block = min(4096, triton.next_power_of_2(D))
     _publish_tokens_kernel[(max(1, T), triton.cdiv(D, block))](
         x_TD, ids_TK, header, ids16, dispatch, T, D=D, K=K,
