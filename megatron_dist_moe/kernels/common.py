@@ -18,7 +18,7 @@ import triton.language as tl
 
 __all__ = ["interpreting", "device_ptr", "as_device_ptr", "TL_DTYPES", "load_ptr",
            "check_offsets", "check_rows", "num_sms", "default_num_programs",
-           "ensure_tma_allocator", "HAS_TMA"]
+           "ensure_tma_allocator", "HAS_TMA", "grouped_tile"]
 
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
              torch.float64: tl.float64, torch.float8_e4m3fn: tl.float8e4nv}
@@ -57,6 +57,22 @@ def load_ptr(addr_ptr, DT: tl.constexpr):
     # result. Without it, operand loads are 2-byte scalars that the pipeliner will not turn into
     # cp.async, and stores are not vectorized (checked in the sm_90 PTX).
     return tl.multiple_of(tl.load(addr_ptr).to(tl.pointer_type(DT)), 16)
+
+
+@triton.jit
+def grouped_tile(n_row_blocks, n_col_blocks, GROUP_R: tl.constexpr):
+    """(row block, column block) of this program in a 1-D grid of n_row_blocks x n_col_blocks
+    tiles over a row-major [R, K] tensor: GROUP_R row blocks at a time walk every column block,
+    the row block varying fastest. Programs that run at the same time then read and write
+    whole rows of a few row blocks, not a narrow column slab of every row (DRAM pages are
+    opened for a few hundred contiguous bytes, not 64). GROUP_R >= n_row_blocks is the plain
+    row-block-fastest order of a 2-D grid."""
+    pid = tl.program_id(0)
+    per_group = GROUP_R * n_col_blocks
+    first = (pid // per_group) * GROUP_R
+    rows_here = tl.minimum(n_row_blocks - first, GROUP_R)
+    within = pid % per_group
+    return first + within % rows_here, within // rows_here
 
 
 def check_offsets(expert_offsets: torch.Tensor, num_experts: int, device: torch.device) -> None:

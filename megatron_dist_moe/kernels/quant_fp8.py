@@ -19,13 +19,16 @@ import triton
 import triton.language as tl
 
 from ..quant.fp8_block import BF16_MAX, BLOCK, BlockScaling
-from .common import as_device_ptr, interpreting, load_ptr
+from .common import as_device_ptr, grouped_tile, interpreting, load_ptr
 from .rows import _act_fwd
 
 __all__ = ["quantize_rows_cols", "swiglu_quant", "quantize_weight", "block_scales", "to_e4m3",
            "padded_block", "abs_nan0", "round_bf16"]
 
 _BF16_MAX = tl.constexpr(BF16_MAX)
+# the launch order of the [R, K] kernels' tiles: this many 128-row blocks walk every column
+# block together (common.grouped_tile); kernels with 32-row blocks take four times as many
+GROUP_ROWS = 1 << 20
 
 
 def _hw(t: torch.Tensor) -> bool:
@@ -115,17 +118,16 @@ def padded_block(offsets_ptr, E, E_PAD: tl.constexpr, pb):
 
 
 @triton.jit
-def _quant_rows_cols_kernel(x_addr, offsets_ptr, q_addr, s_addr, qc_addr, sc_addr, K, E,
+def _quant_rows_cols_kernel(x_addr, offsets_ptr, q_addr, s_addr, qc_addr, sc_addr, K, E, n_pb,
                             E_PAD: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
                             POW2: tl.constexpr, EPS: tl.constexpr, HW: tl.constexpr,
-                            CHUNK: tl.constexpr):
+                            CHUNK: tl.constexpr, GROUP_R: tl.constexpr):
     # One program per 128-row block of the padded row space x 128 columns, walked in column
     # chunks of CHUNK: each chunk's column blocks are final at once, and the row amax grows
     # over the chunks; the rows are then quantized from a second read of the same 32 KB (an
     # L2 hit). Holding the whole 128 x 128 tile in fp32 registers instead leaves room for one
     # program per SM, which then waits on each load with nothing else in flight.
-    pb = tl.program_id(0)
-    cb = tl.program_id(1)
+    pb, cb = grouped_tile(n_pb, K // 128, GROUP_R)
     found, p0, start, n, pstart, Rp = padded_block(offsets_ptr, E, E_PAD, pb)
     if not found:
         return          # past the last padded segment
@@ -161,7 +163,8 @@ def _quant_rows_cols_kernel(x_addr, offsets_ptr, q_addr, s_addr, qc_addr, sc_add
 
 
 def quantize_rows_cols(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows=None,
-                       cols=None, recipe: BlockScaling = BlockScaling()) -> None:
+                       cols=None, recipe: BlockScaling = BlockScaling(),
+                       group_rows: int = GROUP_ROWS) -> None:
     """Quantize bf16 rows x [R, K] (tensor or device pointer; R = offsets[-1] on the device).
 
     rows = (q, s): the row bundle, q [>= R, K] e4m3, s [>= R, K/128] fp32 (tensors or device
@@ -178,27 +181,26 @@ def quantize_rows_cols(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows=
     q, s = (as_device_ptr(rows[0], "q"), as_device_ptr(rows[1], "s")) if rows else (dummy, dummy)
     qc, sc = (as_device_ptr(cols[0], "q_t"), as_device_ptr(cols[1], "s_t")) if cols else (
         dummy, dummy)
-    grid = (max(1, Rp // BLOCK), K // BLOCK)
+    n_pb = max(1, Rp // BLOCK)
     # (column chunk, warps) per output set, the fastest of a sweep at the guide's shapes on
     # one H200 (docs/decisions.md): with both bundles 64 x 4 warps, rows alone 64 x 8 (3.3 TB/s),
     # columns alone the whole tile at once, 8 warps
     chunk, warps = (64, 4) if rows and cols else (64, 8) if rows else (128, 8)
     if interpreting():
         chunk = 128     # the interpreter's cost is per loop step and per program, not per byte
-    _quant_rows_cols_kernel[grid](xa, offsets, q, s, qc, sc, K, E,
-                                  E_PAD=max(2, triton.next_power_of_2(E)), ROWS=rows is not None,
-                                  COLS=cols is not None, POW2=recipe.power_2_scales,
-                                  EPS=float(recipe.amax_epsilon), HW=_hw(offsets),
-                                  CHUNK=chunk, num_warps=warps)
+    _quant_rows_cols_kernel[(n_pb * (K // BLOCK),)](
+        xa, offsets, q, s, qc, sc, K, E, n_pb, E_PAD=max(2, triton.next_power_of_2(E)),
+        ROWS=rows is not None, COLS=cols is not None, POW2=recipe.power_2_scales,
+        EPS=float(recipe.amax_epsilon), HW=_hw(offsets), CHUNK=chunk, GROUP_R=group_rows,
+        num_warps=warps)
 
 
 @triton.jit
 def _swiglu_quant_kernel(h1_addr, num_rows_ptr, h1q_addr, h1s_addr, h2q_addr, h2s_addr, F,
-                         alpha, limit, CLAMPED: tl.constexpr, SAVE_H1: tl.constexpr,
+                         alpha, limit, n_rb, CLAMPED: tl.constexpr, SAVE_H1: tl.constexpr,
                          POW2: tl.constexpr, EPS: tl.constexpr, HW: tl.constexpr,
-                         BLOCK_R: tl.constexpr):
-    rb = tl.program_id(0)
-    cb = tl.program_id(1)
+                         BLOCK_R: tl.constexpr, GROUP_R: tl.constexpr):
+    rb, cb = grouped_tile(n_rb, F // 128, GROUP_R)
     n = tl.load(num_rows_ptr)
     rows = rb.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < n
@@ -229,7 +231,8 @@ def _swiglu_quant_kernel(h1_addr, num_rows_ptr, h1q_addr, h1s_addr, h2q_addr, h2
 
 def swiglu_quant(h1, num_rows: torch.Tensor, max_rows: int, F: int, *, h2q, h1q=None,
                  activation: str = "swiglu", swiglu_alpha: float = 1.702,
-                 swiglu_limit: float = 7.0, recipe: BlockScaling = BlockScaling()) -> None:
+                 swiglu_limit: float = 7.0, recipe: BlockScaling = BlockScaling(),
+                 group_rows: int = GROUP_ROWS) -> None:
     """From bf16 h1 [R, 2F] (R = num_rows[0] on the device): h2q = (q [R, F], s [R, F/128]),
     the row bundle of round(act(h1)); h1q = (q [R, 2F], s [R, 2F/128]) when given."""
     assert F % BLOCK == 0, f"F={F} must be a multiple of {BLOCK}"
@@ -237,13 +240,13 @@ def swiglu_quant(h1, num_rows: torch.Tensor, max_rows: int, F: int, *, h2q, h1q=
     dummy = num_rows
     a, b = (as_device_ptr(h1q[0], "h1q"), as_device_ptr(h1q[1], "h1q_s")) if h1q else (
         dummy, dummy)
-    grid = (max(1, triton.cdiv(max_rows, BLOCK_R)), F // BLOCK)
-    _swiglu_quant_kernel[grid](as_device_ptr(h1, "h1", torch.bfloat16), num_rows, a, b,
-                               as_device_ptr(h2q[0], "h2q"), as_device_ptr(h2q[1], "h2q_s"), F,
-                               float(swiglu_alpha), float(swiglu_limit),
-                               CLAMPED=activation == "swiglu_clamped", SAVE_H1=h1q is not None,
-                               POW2=recipe.power_2_scales, EPS=float(recipe.amax_epsilon),
-                               HW=_hw(num_rows), BLOCK_R=BLOCK_R, num_warps=4)
+    n_rb = max(1, triton.cdiv(max_rows, BLOCK_R))
+    _swiglu_quant_kernel[(n_rb * (F // BLOCK),)](
+        as_device_ptr(h1, "h1", torch.bfloat16), num_rows, a, b, as_device_ptr(h2q[0], "h2q"),
+        as_device_ptr(h2q[1], "h2q_s"), F, float(swiglu_alpha), float(swiglu_limit), n_rb,
+        CLAMPED=activation == "swiglu_clamped", SAVE_H1=h1q is not None,
+        POW2=recipe.power_2_scales, EPS=float(recipe.amax_epsilon), HW=_hw(num_rows),
+        BLOCK_R=BLOCK_R, GROUP_R=group_rows * 4, num_warps=4)
 
 
 @triton.jit

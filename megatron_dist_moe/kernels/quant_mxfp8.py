@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..quant.mxfp8 import BLOCK
-from .common import as_device_ptr, interpreting, load_ptr
+from .common import as_device_ptr, grouped_tile, interpreting, load_ptr
 from .quant_fp8 import _hw, abs_nan0, padded_block, round_bf16, to_e4m3
 from .rows import _act_fwd
 
@@ -33,6 +33,9 @@ __all__ = ["quantize", "swiglu_quant", "dequantize_rows", "dequantize_cols", "fa
            "e8m0", "e8m0_reciprocal", "e8m0_value"]
 
 _MAX_NORM_RCP = tl.constexpr(1.0 / 448.0)     # fp32(1/448), TE's max_norm_rcp
+# the launch order of the [R, K] kernels' tiles: this many 128-row blocks walk every column
+# block together (common.grouped_tile); kernels with 32-row blocks take four times as many
+GROUP_ROWS = 1 << 20
 
 
 @triton.jit
@@ -82,13 +85,13 @@ def _e4m3_value(b, HW: tl.constexpr):
 
 
 @triton.jit
-def _quant_kernel(x_addr, offsets_ptr, rf_addr, cq_addr, ce_addr, cf_addr, K, E,
+def _quant_kernel(x_addr, offsets_ptr, rf_addr, cq_addr, ce_addr, cf_addr, K, E, n_pb,
                   E_PAD: tl.constexpr, ROWS_FAKE: tl.constexpr, COLS: tl.constexpr,
-                  COLS_FAKE: tl.constexpr, HW: tl.constexpr, BLOCK_C: tl.constexpr):
+                  COLS_FAKE: tl.constexpr, HW: tl.constexpr, BLOCK_C: tl.constexpr,
+                  GROUP_R: tl.constexpr):
     # one program per 128-row block of the padded row space x BLOCK_C columns: the 32-row
     # column blocks of every expert start at a multiple of 32 from its first row
-    pb = tl.program_id(0)
-    cb = tl.program_id(1)
+    pb, cb = grouped_tile(n_pb, K // BLOCK_C, GROUP_R)
     found, p0, start, n, pstart, Rp = padded_block(offsets_ptr, E, E_PAD, pb)
     if not found:
         return          # past the last padded segment
@@ -134,7 +137,7 @@ def _quant_kernel(x_addr, offsets_ptr, rf_addr, cq_addr, ce_addr, cf_addr, K, E,
 
 
 def quantize(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows_fake=None, cols=None,
-             cols_fake=None) -> None:
+             cols_fake=None, group_rows: int = GROUP_ROWS) -> None:
     """MXFP8 quantization of bf16 rows x [R, K] (tensor or device pointer; R = offsets[-1] on
     the device), in one launch (one read of x per direction):
 
@@ -159,11 +162,12 @@ def quantize(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows_fake=None,
     # every output set (x, grad_y, grad_h1, h2: 1.4 -> 1.85-2.15 TB/s; docs/decisions.md); a
     # 128 x 128 tile spills registers with all three outputs
     BLOCK_C = 64 if interpreting() else 32    # the interpreter's cost is per program
-    grid = (max(1, Rp // 128), K // BLOCK_C)
-    _quant_kernel[grid](as_device_ptr(x, "x", torch.bfloat16), offsets, rf, cq, ce, cf, K, E,
-                        E_PAD=max(2, triton.next_power_of_2(E)), ROWS_FAKE=rows_fake is not None,
-                        COLS=cols is not None, COLS_FAKE=cols_fake is not None, HW=_hw(offsets),
-                        BLOCK_C=BLOCK_C, num_warps=4)
+    n_pb = max(1, Rp // 128)
+    _quant_kernel[(n_pb * (K // BLOCK_C),)](
+        as_device_ptr(x, "x", torch.bfloat16), offsets, rf, cq, ce, cf, K, E, n_pb,
+        E_PAD=max(2, triton.next_power_of_2(E)), ROWS_FAKE=rows_fake is not None,
+        COLS=cols is not None, COLS_FAKE=cols_fake is not None, HW=_hw(offsets),
+        BLOCK_C=BLOCK_C, GROUP_R=group_rows, num_warps=4)
 
 
 @triton.jit
@@ -175,10 +179,9 @@ def _row_blocks(x, BLOCK_R: tl.constexpr):
 
 @triton.jit
 def _swiglu_quant_kernel(h1_addr, num_rows_ptr, h1q_addr, h1e_addr, h2_addr, F, alpha, limit,
-                         CLAMPED: tl.constexpr, SAVE_H1: tl.constexpr, HW: tl.constexpr,
-                         BLOCK_R: tl.constexpr):
-    rb = tl.program_id(0)
-    cb = tl.program_id(1)
+                         n_rb, CLAMPED: tl.constexpr, SAVE_H1: tl.constexpr, HW: tl.constexpr,
+                         BLOCK_R: tl.constexpr, GROUP_R: tl.constexpr):
+    rb, cb = grouped_tile(n_rb, F // 128, GROUP_R)
     n = tl.load(num_rows_ptr)
     if rb * BLOCK_R >= n:
         return
@@ -213,7 +216,7 @@ def _swiglu_quant_kernel(h1_addr, num_rows_ptr, h1q_addr, h1e_addr, h2_addr, F, 
 
 def swiglu_quant(h1, num_rows: torch.Tensor, max_rows: int, F: int, *, h2_fake, h1q=None,
                  activation: str = "swiglu", swiglu_alpha: float = 1.702,
-                 swiglu_limit: float = 7.0) -> None:
+                 swiglu_limit: float = 7.0, group_rows: int = GROUP_ROWS) -> None:
     """From bf16 h1 [R, 2F] (R = num_rows[0] on the device): h2_fake [R, F] bf16 =
     fake_rows(round(act(h1))); h1q = (q [R, 2F] e4m3, e [R, 2F/32] uint8), the row bundle of
     h1, when given."""
@@ -222,19 +225,19 @@ def swiglu_quant(h1, num_rows: torch.Tensor, max_rows: int, F: int, *, h2_fake, 
     dummy = num_rows
     a, b = (as_device_ptr(h1q[0], "h1q"), as_device_ptr(h1q[1], "h1q_s")) if h1q else (
         dummy, dummy)
-    grid = (max(1, triton.cdiv(max_rows, BLOCK_R)), F // 128)
-    _swiglu_quant_kernel[grid](as_device_ptr(h1, "h1", torch.bfloat16), num_rows, a, b,
-                               as_device_ptr(h2_fake, "h2_fake", torch.bfloat16), F,
-                               float(swiglu_alpha), float(swiglu_limit),
-                               CLAMPED=activation == "swiglu_clamped", SAVE_H1=h1q is not None,
-                               HW=_hw(num_rows), BLOCK_R=BLOCK_R, num_warps=4)
+    n_rb = max(1, triton.cdiv(max_rows, BLOCK_R))
+    _swiglu_quant_kernel[(n_rb * (F // 128),)](
+        as_device_ptr(h1, "h1", torch.bfloat16), num_rows, a, b,
+        as_device_ptr(h2_fake, "h2_fake", torch.bfloat16), F, float(swiglu_alpha),
+        float(swiglu_limit), n_rb, CLAMPED=activation == "swiglu_clamped",
+        SAVE_H1=h1q is not None, HW=_hw(num_rows), BLOCK_R=BLOCK_R, GROUP_R=group_rows * 4,
+        num_warps=4)
 
 
 @triton.jit
-def _deq_rows_kernel(q_addr, e_addr, num_rows_ptr, out_addr, K, HW: tl.constexpr,
-                     BLOCK_R: tl.constexpr):
-    rb = tl.program_id(0)
-    cb = tl.program_id(1)
+def _deq_rows_kernel(q_addr, e_addr, num_rows_ptr, out_addr, K, n_rb, HW: tl.constexpr,
+                     BLOCK_R: tl.constexpr, GROUP_R: tl.constexpr):
+    rb, cb = grouped_tile(n_rb, K // 128, GROUP_R)
     n = tl.load(num_rows_ptr)
     if rb * BLOCK_R >= n:
         return
@@ -251,21 +254,22 @@ def _deq_rows_kernel(q_addr, e_addr, num_rows_ptr, out_addr, K, HW: tl.constexpr
              mask=ok[:, None])
 
 
-def dequantize_rows(q, e, num_rows: torch.Tensor, max_rows: int, K: int, *, out) -> None:
+def dequantize_rows(q, e, num_rows: torch.Tensor, max_rows: int, K: int, *, out,
+                    group_rows: int = GROUP_ROWS) -> None:
     """out [R, K] bf16 = quant/mxfp8.dequantize_rows(q [R, K], e [R, K/32]) (R = num_rows[0])."""
     assert K % 128 == 0, f"K={K} must be a multiple of 128"
     BLOCK_R = 32
-    grid = (max(1, triton.cdiv(max_rows, BLOCK_R)), K // 128)
-    _deq_rows_kernel[grid](as_device_ptr(q, "q"), as_device_ptr(e, "e"), num_rows,
-                           as_device_ptr(out, "out", torch.bfloat16), K, HW=_hw(num_rows),
-                           BLOCK_R=BLOCK_R, num_warps=4)
+    n_rb = max(1, triton.cdiv(max_rows, BLOCK_R))
+    _deq_rows_kernel[(n_rb * (K // 128),)](
+        as_device_ptr(q, "q"), as_device_ptr(e, "e"), num_rows,
+        as_device_ptr(out, "out", torch.bfloat16), K, n_rb, HW=_hw(num_rows), BLOCK_R=BLOCK_R,
+        GROUP_R=group_rows * 4, num_warps=4)
 
 
 @triton.jit
-def _deq_cols_kernel(q_addr, e_addr, offsets_ptr, out_addr, K, E, E_PAD: tl.constexpr,
-                     HW: tl.constexpr):
-    pb = tl.program_id(0)
-    cb = tl.program_id(1)
+def _deq_cols_kernel(q_addr, e_addr, offsets_ptr, out_addr, K, E, n_pb, E_PAD: tl.constexpr,
+                     HW: tl.constexpr, GROUP_R: tl.constexpr):
+    pb, cb = grouped_tile(n_pb, K // 128, GROUP_R)
     found, p0, start, n, pstart, Rp = padded_block(offsets_ptr, E, E_PAD, pb)
     if not found:
         return
@@ -284,17 +288,19 @@ def _deq_cols_kernel(q_addr, e_addr, offsets_ptr, out_addr, K, E, E_PAD: tl.cons
              mask=ok[:, None])
 
 
-def dequantize_cols(q_t, e_t, offsets: torch.Tensor, max_rows: int, K: int, *, out) -> None:
+def dequantize_cols(q_t, e_t, offsets: torch.Tensor, max_rows: int, K: int, *, out,
+                    group_rows: int = GROUP_ROWS) -> None:
     """out [R, K] bf16, token-major: the column bundle (q_t [K, Rp], e_t [Rp/32, K]) of
     `quantize`, dequantized, without its padding rows."""
     assert K % 128 == 0, f"K={K} must be a multiple of 128"
     E = offsets.numel() - 1
     from ..layout import padded_rows
-    grid = (max(1, padded_rows(max_rows, E) // 128), K // 128)
-    _deq_cols_kernel[grid](as_device_ptr(q_t, "q_t"), as_device_ptr(e_t, "e_t"), offsets,
-                           as_device_ptr(out, "out", torch.bfloat16), K, E,
-                           E_PAD=max(2, triton.next_power_of_2(E)), HW=_hw(offsets),
-                           num_warps=8)
+    n_pb = max(1, padded_rows(max_rows, E) // 128)
+    _deq_cols_kernel[(n_pb * (K // 128),)](
+        as_device_ptr(q_t, "q_t"), as_device_ptr(e_t, "e_t"), offsets,
+        as_device_ptr(out, "out", torch.bfloat16), K, E, n_pb,
+        E_PAD=max(2, triton.next_power_of_2(E)), HW=_hw(offsets), GROUP_R=group_rows,
+        num_warps=8)
 
 
 @triton.jit

@@ -23,6 +23,8 @@
 #              made by `git archive cfa8b72 | tar -x -C _base`), for a same-session comparison
 #              (BASE_LAYER_ARGS instead of LAYER_ARGS where the old tree takes other arguments)
 #   bench      bench_grouped_gemm (BENCH_ARGS)
+#   quant      bench_quant: the fp8_block / mxfp8 activation quantizers in TB/s against the copy
+#              rate, bit-exact first (QUANT_ARGS, e.g. "--group-rows 0,1,4")
 #   fp8gemm    bench_fp8_gemm: the fp8_block kernels beside bf16 and torch._scaled_mm (FP8_ARGS)
 #   nvfp4gemm  bench_nvfp4_gemm: the NVFP4 GEMM's decodes and tiles beside bf16 (NVFP4_ARGS,
 #              e.g. "--sweep")
@@ -43,7 +45,7 @@
 #   pack       fold everything under $OUT into one archive (the device tool brings back few files)
 # GIT_COMMIT: the commit of the tree that travels (the device copy's git HEAD is the last
 # landed commit, not the working tree's), written into every CSV row; pass it in the command.
-# Knobs: CHECK_ARGS PACKING_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS FP8_ARGS (extra arguments), TMO
+# Knobs: CHECK_ARGS PACKING_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS FP8_ARGS QUANT_ARGS (extra arguments), TMO
 # (seconds per step).
 # megatron-core travels as a wheel in .whl/ (carry it); it is installed into /tmp/site here.
 # Logs go to $OUT (or ./out) so the device tool brings them back.
@@ -97,6 +99,7 @@ for s in $sections; do case $s in
              PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} LIMIT=300 \
              run baseline torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py --out "$OUT/baseline" ${BASE_LAYER_ARGS:-${LAYER_ARGS:-}}) ;;
   bench) LIMIT=400 run bench_gemm python3 benchmarks/bench_grouped_gemm.py --csv "$OUT/bench_gemm.csv" ${BENCH_ARGS:-} ;;
+  quant) LIMIT=300 run quant python3 benchmarks/bench_quant.py --out "$OUT" ${QUANT_ARGS:-} ;;
   fp8gemm) LIMIT=300 run fp8_gemm python3 benchmarks/bench_fp8_gemm.py --out "$OUT" ${FP8_ARGS:-} ;;
   nvfp4gemm) LIMIT=300 run nvfp4_gemm python3 benchmarks/bench_nvfp4_gemm.py --out "$OUT" ${NVFP4_ARGS:-} ;;
   claimsweep) run claimsweep python3 benchmarks/bench_grouped_gemm.py --kernels fwd_swiglu_claim,dgrad_w2_claim \

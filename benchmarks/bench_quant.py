@@ -1,0 +1,248 @@
+"""The activation quantizers of fp8_block and mxfp8 at the guide's shapes, as the layer calls
+them, in TB/s of bytes read + written against the HBM copy rate of the same run.
+
+Every kernel is first checked bit for bit against its torch twin (quant/fp8_block.py,
+quant/mxfp8.py) on the same inputs; a kernel that differs is reported and not timed.
+
+    python benchmarks/bench_quant.py --out bench_out [--group-rows 1,4,16,0]
+
+--group-rows: the tile launch orders to time (common.grouped_tile: this many 128-row blocks
+walk every column block together; 0 is the launchers' default). Rows: bench_quant.csv (commit,
+gpu, precision, kernel, shape, group_rows, us, tb_s, ratio to the copy rate), a plot
+bench_quant.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import append_csv_fields, git_commit, time_windows  # noqa: E402
+from plotting import pyplot  # noqa: E402
+
+from megatron_dist_moe.activation import Activation  # noqa: E402
+from megatron_dist_moe.kernels import quant_fp8 as KF, quant_mxfp8 as KM  # noqa: E402
+from megatron_dist_moe.layout import padded_rows  # noqa: E402
+from megatron_dist_moe.quant import fp8_block as QF, mxfp8 as QM  # noqa: E402
+
+FIELDS = ["commit", "gpu", "precision", "kernel", "shape", "group_rows", "us", "us_min",
+          "us_max", "tb_s", "ratio_to_copy", "equal"]
+BF, F8, U8 = torch.bfloat16, torch.float8_e4m3fn, torch.uint8
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(U8) if t.element_size() == 1 else t.view(torch.int16) if t.element_size() == 2 \
+        else t.view(torch.int32)
+
+
+def same(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return torch.equal(bits(got.contiguous()), bits(want.contiguous()))
+
+
+def guide_offsets(T: int, K: int, E: int, dev) -> torch.Tensor:
+    """Expert row offsets of T tokens routed to K of E experts uniformly at random."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.rand(T, E, generator=g).topk(K, dim=1).indices.flatten()
+    lens = torch.bincount(ids, minlength=E)
+    return torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(torch.int32).to(dev)
+
+
+def once(fn):
+    """fn's result, computed on the first call (the twins at the guide's shapes take seconds)."""
+    memo = []
+
+    def get():
+        if not memo:
+            memo.append(fn())
+        return memo[0]
+    return get
+
+
+def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
+    """{(precision, kernel): (run(group_rows), check() -> bool, bytes read + written, shape)}:
+    the calls of Mxfp8Pipeline / Fp8BlockPipeline at these shapes."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, device=dev, generator=g).to(BF)   # noqa: E731
+    Rp = padded_rows(R, E)
+    offs_c = offs.long().cpu()
+    used = int(QM.padded_offsets(offs_c)[-1])
+    nr = offs[-1:].clone()
+    x, gh1, h2 = rnd(R, D), rnd(R, 2 * F), rnd(R, F)
+    h1 = (rnd(R, 2 * F) * 2).to(BF)
+    act = Activation("swiglu", 1.702, 7.0)
+    out = {}
+
+    def mx_quant(name, src, K, rows_fake: bool, cols: bool, cols_fake: bool):
+        rf = torch.empty(R, K, dtype=BF, device=dev) if rows_fake else None
+        cb = (torch.empty(K, Rp, dtype=F8, device=dev),
+              torch.empty(Rp // 32, K, dtype=U8, device=dev)) if cols else None
+        cf = torch.empty(R, K, dtype=BF, device=dev) if cols_fake else None
+
+        def run(gr):
+            KM.quantize(src, offs, R, K, rows_fake=rf, cols=cb, cols_fake=cf, group_rows=gr)
+
+        want_rf = once(lambda: QM.fake_rows(src))
+        want_cb = once(lambda: QM.quantize_cols(src.cpu(), offs_c, Rp))
+        want_cf = once(lambda: QM.fake_cols(src.cpu(), offs_c))
+
+        def check():
+            ok = True
+            if rf is not None:
+                ok &= same(rf, want_rf())
+            if cb is not None:
+                tq, te = want_cb()
+                ok &= same(cb[0][:, :used].cpu(), tq[:, :used])
+                ok &= same(cb[1][:used // 32].cpu(), te[:used // 32])
+            if cf is not None:
+                ok &= same(cf.cpu(), want_cf())
+            return ok
+        nbytes = R * K * 2 * (1 + rows_fake + cols_fake) + (Rp * K * (1 + 1 / 32) if cols else 0)
+        out[("mxfp8", name)] = (run, check, nbytes, f"{R}x{K}")
+
+    # forward: x_g -> fake rows (in place in the layer) + the saved column bundle
+    mx_quant("quantize_x", x, D, True, True, False)
+    # backward: g3 and grad_h1 -> fake rows + fake columns; h2 -> fake columns
+    mx_quant("quantize_g3", x, D, True, False, True)
+    mx_quant("quantize_gh1", gh1, 2 * F, True, False, True)
+    mx_quant("quantize_h2", h2, F, False, False, True)
+
+    h1q = (torch.empty(R, 2 * F, dtype=F8, device=dev),
+           torch.empty(R, 2 * F // 32, dtype=U8, device=dev))
+    h2f = torch.empty(R, F, dtype=BF, device=dev)
+    want_h1q = once(lambda: QM.quantize_rows(h1))
+    want_h2 = once(lambda: QM.fake_rows(act.forward(h1.float()).to(BF)))
+    out[("mxfp8", "swiglu_quant")] = (
+        lambda gr: KM.swiglu_quant(h1, nr, R, F, h2_fake=h2f, h1q=h1q, group_rows=gr),
+        lambda: (same(h1q[0], want_h1q()[0]) and same(h1q[1], want_h1q()[1])
+                 # h2: the activation's last fp32 bit may differ from torch's, which can flip
+                 # a rounding (the kernel check bounds such flips the same way)
+                 and (bits(h2f) != bits(want_h2())).float().mean().item() < 1e-3),
+        R * 2 * F * (2 + 1 + 1 / 32) + R * F * 2, f"{R}x{2 * F}")
+    q, e = QM.quantize_rows(gh1)
+    deq = torch.empty(R, 2 * F, dtype=BF, device=dev)
+    out[("mxfp8", "dequantize_rows")] = (
+        lambda gr: KM.dequantize_rows(q, e, nr, R, 2 * F, out=deq, group_rows=gr),
+        lambda: same(deq, QM.dequantize_rows(q, e).to(BF)),
+        R * 2 * F * (1 + 1 / 32 + 2), f"{R}x{2 * F}")
+    qc, ec = (t.to(dev) for t in QM.quantize_cols(x.cpu(), offs_c, Rp))
+    dqc = torch.empty(R, D, dtype=BF, device=dev)
+    out[("mxfp8", "dequantize_cols")] = (
+        lambda gr: KM.dequantize_cols(qc, ec, offs, R, D, out=dqc, group_rows=gr),
+        lambda: same(dqc.cpu(), QM.fake_cols(x.cpu(), offs_c)),
+        Rp * D * (1 + 1 / 32) + R * D * 2, f"{R}x{D}")
+
+    def fp8_quant(name, src, K, rows: bool, cols: bool):
+        rb = (torch.empty(R, K, dtype=F8, device=dev),
+              torch.empty(R, K // 128, device=dev)) if rows else None
+        cb = (torch.empty(K, Rp, dtype=F8, device=dev),
+              torch.empty(Rp // 128, K, device=dev)) if cols else None
+
+        def run(gr):
+            KF.quantize_rows_cols(src, offs, R, K, rows=rb, cols=cb, group_rows=gr)
+
+        want_rb = once(lambda: QF.quantize_rows(src))
+        want_cb = once(lambda: QF.quantize_cols(src.cpu(), offs_c, Rp))
+
+        def check():
+            ok = True
+            if rb is not None:
+                wq, ws = want_rb()
+                ok &= same(rb[0], wq) and same(rb[1], ws)
+            if cb is not None:
+                tq, ts = want_cb()
+                ok &= same(cb[0][:, :used].cpu(), tq[:, :used])
+                ok &= same(cb[1][:used // 128].cpu(), ts[:used // 128])
+            return ok
+        nbytes = R * K * 2 + (R * K * (1 + 4 / 128) if rows else 0) + (
+            Rp * K * (1 + 4 / 128) if cols else 0)
+        out[("fp8_block", name)] = (run, check, nbytes, f"{R}x{K}")
+
+    fp8_quant("quantize_x", x, D, True, True)
+    fp8_quant("quantize_gh1", gh1, 2 * F, True, True)
+    fp8_quant("quantize_h2_cols", h2, F, False, True)
+    f1 = (torch.empty(R, 2 * F, dtype=F8, device=dev), torch.empty(R, 2 * F // 128, device=dev))
+    f2 = (torch.empty(R, F, dtype=F8, device=dev), torch.empty(R, F // 128, device=dev))
+    want_f1 = once(lambda: QF.quantize_rows(h1))
+    out[("fp8_block", "swiglu_quant")] = (
+        lambda gr: KF.swiglu_quant(h1, nr, R, F, h2q=f2, h1q=f1, group_rows=gr),
+        lambda: same(f1[0], want_f1()[0]) and same(f1[1], want_f1()[1]),
+        R * 2 * F * (2 + 1 + 4 / 128) + R * F * (1 + 4 / 128), f"{R}x{2 * F}")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--shape", default="2048x6x6x7168x3072", help="T x K x E x D x F")
+    ap.add_argument("--group-rows", default="0",
+                    help="launch orders to time, comma-separated (0: the default)")
+    ap.add_argument("--kernels", default="", help="precision:kernel names to run (default all)")
+    args = ap.parse_args()
+    T, K, E, D, F = map(int, args.shape.split("x"))
+    dev = torch.device("cuda")
+    gpu = torch.cuda.get_device_name(dev)
+    commit = git_commit()
+    offs = guide_offsets(T, K, E, dev)
+    R = int(offs[-1])
+    # the copy rate of this run: one R x D bf16 copy (read + write)
+    src, dst = torch.empty(R, D, dtype=BF, device=dev), torch.empty(R, D, dtype=BF, device=dev)
+    t = time_windows(lambda: dst.copy_(src), graph=True)
+    copy_tbs = 2 * R * D * 2 / t.median_ms / 1e9
+    print(f"{gpu}: R={R} rows (T={T}, K={K}, E={E}); bf16 copy {copy_tbs:.2f} TB/s", flush=True)
+    del src, dst
+    wanted = {k for k in args.kernels.split(",") if k}
+    rows, failed = [], 0
+    print("| precision | kernel | shape | group_rows | us | TB/s | of copy | equal |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (prec, name), (run, check, nbytes, shape) in cases(R, E, D, F, offs, dev).items():
+        if wanted and f"{prec}:{name}" not in wanted:
+            continue
+        for gr_text in args.group_rows.split(","):
+            gr = int(gr_text)
+            kw = gr if gr > 0 else (KM.GROUP_ROWS if prec == "mxfp8" else KF.GROUP_ROWS)
+            run(kw)
+            torch.cuda.synchronize()
+            ok = bool(check())
+            if not ok:
+                failed += 1
+                print(f"| {prec} | {name} | {shape} | {gr} | - | - | - | False |", flush=True)
+                continue
+            t = time_windows(lambda: run(kw), graph=True)
+            tbs = nbytes / t.median_ms / 1e9
+            rows.append(dict(commit=commit, gpu=gpu, precision=prec, kernel=name, shape=shape,
+                             group_rows=gr, us=round(t.median_ms * 1e3, 1),
+                             us_min=round(t.min_ms * 1e3, 1), us_max=round(t.max_ms * 1e3, 1),
+                             tb_s=round(tbs, 2), ratio_to_copy=round(tbs / copy_tbs, 3),
+                             equal=ok))
+            print(f"| {prec} | {name} | {shape} | {gr} | {t.median_ms * 1e3:.1f} | {tbs:.2f} | "
+                  f"{tbs / copy_tbs:.2f} | True |", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    append_csv_fields(os.path.join(args.out, "bench_quant.csv"), rows, FIELDS)
+    plt = pyplot()
+    if plt is not None and rows:
+        ks = list(dict.fromkeys(f"{r['precision']}\n{r['kernel']}" for r in rows))
+        grs = list(dict.fromkeys(r["group_rows"] for r in rows))
+        fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(ks)), 4.5))
+        w = 0.8 / len(grs)
+        for i, gr in enumerate(grs):
+            pts = [(j, r["tb_s"]) for j, k in enumerate(ks) for r in rows
+                   if f"{r['precision']}\n{r['kernel']}" == k and r["group_rows"] == gr]
+            ax.bar([j + w * i for j, _ in pts], [v for _, v in pts], w,
+                   label=f"group_rows={gr or 'default'}")
+        ax.axhline(copy_tbs, color="k", lw=0.8, ls="--", label=f"bf16 copy {copy_tbs:.2f}")
+        ax.set_xticks([j + 0.4 - w / 2 for j in range(len(ks))], ks, fontsize=7)
+        ax.set_ylabel("TB/s (bytes read + written)")
+        ax.set_title(f"{gpu}, R={R}, commit {commit}")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, "bench_quant.png"), dpi=120)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
