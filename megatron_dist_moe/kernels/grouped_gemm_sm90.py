@@ -215,6 +215,15 @@ def _check_offsets(expert_offsets: torch.Tensor, E: int, device: torch.device) -
                          f"{expert_offsets.device}")
 
 
+def _check_built_for(gemm, name: str, E: int, device: torch.device) -> None:
+    """An operand of E experts on `device` matches the GEMM instance's E and device (every
+    instance holds a device argument block sized for its E, on its device)."""
+    if E != gemm.E:
+        raise ValueError(f"{name} has {E} experts; this GEMM was built for {gemm.E}")
+    if device != gemm.device:
+        raise ValueError(f"{name} is on {device}, expected {gemm.device}")
+
+
 class _GroupedCallSm90:
     """What every grouped GEMM instance holds: its device (sm_90), E, SM count, run entry point,
     and the device argument block and workspace that the library's entry points size.
@@ -229,13 +238,6 @@ class _GroupedCallSm90:
         self.workspace_bytes = int(ws_bytes(self.E, self.sm_count))
         self.workspace = torch.zeros(max(self.workspace_bytes, 16), dtype=torch.uint8,
                                      device=device)
-
-    def _check_built_for(self, name: str, E: int, device: torch.device) -> None:
-        """An operand of E experts on `device` matches the instance's E and device."""
-        if E != self.E:
-            raise ValueError(f"{name} has {E} experts; this GEMM was built for {self.E}")
-        if device != self.device:
-            raise ValueError(f"{name} is on {device}, expected {self.device}")
 
 
 class GroupedFpropSm90(_GroupedCallSm90):
@@ -259,7 +261,7 @@ class GroupedFpropSm90(_GroupedCallSm90):
             raise ValueError(f"w: expected a contiguous bf16 [E, N, K] tensor, got {w.dtype} "
                              f"{tuple(w.shape)}")
         E, N, K = w.shape
-        self._check_built_for("w", E, w.device)
+        _check_built_for(self, "w", E, w.device)
         if N % 8 or K % 8:
             raise ValueError(f"w: N={N} and K={K} must be multiples of 8 (16-byte TMA rows)")
         _check_offsets(expert_offsets, E, self.device)
@@ -303,7 +305,7 @@ class GroupedWgradSm90(_GroupedCallSm90):
             raise ValueError(f"out: expected a contiguous {self.out_dtype} [E, M, N] tensor, got "
                              f"{out.dtype} {tuple(out.shape)}")
         E, M, N = out.shape
-        self._check_built_for("out", E, out.device)
+        _check_built_for(self, "out", E, out.device)
         if M % 8 or N % 8:
             raise ValueError(f"out: M={M} and N={N} must be multiples of 8 (16-byte TMA rows)")
         _check_offsets(expert_offsets, E, self.device)
@@ -423,7 +425,7 @@ class GroupedFp8WgradSm90:
             raise ValueError(f"out: dtype {dtype}, expected torch.bfloat16 or torch.float32")
         if accumulate and dtype != torch.float32:
             raise ValueError(f"out: accumulate=True needs an fp32 out, got {dtype}")
-        self._check_built_for("out", E, out.device)
+        _check_built_for(self, "out", E, out.device)
         if M % 128 or N % 128:
             raise ValueError(f"out: M={M} and N={N} must be multiples of 128")
         return base, table, dtype, M, N

@@ -116,6 +116,35 @@ def test_wrapper_names_what_it_cannot_run(monkeypatch, tmp_path):
         sm90.cutlass_dir()
 
 
+def _built(cls, E: int, **attrs):
+    """An instance of a wrapper as built for E experts on cpu, without its library (the
+    checks below run before anything is launched)."""
+    gemm = object.__new__(cls)
+    gemm.E, gemm.device = E, torch.device("cpu")
+    for k, v in attrs.items():
+        setattr(gemm, k, v)
+    return gemm
+
+
+def test_wrappers_check_the_experts_and_device_they_were_built_for():
+    """Every wrapper's operand check names the argument (all three share one check; a missing
+    method crashed the FP8 WGRAD's first call on the GPU)."""
+    w = torch.zeros(3, 128, 128, dtype=torch.bfloat16)
+    offs = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="w has 3 experts; this GEMM was built for 2"):
+        _built(sm90.GroupedFpropSm90, 2, config="coop")(w, offs, w[0], w[0])
+    with pytest.raises(ValueError, match="out has 3 experts; this GEMM was built for 2"):
+        _built(sm90.GroupedWgradSm90, 2, config="coop", out_dtype=torch.bfloat16)(
+            w[0], w[0], offs, w)
+    fp8 = _built(sm90.GroupedFp8WgradSm90, 2, config="coop")
+    with pytest.raises(ValueError, match="out has 3 experts; this GEMM was built for 2"):
+        fp8._out(w, accumulate=False)
+    assert fp8._out(w[:2].contiguous(), accumulate=False)[2:] == (torch.bfloat16, 128, 128)
+    fp8.device = torch.device("meta")
+    with pytest.raises(ValueError, match="out is on cpu, expected meta"):
+        fp8._out(w[:2].contiguous(), accumulate=False)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None and not os.environ.get("CUDACXX"),
                     reason="nvcc is missing")
 def test_nvfp4_decode_library_builds_and_refuses_bad_shapes(tmp_path, monkeypatch):
