@@ -52,6 +52,11 @@ def guide_offsets(T: int, K: int, E: int, dev) -> torch.Tensor:
     return torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(torch.int32).to(dev)
 
 
+def order(group_rows):
+    """The launch-order argument: none (the launcher's default) for None."""
+    return {} if group_rows is None else {"group_rows": group_rows}
+
+
 def once(fn):
     """fn's result, computed on the first call (the twins at the guide's shapes take seconds)."""
     memo = []
@@ -84,7 +89,7 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
         cf = torch.empty(R, K, dtype=BF, device=dev) if cols_fake else None
 
         def run(gr):
-            KM.quantize(src, offs, R, K, rows_fake=rf, cols=cb, cols_fake=cf, group_rows=gr)
+            KM.quantize(src, offs, R, K, rows_fake=rf, cols=cb, cols_fake=cf, **order(gr))
 
         want_rf = once(lambda: QM.fake_rows(src))
         want_cb = once(lambda: QM.quantize_cols(src.cpu(), offs_c, Rp))
@@ -117,7 +122,7 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
     want_h1q = once(lambda: QM.quantize_rows(h1))
     want_h2 = once(lambda: QM.fake_rows(act.forward(h1.float()).to(BF)))
     out[("mxfp8", "swiglu_quant")] = (
-        lambda gr: KM.swiglu_quant(h1, nr, R, F, h2_fake=h2f, h1q=h1q, group_rows=gr),
+        lambda gr: KM.swiglu_quant(h1, nr, R, F, h2_fake=h2f, h1q=h1q, **order(gr)),
         lambda: (same(h1q[0], want_h1q()[0]) and same(h1q[1], want_h1q()[1])
                  # h2: the activation's last fp32 bit may differ from torch's, which can flip
                  # a rounding (the kernel check bounds such flips the same way)
@@ -126,13 +131,13 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
     q, e = QM.quantize_rows(gh1)
     deq = torch.empty(R, 2 * F, dtype=BF, device=dev)
     out[("mxfp8", "dequantize_rows")] = (
-        lambda gr: KM.dequantize_rows(q, e, nr, R, 2 * F, out=deq, group_rows=gr),
+        lambda gr: KM.dequantize_rows(q, e, nr, R, 2 * F, out=deq, **order(gr)),
         lambda: same(deq, QM.dequantize_rows(q, e).to(BF)),
         R * 2 * F * (1 + 1 / 32 + 2), f"{R}x{2 * F}")
     qc, ec = (t.to(dev) for t in QM.quantize_cols(x.cpu(), offs_c, Rp))
     dqc = torch.empty(R, D, dtype=BF, device=dev)
     out[("mxfp8", "dequantize_cols")] = (
-        lambda gr: KM.dequantize_cols(qc, ec, offs, R, D, out=dqc, group_rows=gr),
+        lambda gr: KM.dequantize_cols(qc, ec, offs, R, D, out=dqc, **order(gr)),
         lambda: same(dqc.cpu(), QM.fake_cols(x.cpu(), offs_c)),
         Rp * D * (1 + 1 / 32) + R * D * 2, f"{R}x{D}")
 
@@ -143,7 +148,7 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
               torch.empty(Rp // 128, K, device=dev)) if cols else None
 
         def run(gr):
-            KF.quantize_rows_cols(src, offs, R, K, rows=rb, cols=cb, group_rows=gr)
+            KF.quantize_rows_cols(src, offs, R, K, rows=rb, cols=cb, **order(gr))
 
         want_rb = once(lambda: QF.quantize_rows(src))
         want_cb = once(lambda: QF.quantize_cols(src.cpu(), offs_c, Rp))
@@ -169,10 +174,17 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
     f2 = (torch.empty(R, F, dtype=F8, device=dev), torch.empty(R, F // 128, device=dev))
     want_f1 = once(lambda: QF.quantize_rows(h1))
     out[("fp8_block", "swiglu_quant")] = (
-        lambda gr: KF.swiglu_quant(h1, nr, R, F, h2q=f2, h1q=f1, group_rows=gr),
+        lambda gr: KF.swiglu_quant(h1, nr, R, F, h2q=f2, h1q=f1),
         lambda: same(f1[0], want_f1()[0]) and same(f1[1], want_f1()[1]),
         R * 2 * F * (2 + 1 + 4 / 128) + R * F * (1 + 4 / 128), f"{R}x{2 * F}")
     return out
+
+
+def copy_rate(R: int, K: int, dev) -> float:
+    """TB/s of one R x K bf16 device copy (read + write) in this run."""
+    src, dst = torch.empty(R, K, dtype=BF, device=dev), torch.empty(R, K, dtype=BF, device=dev)
+    t = time_windows(lambda: dst.copy_(src), graph=True)
+    return 2 * R * K * 2 / t.median_ms / 1e9
 
 
 def main() -> int:
@@ -189,12 +201,8 @@ def main() -> int:
     commit = git_commit()
     offs = guide_offsets(T, K, E, dev)
     R = int(offs[-1])
-    # the copy rate of this run: one R x D bf16 copy (read + write)
-    src, dst = torch.empty(R, D, dtype=BF, device=dev), torch.empty(R, D, dtype=BF, device=dev)
-    t = time_windows(lambda: dst.copy_(src), graph=True)
-    copy_tbs = 2 * R * D * 2 / t.median_ms / 1e9
+    copy_tbs = copy_rate(R, D, dev)
     print(f"{gpu}: R={R} rows (T={T}, K={K}, E={E}); bf16 copy {copy_tbs:.2f} TB/s", flush=True)
-    del src, dst
     wanted = {k for k in args.kernels.split(",") if k}
     rows, failed = [], 0
     print("| precision | kernel | shape | group_rows | us | TB/s | of copy | equal |")
@@ -204,7 +212,7 @@ def main() -> int:
             continue
         for gr_text in args.group_rows.split(","):
             gr = int(gr_text)
-            kw = gr if gr > 0 else (KM.GROUP_ROWS if prec == "mxfp8" else KF.GROUP_ROWS)
+            kw = gr if gr > 0 else None   # None: the launcher's default
             run(kw)
             torch.cuda.synchronize()
             ok = bool(check())

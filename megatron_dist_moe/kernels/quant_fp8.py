@@ -26,9 +26,11 @@ __all__ = ["quantize_rows_cols", "swiglu_quant", "quantize_weight", "block_scale
            "padded_block", "abs_nan0", "round_bf16"]
 
 _BF16_MAX = tl.constexpr(BF16_MAX)
-# the launch order of the [R, K] kernels' tiles: this many 128-row blocks walk every column
-# block together (common.grouped_tile); kernels with 32-row blocks take four times as many
-GROUP_ROWS = 1 << 20
+# The launch order of quantize_rows_cols' tiles (common.grouped_tile): one 128-row block at a
+# time walks every column block, 1-2 % faster than the row-block-fastest grid on one H200 at
+# the guide's shapes (x 275.5 -> 270.7 us; bench_quant.py); swiglu_quant measured even and
+# keeps its 2-D grid.
+GROUP_ROWS = 1
 
 
 def _hw(t: torch.Tensor) -> bool:
@@ -197,10 +199,11 @@ def quantize_rows_cols(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows=
 
 @triton.jit
 def _swiglu_quant_kernel(h1_addr, num_rows_ptr, h1q_addr, h1s_addr, h2q_addr, h2s_addr, F,
-                         alpha, limit, n_rb, CLAMPED: tl.constexpr, SAVE_H1: tl.constexpr,
+                         alpha, limit, CLAMPED: tl.constexpr, SAVE_H1: tl.constexpr,
                          POW2: tl.constexpr, EPS: tl.constexpr, HW: tl.constexpr,
-                         BLOCK_R: tl.constexpr, GROUP_R: tl.constexpr):
-    rb, cb = grouped_tile(n_rb, F // 128, GROUP_R)
+                         BLOCK_R: tl.constexpr):
+    rb = tl.program_id(0)
+    cb = tl.program_id(1)
     n = tl.load(num_rows_ptr)
     rows = rb.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < n
@@ -231,8 +234,7 @@ def _swiglu_quant_kernel(h1_addr, num_rows_ptr, h1q_addr, h1s_addr, h2q_addr, h2
 
 def swiglu_quant(h1, num_rows: torch.Tensor, max_rows: int, F: int, *, h2q, h1q=None,
                  activation: str = "swiglu", swiglu_alpha: float = 1.702,
-                 swiglu_limit: float = 7.0, recipe: BlockScaling = BlockScaling(),
-                 group_rows: int = GROUP_ROWS) -> None:
+                 swiglu_limit: float = 7.0, recipe: BlockScaling = BlockScaling()) -> None:
     """From bf16 h1 [R, 2F] (R = num_rows[0] on the device): h2q = (q [R, F], s [R, F/128]),
     the row bundle of round(act(h1)); h1q = (q [R, 2F], s [R, 2F/128]) when given."""
     assert F % BLOCK == 0, f"F={F} must be a multiple of {BLOCK}"
@@ -240,13 +242,13 @@ def swiglu_quant(h1, num_rows: torch.Tensor, max_rows: int, F: int, *, h2q, h1q=
     dummy = num_rows
     a, b = (as_device_ptr(h1q[0], "h1q"), as_device_ptr(h1q[1], "h1q_s")) if h1q else (
         dummy, dummy)
-    n_rb = max(1, triton.cdiv(max_rows, BLOCK_R))
-    _swiglu_quant_kernel[(n_rb * (F // BLOCK),)](
-        as_device_ptr(h1, "h1", torch.bfloat16), num_rows, a, b, as_device_ptr(h2q[0], "h2q"),
-        as_device_ptr(h2q[1], "h2q_s"), F, float(swiglu_alpha), float(swiglu_limit), n_rb,
-        CLAMPED=activation == "swiglu_clamped", SAVE_H1=h1q is not None,
-        POW2=recipe.power_2_scales, EPS=float(recipe.amax_epsilon), HW=_hw(num_rows),
-        BLOCK_R=BLOCK_R, GROUP_R=group_rows * 4, num_warps=4)
+    grid = (max(1, triton.cdiv(max_rows, BLOCK_R)), F // BLOCK)
+    _swiglu_quant_kernel[grid](as_device_ptr(h1, "h1", torch.bfloat16), num_rows, a, b,
+                               as_device_ptr(h2q[0], "h2q"), as_device_ptr(h2q[1], "h2q_s"), F,
+                               float(swiglu_alpha), float(swiglu_limit),
+                               CLAMPED=activation == "swiglu_clamped", SAVE_H1=h1q is not None,
+                               POW2=recipe.power_2_scales, EPS=float(recipe.amax_epsilon),
+                               HW=_hw(num_rows), BLOCK_R=BLOCK_R, num_warps=4)
 
 
 @triton.jit

@@ -33,9 +33,13 @@ __all__ = ["quantize", "swiglu_quant", "dequantize_rows", "dequantize_cols", "fa
            "e8m0", "e8m0_reciprocal", "e8m0_value"]
 
 _MAX_NORM_RCP = tl.constexpr(1.0 / 448.0)     # fp32(1/448), TE's max_norm_rcp
-# the launch order of the [R, K] kernels' tiles: this many 128-row blocks walk every column
-# block together (common.grouped_tile); kernels with 32-row blocks take four times as many
-GROUP_ROWS = 1 << 20
+# The launch order of the [R, K] kernels' tiles (common.grouped_tile): this many 128 rows walk
+# every column block together. Measured on one H200 at the guide's shapes (bench_quant.py,
+# docs/decisions.md): one 128-row block at a time against the plain row-block-fastest grid,
+# quantize 1-5 % faster (g3 247.7 -> 234.3 us, grad_h1 214.6 -> 203.6), dequantize_cols 4 %,
+# swiglu_quant 1 %; dequantize_rows is fastest with 16 (71.0 -> 67.0 us).
+GROUP_ROWS = 1
+GROUP_ROWS_DEQ_ROWS = 16
 
 
 @triton.jit
@@ -255,7 +259,7 @@ def _deq_rows_kernel(q_addr, e_addr, num_rows_ptr, out_addr, K, n_rb, HW: tl.con
 
 
 def dequantize_rows(q, e, num_rows: torch.Tensor, max_rows: int, K: int, *, out,
-                    group_rows: int = GROUP_ROWS) -> None:
+                    group_rows: int = GROUP_ROWS_DEQ_ROWS) -> None:
     """out [R, K] bf16 = quant/mxfp8.dequantize_rows(q [R, K], e [R, K/32]) (R = num_rows[0])."""
     assert K % 128 == 0, f"K={K} must be a multiple of 128"
     BLOCK_R = 32
