@@ -152,5 +152,62 @@ def check_fake_weight(device, big=False):
     _bits_equal("fake weight", fake_weight(w), MX.fake_weight(w))
 
 
+
+
+def check_dgrad_epilogue(device, big=False):
+    """The W2 DGRAD's mxfp8 swiglu_bwd epilogue (h1 from its row bundle; grad_h1's fake rows
+    and columns and h2's fake columns stored) against the bf16 epilogue on the dequantized h1
+    followed by the quantizers' twins, bit for bit; with and without the score gradients."""
+    from megatron_dist_moe.kernels.grouped_gemm import (MxDgradOperands, grouped_mm_dgrad,
+                                                        select_config)
+    lens, offs, R = _segments(big, device)
+    E = len(lens)
+    D, F = (7168, 3072) if big else (64, 128)
+    g = torch.Generator().manual_seed(5)
+    g3 = MX.fake_rows((torch.randn(R, D, generator=g) * 0.05).to(BF)).to(device)
+    w2 = MX.fake_weight((torch.randn(E, D, F, generator=g) * D ** -0.5).to(BF)).to(device)
+    h1 = adversarial(R, 2 * F, seed=3)
+    h1 = torch.where(torch.isnan(h1), 0.0, h1.float().clamp(-12, 12)).to(BF).to(device)
+    h1q, h1e = MX.quantize_rows(h1)
+    h1q = h1q.view(U8)
+    offs_c = offs.long().cpu()
+    cfg = select_config("dgrad", n=F, kd=D, device=torch.device(device), mx=True)
+    scores = torch.rand(R, generator=g).to(device)
+    parts = -(-F // cfg.block_n)
+    for act in ("swiglu", "swiglu_clamped"):
+        a = Activation(act, 1.702, 7.0 if act == "swiglu" else 1.5)
+        kw = dict(w=w2, expert_offsets=offs, max_rows=R + 3, a=g3, epilogue="swiglu_bwd",
+                  activation=act, swiglu_alpha=a.alpha, swiglu_limit=a.limit, config=cfg)
+        for scored in (False, True):
+            sbufs, skw = [], []
+            for _ in range(2):
+                sb = torch.zeros(R, 1 + parts, device=device)
+                sb[:, 0] = scores
+                sbufs.append(sb)
+                ptrs = sb.data_ptr() + torch.arange(R, device=device) * sb.shape[1] * 4
+                skw.append(dict(score_ptrs=torch.cat([ptrs, torch.zeros(3, dtype=ptrs.dtype,
+                                                                         device=device)]),
+                                score_grad_delta=4, part_stride=4) if scored else {})
+            # the bf16 epilogue over the dequantized h1, then the quantizers' twins
+            gh1 = MX.dequantize_rows(h1q.view(F8), h1e).to(BF)
+            h2 = torch.zeros(R, F, dtype=BF, device=device)
+            grouped_mm_dgrad(h1=gh1, h2=h2, **kw, **skw[0])
+            # the fused epilogue
+            got_rows = torch.full((R, 2 * F), float("nan"), dtype=BF, device=device)
+            got_cols = torch.full_like(got_rows, float("nan"))
+            got_h2 = torch.full((R, F), float("nan"), dtype=BF, device=device)
+            grouped_mm_dgrad(h1=got_rows, h2=got_h2, mx=MxDgradOperands(h1q, h1e, got_cols),
+                             **kw, **skw[1])
+            tag = f"{act}{' scored' if scored else ''}"
+            _bits_equal(f"dgrad epilogue {tag}: grad_h1 fake rows", got_rows, MX.fake_rows(gh1))
+            _bits_equal(f"dgrad epilogue {tag}: grad_h1 fake cols", got_cols,
+                        MX.fake_cols(gh1.cpu(), offs_c))
+            _bits_equal(f"dgrad epilogue {tag}: h2 fake cols", got_h2,
+                        MX.fake_cols(h2.cpu(), offs_c))
+            if scored:
+                _bits_equal(f"dgrad epilogue {tag}: score parts", sbufs[1], sbufs[0])
+
+
 CHECKS = {f.__name__[len("check_"):]: f for f in
-          (check_quantize, check_swiglu_quant, check_dequantize, check_fake_weight)}
+          (check_quantize, check_swiglu_quant, check_dequantize, check_fake_weight,
+           check_dgrad_epilogue)}
