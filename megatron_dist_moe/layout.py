@@ -45,8 +45,8 @@ place of the bf16 rows they quantize, the WGRAD operands (columns) token-major (
     saved           x_c (column bundle) | h1q (row bundle), as fp8_block
     inference       x_g (fake rows after the quantization) | h1 | h2q (h2's fake rows, bf16)
     train_forward   x_g | x_c | h1 | h1q | h2q
-    backward        g3 (fake rows) | g3_wg | gh1 (grad_h1's fake rows) | gh1_wg | h2_wg | x_wg
-                    (from x_c); the W2 DGRAD reads h1 from h1q and writes gh1, gh1_wg and h2_wg
+    backward        g3 (fake rows) | g3_wg | gh1 (h1 from h1q, then grad_h1, then its fake rows)
+                    | gh1_wg | h2 | h2_wg | x_wg (from x_c)
     replay          the train_forward regions, then the backward ones
 
 nvfp4 (inference only; quant/nvfp4.py): a row of K values is one byte row of
@@ -133,7 +133,7 @@ def _mxfp8_specs(D: int, F: int) -> dict:
     fwd = (_bf16("x_g", D) + _cols("x_c", D) + _bf16("h1", 2 * F) + _rows("h1q", 2 * F)
            + _bf16("h2q", F))
     bwd = (_bf16("g3", D) + _bf16("g3_wg", D) + _bf16("gh1", 2 * F) + _bf16("gh1_wg", 2 * F)
-           + _bf16("h2_wg", F) + _bf16("x_wg", D))
+           + _bf16("h2", F) + _bf16("h2_wg", F) + _bf16("x_wg", D))
     return dict(saved=_cols("x_c", D) + _rows("h1q", 2 * F), modes=dict(
         inference=_bf16("x_g", D) + _bf16("h1", 2 * F) + _bf16("h2q", F), train_forward=fwd,
         backward=bwd, replay=fwd + bwd))

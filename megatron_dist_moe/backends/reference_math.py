@@ -280,6 +280,7 @@ class Mxfp8Math:
             u = s_rows * u
             h2 = (s_rows * h2f).to(dt)
         gh1.copy_(self.act.backward(h1, u.to(dt).float()))
+        views("h2", (R, F), dt).copy_(h2)
         h2_wg = views("h2_wg", (R, F), dt)
         h2_wg.copy_(MX.fake_cols(h2, offsets))
         gh1_wg = views("gh1_wg", (R, 2 * F), dt)

@@ -497,33 +497,12 @@ class Fp8BlockPipeline:
 class Mxfp8Kernels:
     """The mxfp8 steps (Triton, kernels/quant_mxfp8.py): the quantizations that write the bf16
     copies of MXFP8 operands the bf16 GEMMs read (exact: quant/mxfp8.py), the saved bundles,
-    the dequantization of saved bundles, and the W2 DGRAD whose SwiGLU-backward epilogue reads
-    and writes MXFP8 operands (kernels/grouped_gemm/mm.py, MxDgradOperands)."""
+    and the dequantization of saved bundles."""
 
-    def __init__(self, cfg: Config, max_rows: int, timeout_s: float, rank: int):
+    def __init__(self, cfg: Config, max_rows: int):
         self.cfg, self.max_rows = cfg, max_rows
-        self.timeout = dict(timeout_s=timeout_s, rank=rank)
         self.act = dict(activation=cfg.activation, swiglu_alpha=cfg.swiglu_alpha,
                         swiglu_limit=cfg.swiglu_limit)
-
-    def w2_dgrad_swiglu_bwd(self, w2, offs, g3, h1q, gh1, gh1_wg, h2_wg, score):
-        """grad_h2 = g3 W2 inside the kernel; h1 from its row bundle h1q = (q, e); grad_h1's
-        fake rows into gh1 and fake columns into gh1_wg, h2's fake columns into h2_wg (scaled
-        by the route's score with `score`, as Bf16Kernels.w2_dgrad_swiglu_bwd)."""
-        from ...kernels.grouped_gemm import MxDgradOperands, grouped_mm_dgrad
-        sc = {} if score is None else dict(score_ptrs=score[0], score_grad_delta=score[1],
-                                          part_stride=score[2])
-        grouped_mm_dgrad(w=w2, expert_offsets=offs, max_rows=self.max_rows, a=g3,
-                         epilogue="swiglu_bwd", h1=gh1, h2=h2_wg,
-                         mx=MxDgradOperands(h1q[0], h1q[1], gh1_wg), **sc, **self.act,
-                         **self.timeout)
-
-    def score_parts(self, device) -> int:
-        """Score-gradient parts per route its W2 DGRAD writes (its n-tiles over F)."""
-        from ...kernels.grouped_gemm import score_parts_count, select_config
-        F = self.cfg.intermediate_dim
-        return score_parts_count(F, select_config("dgrad", n=F, kd=self.cfg.hidden_dim,
-                                                  device=device, mx=True))
 
     def quantize(self, x, offs, K: int, rows_fake=None, cols=None, cols_fake=None):
         from ...kernels.quant_mxfp8 import quantize
@@ -559,16 +538,14 @@ class Mxfp8Pipeline(StandardPipeline):
     the saved column bundle x_c), W13 -> h1, SwiGLU + quantization (h2q: fake rows of h2;
     training: the saved h1 row bundle), W2 + scatter. Backward: gather g3, quantize it (fake
     columns g3_wg, then fake rows in place), h1 from the saved bundle into gh1, W2 DGRAD with
-    the SwiGLU backward whose epilogue reads h1 from its saved row bundle and stores grad_h1's
-    fake rows (gh1) and fake columns (gh1_wg) and h2's fake columns (h2_wg) (+ score parts),
-    W2 WGRAD, W13 DGRAD + scatter, x_wg from x_c, W13 WGRAD. Weights: bf16 copies of their
-    quantization, made by every forward (as Fp8BlockPipeline's, also the weight cache) and
-    reused by its backward."""
+    the SwiGLU backward over gh1 (+ h2, + score parts), fake columns of h2 and grad_h1 and grad_h1's
+    fake rows in place, W2 WGRAD, W13 DGRAD + scatter, x_wg from x_c, W13 WGRAD. Weights: bf16
+    copies of their quantization, made by every forward (as Fp8BlockPipeline's, also the
+    weight cache) and reused by its backward."""
 
     def __init__(self, cfg, execution, num_local_experts, max_rows, device, rank):
         super().__init__(cfg, execution, num_local_experts, max_rows, device, rank)
-        self.mx = Mxfp8Kernels(cfg, max_rows, execution.wait_timeout_s, rank)
-        self.score_parts = self.mx.score_parts(torch.device(device))
+        self.mx = Mxfp8Kernels(cfg, max_rows)
 
     def prepare(self, w13_E2FD, w2_EDF, training: bool, into=None):
         return self.mx.weights(w13_E2FD, w2_EDF, into)    # one copy serves both directions
@@ -602,8 +579,10 @@ class Mxfp8Pipeline(StandardPipeline):
         self.k.gather(tabs, gather_ptrs, at["g3"], nrows,
                       "combine" if score is not None else None)
         self.mx.quantize(at["g3"], offs, D, rows_fake=at["g3"], cols_fake=at["g3_wg"])
-        self.mx.w2_dgrad_swiglu_bwd(w2, offs, at["g3"], (at["h1q"], at["h1q_s"]), at["gh1"],
-                                    at["gh1_wg"], at["h2_wg"], score)
+        self.mx.dequantize_rows(at["h1q"], at["h1q_s"], nrows, 2 * F, out=at["gh1"])
+        self.k.w2_dgrad_swiglu_bwd(w2, offs, at["g3"], at["gh1"], at["h2"], score)
+        self.mx.quantize(at["gh1"], offs, 2 * F, rows_fake=at["gh1"], cols_fake=at["gh1_wg"])
+        self.mx.quantize(at["h2"], offs, F, cols_fake=at["h2_wg"])
         grad_w2 = wgrad_output(wgrad_into, 1, (self.E, D, F), out_dtype, self.device)
         self.k.wgrad(at["g3_wg"], at["h2_wg"], offs, grad_w2)
         self.k.w13_dgrad_scatter(w13, offs, at["gh1"], scatter_ptrs)

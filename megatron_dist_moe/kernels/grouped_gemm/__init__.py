@@ -20,8 +20,7 @@ wgrad.py (WGRAD kernel, `ExpertOutTable`). Torch twins: `kernels/grouped_gemm_re
 from ..common import device_ptr
 from .claim import ClaimFlags
 from .config import CONFIG_TABLE, INTERPRETER_CONFIG, GroupedGemmConfig, select_config
-from .mm import (ACTIVATIONS, EPILOGUES, MxDgradOperands, grouped_mm_dgrad, grouped_mm_fwd,
-                 score_parts_count)
+from .mm import ACTIVATIONS, EPILOGUES, grouped_mm_dgrad, grouped_mm_fwd, score_parts_count
 from .wgrad import ExpertOutTable, grouped_mm_wgrad
 
 __all__ = [
@@ -32,7 +31,6 @@ __all__ = [
     "device_ptr",
     "grouped_mm_fwd",
     "grouped_mm_dgrad",
-    "MxDgradOperands",
     "grouped_mm_wgrad",
     "score_parts_count",
     "ExpertOutTable",

@@ -8,8 +8,8 @@ import torch
 
 from ..common import HAS_TMA, interpreting
 
-__all__ = ["GroupedGemmConfig", "CONFIG_TABLE", "INTERPRETER_CONFIG", "INTERPRETER_MX_CONFIG",
-           "MIN_BLOCK_M", "CLAIM_SLICE_K", "DECODE_ROWS", "select_config"]
+__all__ = ["GroupedGemmConfig", "CONFIG_TABLE", "INTERPRETER_CONFIG", "MIN_BLOCK_M",
+           "CLAIM_SLICE_K", "DECODE_ROWS", "select_config"]
 
 # Width of the column slices a claimed m-tile copy is cut into (GroupedGemmConfig.claim_slice_k
 # None takes it): every program that reaches the m-tile copies a few of them.
@@ -87,25 +87,21 @@ DECODE_ROWS = 64
 # Tiny tiles so the CPU interpreter finishes quickly and small test shapes span several tiles
 # (and several claim slices).
 INTERPRETER_CONFIG = GroupedGemmConfig(16, 32, 32, 2, 4, 1, claim_slice_k=32)
-# the mxfp8 swiglu_bwd epilogue quantizes whole 32 x 32 blocks of its column quarters: 32-row
-# m-tiles and 128-column n-tiles at least (every CONFIG_TABLE dgrad entry qualifies)
-INTERPRETER_MX_CONFIG = GroupedGemmConfig(32, 128, 32, 2, 4, 1, claim_slice_k=32)
 MIN_BLOCK_M = min(c.block_m for c in (*CONFIG_TABLE.values(), INTERPRETER_CONFIG))
 
 
 def select_config(kind: str, *, n: int, kd: int, device: torch.device,
-                  rows_per_expert: int | None = None, mx: bool = False) -> GroupedGemmConfig:
+                  rows_per_expert: int | None = None) -> GroupedGemmConfig:
     """Pick the table entry for `kind` in ("fwd", "dgrad", "wgrad").
 
     n is the output width a program tiles (for swiglu the full 2F), kd the contraction width
     (for wgrad: n = N and kd = M, the two output dims). Shapes whose output width is small or
     not a multiple of 256 use 128x128 tiles so that fewer columns are masked off.
     rows_per_expert: the host bound max_rows / E of an FPROP; at most DECODE_ROWS picks the
-    decode tiles (where kd is a multiple of their block_k). mx: a DGRAD with the mxfp8
-    swiglu_bwd epilogue (m-tiles of 32 rows or more, n-tiles of 128 columns or more).
+    decode tiles (where kd is a multiple of their block_k).
     """
     if device.type != "cuda" or interpreting():
-        return INTERPRETER_MX_CONFIG if mx else INTERPRETER_CONFIG
+        return INTERPRETER_CONFIG
     decode = CONFIG_TABLE[("fwd", "decode")]
     if (kind == "fwd" and rows_per_expert is not None and rows_per_expert <= DECODE_ROWS
             and kd % decode.block_k == 0):   # the K loop is unmasked

@@ -13,9 +13,7 @@ Epilogues:
     scatter     row r to the address out_row_ptrs[r] (a peer's combine or dispatch row; 0: skip)
     swiglu_bwd  (W2 DGRAD) the grad_h2 tile never leaves the kernel: grad_h1 = act'(h1) grad_h2
                 is written over h1 in place, h2 = act(h1) rebuilt for the W2 WGRAD; with
-                `score_ptrs` also the expert-side score gradients (see grouped_mm_dgrad);
-                with `mx` (mxfp8) h1 is read from its MXFP8 row bundle and grad_h1 / h2 are
-                stored as the MXFP8 copies the next GEMMs read (MxDgradOperands)
+                `score_ptrs` also the expert-side score gradients (see grouped_mm_dgrad)
 
 The compute dtype is the dtype of `w` (bf16 in production; fp32/fp16 in the kernel tests).
 Accumulation is always fp32. In the CPU interpreter, whose bf16 `tl.dot` is broken, operands are
@@ -35,15 +33,13 @@ from ..checks import max_polls
 from ..common import (as_device_ptr, check_offsets, check_rows, default_num_programs,
                       ensure_tma_allocator, interpreting, load_ptr)
 from ...memory_plan import SCORE_PART_COLS
-from ..quant_fp8 import abs_nan0, round_bf16
-from ..quant_mxfp8 import _e4m3_value, _fake, e8m0, e8m0_value
 from ..rows import _act_fwd, swiglu_grad
 from ..checks import check_status
 from .claim import ClaimFlags, claim_ahead_phase, claim_slices_phase
 from .config import GroupedGemmConfig, select_config
 from .tiles import expert_segments, tile_bound, tile_coords, tile_list
 
-__all__ = ["grouped_mm_fwd", "grouped_mm_dgrad", "MxDgradOperands", "EPILOGUES", "ACTIVATIONS",
+__all__ = ["grouped_mm_fwd", "grouped_mm_dgrad", "EPILOGUES", "ACTIVATIONS",
            "score_parts_count"]
 
 EPILOGUES = ("store", "swiglu", "scatter", "swiglu_bwd")
@@ -55,24 +51,6 @@ def score_parts_count(F: int, config: GroupedGemmConfig) -> int:
     """Partial score-gradient sums per route that the swiglu_bwd epilogue writes (one per n-tile
     of the W2 DGRAD, whose output width is F): at most memory_plan.score_parts_count(F)."""
     return triton.cdiv(F, config.block_n)
-
-
-@dataclass(frozen=True)
-class MxDgradOperands:
-    """The mxfp8 operands of the W2 DGRAD's swiglu_bwd epilogue (tensors or int64 [1] device
-    pointers): h1's saved MXFP8 row bundle, read in place of a bf16 h1, and where grad_h1's
-    fake columns go. With them, `h1` receives grad_h1's fake rows (quant/mxfp8.fake_rows) and
-    `h2` h2's fake columns (fake_cols), the copies the W13 DGRAD and both WGRADs read, so no
-    dequantization or quantization pass runs around the GEMM.
-
-    h1q       E4M3 (or uint8) [R, 2F]
-    h1q_e     uint8 [R, 2F / 32] E8M0 exponents
-    gh1_cols  bf16 [R, 2F]: grad_h1's fake columns (32-row blocks from each expert's first row)
-    """
-
-    h1q: torch.Tensor
-    h1q_e: torch.Tensor
-    gh1_cols: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -100,13 +78,11 @@ class _MMArgs:
     score_grads: bool = False  # swiglu_bwd: expert-side score gradients (out_rows = score ptrs)
     score_grad_delta: int = 0  # bytes from a route's score to its first score-gradient part
     part_stride: int = 0       # bytes between consecutive parts of one route
-    mx: Optional[tuple] = None  # swiglu_bwd on mxfp8: (h1q, h1q_e, gh1_cols) device pointers
 
 
 def _prepare(*, w_kn, w, expert_offsets, max_rows, a, a_row_ptrs, a_copy_out, epilogue, out,
              out_row_ptrs, h1, h2, activation, swiglu_alpha, swiglu_limit,
-             claim_flags=None, score_ptrs=None, score_grad_delta=0, part_stride=0,
-             mx: Optional[MxDgradOperands] = None) -> _MMArgs:
+             claim_flags=None, score_ptrs=None, score_grad_delta=0, part_stride=0) -> _MMArgs:
     assert w.dim() == 3 and w.is_contiguous(), "w must be a contiguous [E, *, *] tensor"
     dev, dt = w.device, w.dtype
     num_experts = w.shape[0]
@@ -161,14 +137,6 @@ def _prepare(*, w_kn, w, expert_offsets, max_rows, a, a_row_ptrs, a_copy_out, ep
         assert out_row_ptrs is not None, "epilogue='scatter' needs out_row_ptrs"
     assert score_ptrs is None or epilogue == "swiglu_bwd", (
         "score_ptrs (expert-side score gradients) go with epilogue='swiglu_bwd' only")
-    mx_ptrs = None
-    if mx is not None:
-        assert isinstance(mx, MxDgradOperands), "mx must be an MxDgradOperands"
-        assert epilogue == "swiglu_bwd" and dt == torch.bfloat16, (
-            "mx (mxfp8 operands) goes with epilogue='swiglu_bwd' on bf16 weights")
-        assert n % 32 == 0, f"mx: F={n} must be a multiple of 32 (whole MXFP8 blocks)"
-        mx_ptrs = (as_device_ptr(mx.h1q, "mx.h1q"), as_device_ptr(mx.h1q_e, "mx.h1q_e"),
-                   as_device_ptr(mx.gh1_cols, "mx.gh1_cols", dt))
     if epilogue == "scatter":
         check_rows(out_row_ptrs, "out_row_ptrs", max_rows, dev)
         out_rows = out_row_ptrs
@@ -179,7 +147,7 @@ def _prepare(*, w_kn, w, expert_offsets, max_rows, a, a_row_ptrs, a_copy_out, ep
         epilogue=EPILOGUES.index(epilogue), store_aux=store_aux,
         activation=ACTIVATIONS.index(activation), alpha=float(swiglu_alpha),
         limit=float(swiglu_limit), score_grads=score_ptrs is not None,
-        score_grad_delta=int(score_grad_delta), part_stride=int(part_stride), mx=mx_ptrs)
+        score_grad_delta=int(score_grad_delta), part_stride=int(part_stride))
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,141 +193,6 @@ def _swiglu_bwd_tile_scored(gu, s, rows64, row_ok, cols, h1_base, h2_addr_ptr, N
 
 
 @triton.jit
-def _mx_rows_fake(v, BM: tl.constexpr, Q: tl.constexpr, HW: tl.constexpr):
-    """bf16 [BM, Q] of quant/mxfp8.fake_rows on fp32 v (bf16 values): 32-value blocks along
-    the columns (Q a multiple of 32, the tile's columns start at a multiple of 32)."""
-    v3 = tl.reshape(v, (BM, Q // 32, 32))
-    e = e8m0(tl.max(abs_nan0(v3), 2))
-    return tl.reshape(_fake(v3, tl.broadcast_to(e[:, :, None], (BM, Q // 32, 32)), HW), (BM, Q))
-
-
-@triton.jit
-def _mx_cols_fake(v, BM: tl.constexpr, Q: tl.constexpr, HW: tl.constexpr):
-    """bf16 [BM, Q] of quant/mxfp8.fake_cols on fp32 v: 32-row blocks (the tile's rows start
-    at its expert's first row plus a multiple of BM, BM a multiple of 32; rows past the expert
-    are zero)."""
-    v3 = tl.reshape(v, (BM // 32, 32, Q))
-    e = e8m0(tl.max(abs_nan0(v3), 1))
-    return tl.reshape(_fake(v3, tl.broadcast_to(e[:, None, :], (BM // 32, 32, Q)), HW), (BM, Q))
-
-
-@triton.jit
-def _mx_h1(q_base, e_base, rows64, cols, mask, N, HW: tl.constexpr):
-    """(g, u) fp32 of h1 = [g | u] from its MXFP8 row bundle (q [R, 2N] E4M3 bytes, e
-    [R, 2N / 32] E8M0), the bits quant_mxfp8.dequantize_rows writes."""
-    q_ptrs = q_base + rows64[:, None] * (2 * N) + cols[None, :]
-    e_ptrs = e_base + rows64[:, None] * (2 * N // 32) + (cols // 32)[None, :]
-    qg = _e4m3_value(tl.load(q_ptrs, mask=mask, other=0), HW)
-    qu = _e4m3_value(tl.load(q_ptrs + N, mask=mask, other=0), HW)
-    eg = tl.load(e_ptrs, mask=mask, other=0).to(tl.int32)
-    eu = tl.load(e_ptrs + N // 32, mask=mask, other=0).to(tl.int32)
-    g = round_bf16(qg * e8m0_value(eg), HW).to(tl.bfloat16).to(tl.float32)
-    u = round_bf16(qu * e8m0_value(eu), HW).to(tl.bfloat16).to(tl.float32)
-    return g, u
-
-
-@triton.jit
-def _mx_swiglu_bwd_store(dg, du, h2v, mask, rows64, cols, gh1_base, gh1c_base, h2_addr_ptr, N,
-                         DT: tl.constexpr, BM: tl.constexpr, Q: tl.constexpr,
-                         STORE_H2: tl.constexpr, HW: tl.constexpr):
-    """The mxfp8 stores of one column block: grad_h1 = [dg | du] rounded to DT, as its fake
-    rows (gh1, the W13 DGRAD operand) and fake columns (gh1c, the W13 WGRAD operand); h2 (DT
-    values in h2v) as its fake columns (the W2 WGRAD operand). The bits of quantize_mxfp8's
-    passes over the stored grad_h1 and h2 (rows outside the expert are zero, so that they do
-    not enter a column block's amax)."""
-    dg = tl.where(mask, dg.to(DT).to(tl.float32), 0.0)
-    du = tl.where(mask, du.to(DT).to(tl.float32), 0.0)
-    off = rows64[:, None] * (2 * N) + cols[None, :]
-    tl.store(gh1_base + off, _mx_rows_fake(dg, BM, Q, HW), mask=mask)
-    tl.store(gh1_base + off + N, _mx_rows_fake(du, BM, Q, HW), mask=mask)
-    tl.store(gh1c_base + off, _mx_cols_fake(dg, BM, Q, HW), mask=mask)
-    tl.store(gh1c_base + off + N, _mx_cols_fake(du, BM, Q, HW), mask=mask)
-    if STORE_H2:
-        h2 = tl.where(mask, h2v, 0.0)
-        h2_base = load_ptr(h2_addr_ptr, DT)
-        tl.store(h2_base + rows64[:, None] * N + cols[None, :], _mx_cols_fake(h2, BM, Q, HW),
-                 mask=mask)
-
-
-@triton.jit
-def _halves(x, BM: tl.constexpr, H: tl.constexpr):
-    """The two H-wide column halves of a [BM, 2H] tile."""
-    return tl.split(tl.permute(tl.reshape(x, (BM, 2, H)), (0, 2, 1)))
-
-
-@triton.jit
-def _mx_swiglu_bwd_piece(dh, rows64, row_ok, cols, gh1_base, h2_addr_ptr, q_base, e_base,
-                         gh1c_base, N, alpha, limit, DT: tl.constexpr, CLAMPED: tl.constexpr,
-                         STORE_H2: tl.constexpr, BM: tl.constexpr, HW: tl.constexpr):
-    """`_swiglu_bwd_tile` for mxfp8 on 32 columns (h1 from its row bundle, MXFP8 copies
-    stored)."""
-    mask = row_ok[:, None] & (cols < N)[None, :]
-    g, u = _mx_h1(q_base, e_base, rows64, cols, mask, N, HW)
-    dg, du, h2v = swiglu_grad(g, u, dh.to(tl.float32), CLAMPED, alpha, limit)
-    _mx_swiglu_bwd_store(dg, du, h2v.to(DT).to(tl.float32), mask, rows64, cols, gh1_base,
-                         gh1c_base, h2_addr_ptr, N, DT, BM, 32, STORE_H2, HW)
-
-
-@triton.jit
-def _mx_swiglu_bwd_tile(dh, rows64, row_ok, c0, gh1_base, h2_addr_ptr, q_base, e_base,
-                        gh1c_base, N, alpha, limit, DT: tl.constexpr, CLAMPED: tl.constexpr,
-                        STORE_H2: tl.constexpr, BM: tl.constexpr, Q: tl.constexpr,
-                        HW: tl.constexpr):
-    """One Q-wide column quarter (Q = 32 or 64, from column c0) in 32-column pieces: the
-    quantization's block temporaries of a 64-wide piece spill registers."""
-    if Q == 32:
-        _mx_swiglu_bwd_piece(dh, rows64, row_ok, c0 + tl.arange(0, 32), gh1_base, h2_addr_ptr,
-                             q_base, e_base, gh1c_base, N, alpha, limit, DT, CLAMPED, STORE_H2,
-                             BM, HW)
-    else:
-        lo, hi = _halves(dh, BM, 32)
-        _mx_swiglu_bwd_piece(lo, rows64, row_ok, c0 + tl.arange(0, 32), gh1_base, h2_addr_ptr,
-                             q_base, e_base, gh1c_base, N, alpha, limit, DT, CLAMPED, STORE_H2,
-                             BM, HW)
-        _mx_swiglu_bwd_piece(hi, rows64, row_ok, c0 + 32 + tl.arange(0, 32), gh1_base,
-                             h2_addr_ptr, q_base, e_base, gh1c_base, N, alpha, limit, DT,
-                             CLAMPED, STORE_H2, BM, HW)
-
-
-@triton.jit
-def _mx_swiglu_bwd_piece_scored(gu, s, rows64, row_ok, cols, gh1_base, h2_addr_ptr, q_base,
-                                e_base, gh1c_base, N, alpha, limit, DT: tl.constexpr,
-                                CLAMPED: tl.constexpr, STORE_H2: tl.constexpr,
-                                BM: tl.constexpr, HW: tl.constexpr):
-    """`_swiglu_bwd_tile_scored` for mxfp8 on 32 columns; returns their <u, h2> per row."""
-    mask = row_ok[:, None] & (cols < N)[None, :]
-    g, u = _mx_h1(q_base, e_base, rows64, cols, mask, N, HW)
-    dh = (s[:, None] * gu).to(DT).to(tl.float32)
-    dg, du, h2v = swiglu_grad(g, u, dh, CLAMPED, alpha, limit)
-    # the part first: gu is dead before the stores' quantization temporaries are live
-    part = tl.sum(tl.where(mask, gu * h2v.to(DT).to(tl.float32), 0.0), axis=1)
-    _mx_swiglu_bwd_store(dg, du, (s[:, None] * h2v).to(DT).to(tl.float32), mask, rows64, cols,
-                         gh1_base, gh1c_base, h2_addr_ptr, N, DT, BM, 32, STORE_H2, HW)
-    return part
-
-
-@triton.jit
-def _mx_swiglu_bwd_tile_scored(gu, s, rows64, row_ok, c0, gh1_base, h2_addr_ptr, q_base,
-                               e_base, gh1c_base, N, alpha, limit, DT: tl.constexpr,
-                               CLAMPED: tl.constexpr, STORE_H2: tl.constexpr, BM: tl.constexpr,
-                               Q: tl.constexpr, HW: tl.constexpr):
-    """`_mx_swiglu_bwd_tile` with the score gradients; returns the quarter's <u, h2> per row."""
-    if Q == 32:
-        part = _mx_swiglu_bwd_piece_scored(gu, s, rows64, row_ok, c0 + tl.arange(0, 32),
-                                           gh1_base, h2_addr_ptr, q_base, e_base, gh1c_base, N,
-                                           alpha, limit, DT, CLAMPED, STORE_H2, BM, HW)
-    else:
-        lo, hi = _halves(gu, BM, 32)
-        part = _mx_swiglu_bwd_piece_scored(lo, s, rows64, row_ok, c0 + tl.arange(0, 32),
-                                           gh1_base, h2_addr_ptr, q_base, e_base, gh1c_base, N,
-                                           alpha, limit, DT, CLAMPED, STORE_H2, BM, HW)
-        part += _mx_swiglu_bwd_piece_scored(hi, s, rows64, row_ok, c0 + 32 + tl.arange(0, 32),
-                                            gh1_base, h2_addr_ptr, q_base, e_base, gh1c_base,
-                                            N, alpha, limit, DT, CLAMPED, STORE_H2, BM, HW)
-    return part
-
-
-@triton.jit
 def _dot(a, b, acc, IEEE: tl.constexpr):
     if IEEE:  # fp32 operands, or the CPU interpreter: exact fp32 products, no tf32 rounding
         # NOTE: the interpreter's bf16 dot returns garbage; bf16 (and fp16) operands are widened
@@ -383,7 +216,7 @@ def _quarters(x, BLOCK_M: tl.constexpr, Q: tl.constexpr):
 def _grouped_mm_kernel(
     a_addr_ptr, a_rows_ptr, w_ptr, offsets_ptr,
     out_addr_ptr, out2_addr_ptr, out_rows_ptr, claimed_ptr, copied_ptr, epoch_ptr, status_ptr,
-    mxq_ptr, mxe_ptr, mxc_ptr, N, Kd, alpha, limit, score_grad_delta, part_stride, polls_max, rank,
+    N, Kd, alpha, limit, score_grad_delta, part_stride, polls_max, rank,
     E: tl.constexpr, E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     W_KN: tl.constexpr, EPILOGUE: tl.constexpr, STORE_AUX: tl.constexpr, ACT: tl.constexpr,
@@ -391,11 +224,9 @@ def _grouped_mm_kernel(
     A_CLAIM: tl.constexpr = False, CLAIM_AHEAD: tl.constexpr = 0, COPY_K: tl.constexpr = 64,
     PROXY_FENCE: tl.constexpr = False, SLICE_K: tl.constexpr = 512,
     AHEAD_SLICES: tl.constexpr = 1, SCORE_GRADS: tl.constexpr = False,
-    ON_GPU: tl.constexpr = False, MX: tl.constexpr = False):
+    ON_GPU: tl.constexpr = False):
     # A_CLAIM: a_addr_ptr is a_copy_out, read as a dense A once `claim_slices_phase` made the
     # tile's rows valid; a_rows_ptr gives the rows to copy there (claim.py).
-    # MX (swiglu_bwd): h1 comes from its MXFP8 row bundle (mxq_ptr, mxe_ptr); out_addr_ptr gets
-    # grad_h1's fake rows, mxc_ptr its fake columns, out2_addr_ptr h2's fake columns.
     DT: tl.constexpr = w_ptr.dtype.element_ty
     SWIGLU: tl.constexpr = EPILOGUE == 1
     BN: tl.constexpr = BLOCK_N // 2 if SWIGLU else BLOCK_N  # width of each accumulator
@@ -519,36 +350,17 @@ def _grouped_mm_kernel(
             gu_0, gu_1, gu_2, gu_3 = _quarters(acc, BLOCK_M, Q)
             h1_base = load_ptr(out_addr_ptr, DT)
             c0 = pid_n * BN + tl.arange(0, Q)
-            if MX:
-                q_base = load_ptr(mxq_ptr, tl.uint8)
-                e_base = load_ptr(mxe_ptr, tl.uint8)
-                c_base = load_ptr(mxc_ptr, DT)
-                n0 = pid_n * BN
-                part = _mx_swiglu_bwd_tile_scored(
-                    gu_0, s, rows64, row_ok, n0, h1_base, out2_addr_ptr, q_base, e_base, c_base,
-                    N, alpha, limit, DT, ACT == 1, STORE_AUX, BLOCK_M, Q, ON_GPU)
-                part += _mx_swiglu_bwd_tile_scored(
-                    gu_1, s, rows64, row_ok, n0 + Q, h1_base, out2_addr_ptr, q_base, e_base,
-                    c_base, N, alpha, limit, DT, ACT == 1, STORE_AUX, BLOCK_M, Q, ON_GPU)
-                part += _mx_swiglu_bwd_tile_scored(
-                    gu_2, s, rows64, row_ok, n0 + 2 * Q, h1_base, out2_addr_ptr, q_base, e_base,
-                    c_base, N, alpha, limit, DT, ACT == 1, STORE_AUX, BLOCK_M, Q, ON_GPU)
-                part += _mx_swiglu_bwd_tile_scored(
-                    gu_3, s, rows64, row_ok, n0 + 3 * Q, h1_base, out2_addr_ptr, q_base, e_base,
-                    c_base, N, alpha, limit, DT, ACT == 1, STORE_AUX, BLOCK_M, Q, ON_GPU)
-            else:
-                part = _swiglu_bwd_tile_scored(gu_0, s, rows64, row_ok, c0, h1_base,
-                                               out2_addr_ptr, N, alpha, limit, DT, ACT == 1,
-                                               STORE_AUX)
-                part += _swiglu_bwd_tile_scored(gu_1, s, rows64, row_ok, c0 + Q, h1_base,
-                                                out2_addr_ptr, N, alpha, limit, DT, ACT == 1,
-                                                STORE_AUX)
-                part += _swiglu_bwd_tile_scored(gu_2, s, rows64, row_ok, c0 + 2 * Q, h1_base,
-                                                out2_addr_ptr, N, alpha, limit, DT, ACT == 1,
-                                                STORE_AUX)
-                part += _swiglu_bwd_tile_scored(gu_3, s, rows64, row_ok, c0 + 3 * Q, h1_base,
-                                                out2_addr_ptr, N, alpha, limit, DT, ACT == 1,
-                                                STORE_AUX)
+            part = _swiglu_bwd_tile_scored(gu_0, s, rows64, row_ok, c0, h1_base, out2_addr_ptr,
+                                           N, alpha, limit, DT, ACT == 1, STORE_AUX)
+            part += _swiglu_bwd_tile_scored(gu_1, s, rows64, row_ok, c0 + Q, h1_base,
+                                            out2_addr_ptr, N, alpha, limit, DT, ACT == 1,
+                                            STORE_AUX)
+            part += _swiglu_bwd_tile_scored(gu_2, s, rows64, row_ok, c0 + 2 * Q, h1_base,
+                                            out2_addr_ptr, N, alpha, limit, DT, ACT == 1,
+                                            STORE_AUX)
+            part += _swiglu_bwd_tile_scored(gu_3, s, rows64, row_ok, c0 + 3 * Q, h1_base,
+                                            out2_addr_ptr, N, alpha, limit, DT, ACT == 1,
+                                            STORE_AUX)
             p_addr = (s_addr + (score_grad_delta + pid_n.to(tl.int64) * part_stride)).to(
                 tl.pointer_type(tl.float32))
             if ON_GPU:
@@ -567,32 +379,14 @@ def _grouped_mm_kernel(
             dh_0, dh_1, dh_2, dh_3 = _quarters(acc.to(DT), BLOCK_M, Q)
             h1_base = load_ptr(out_addr_ptr, DT)
             c0 = pid_n * BN + tl.arange(0, Q)
-            if MX:
-                q_base = load_ptr(mxq_ptr, tl.uint8)
-                e_base = load_ptr(mxe_ptr, tl.uint8)
-                c_base = load_ptr(mxc_ptr, DT)
-                n0 = pid_n * BN
-                _mx_swiglu_bwd_tile(dh_0, rows64, row_ok, n0, h1_base, out2_addr_ptr, q_base,
-                                    e_base, c_base, N, alpha, limit, DT, ACT == 1, STORE_AUX,
-                                    BLOCK_M, Q, ON_GPU)
-                _mx_swiglu_bwd_tile(dh_1, rows64, row_ok, n0 + Q, h1_base, out2_addr_ptr, q_base,
-                                    e_base, c_base, N, alpha, limit, DT, ACT == 1, STORE_AUX,
-                                    BLOCK_M, Q, ON_GPU)
-                _mx_swiglu_bwd_tile(dh_2, rows64, row_ok, n0 + 2 * Q, h1_base, out2_addr_ptr,
-                                    q_base, e_base, c_base, N, alpha, limit, DT, ACT == 1,
-                                    STORE_AUX, BLOCK_M, Q, ON_GPU)
-                _mx_swiglu_bwd_tile(dh_3, rows64, row_ok, n0 + 3 * Q, h1_base, out2_addr_ptr,
-                                    q_base, e_base, c_base, N, alpha, limit, DT, ACT == 1,
-                                    STORE_AUX, BLOCK_M, Q, ON_GPU)
-            else:
-                _swiglu_bwd_tile(dh_0, rows64, row_ok, c0, h1_base, out2_addr_ptr, N, alpha,
-                                 limit, DT, ACT == 1, STORE_AUX)
-                _swiglu_bwd_tile(dh_1, rows64, row_ok, c0 + Q, h1_base, out2_addr_ptr, N, alpha,
-                                 limit, DT, ACT == 1, STORE_AUX)
-                _swiglu_bwd_tile(dh_2, rows64, row_ok, c0 + 2 * Q, h1_base, out2_addr_ptr, N,
-                                 alpha, limit, DT, ACT == 1, STORE_AUX)
-                _swiglu_bwd_tile(dh_3, rows64, row_ok, c0 + 3 * Q, h1_base, out2_addr_ptr, N,
-                                 alpha, limit, DT, ACT == 1, STORE_AUX)
+            _swiglu_bwd_tile(dh_0, rows64, row_ok, c0, h1_base, out2_addr_ptr, N, alpha, limit,
+                             DT, ACT == 1, STORE_AUX)
+            _swiglu_bwd_tile(dh_1, rows64, row_ok, c0 + Q, h1_base, out2_addr_ptr, N, alpha,
+                             limit, DT, ACT == 1, STORE_AUX)
+            _swiglu_bwd_tile(dh_2, rows64, row_ok, c0 + 2 * Q, h1_base, out2_addr_ptr, N, alpha,
+                             limit, DT, ACT == 1, STORE_AUX)
+            _swiglu_bwd_tile(dh_3, rows64, row_ok, c0 + 3 * Q, h1_base, out2_addr_ptr, N, alpha,
+                             limit, DT, ACT == 1, STORE_AUX)
         else:  # scatter: row i to address out_rows[i], skipped when 0
             o_addr = tl.load(out_rows_ptr + rows, mask=row_ok, other=0)
             o_row_base = tl.multiple_of(o_addr.to(tl.pointer_type(DT)), [16])
@@ -611,10 +405,6 @@ def _launch_mm(args: _MMArgs, config: GroupedGemmConfig, num_programs: Optional[
         f"Kd={args.kd} must be a multiple of block_k={config.block_k} (the K loop is unmasked)")
     if args.epilogue == _EPI_SWIGLU:
         assert config.block_n % 32 == 0, "swiglu needs block_n >= 32 (two halves of >= 16)"
-    if args.mx is not None:
-        assert config.block_m % 32 == 0 and bn // 4 in (32, 64), (
-            f"mx: block_m={config.block_m} must be a multiple of 32 and block_n={bn} 128 or 256 "
-            "(the epilogue quantizes whole 32 x 32 blocks; select_config(..., mx=True))")
     if args.score_grads:
         assert bn >= SCORE_PART_COLS, (
             f"block_n={bn}: the score-gradient parts are counted for tiles of at least "
@@ -645,12 +435,11 @@ def _launch_mm(args: _MMArgs, config: GroupedGemmConfig, num_programs: Optional[
         assert args.kd // slice_k < 2 ** (ClaimFlags.SLICE_SHIFT - 2)
         args.claim.next_epoch()  # stream-ordered before the kernel; captured by CUDA graphs
     on_gpu = w.device.type == "cuda" and not interpreting()
-    mxq, mxe, mxc = args.mx if args.mx is not None else (args.offsets,) * 3
     _grouped_mm_kernel[grid](
         a_addr_ptr=args.a_addr, a_rows_ptr=args.a_rows, w_ptr=w, offsets_ptr=args.offsets,
         out_addr_ptr=args.out_addr, out2_addr_ptr=args.out2_addr, out_rows_ptr=args.out_rows,
         claimed_ptr=claimed, copied_ptr=copied, epoch_ptr=epoch, status_ptr=status,
-        mxq_ptr=mxq, mxe_ptr=mxe, mxc_ptr=mxc, N=args.n, Kd=args.kd, alpha=args.alpha, limit=args.limit,
+        N=args.n, Kd=args.kd, alpha=args.alpha, limit=args.limit,
         score_grad_delta=args.score_grad_delta, part_stride=args.part_stride,
         polls_max=max_polls(timeout_s), rank=rank,
         E=args.num_experts, E_PAD=max(2, triton.next_power_of_2(args.num_experts)),
@@ -661,7 +450,7 @@ def _launch_mm(args: _MMArgs, config: GroupedGemmConfig, num_programs: Optional[
         A_CLAIM=args.claim is not None, CLAIM_AHEAD=config.claim_ahead, COPY_K=copy_k,
         PROXY_FENCE=args.claim is not None and config.tma and on_gpu,
         SLICE_K=slice_k, AHEAD_SLICES=config.claim_ahead_slices, SCORE_GRADS=args.score_grads,
-        ON_GPU=on_gpu, MX=args.mx is not None,
+        ON_GPU=on_gpu,
         num_warps=config.num_warps, num_stages=config.num_stages)
     if args.claim is not None and on_gpu:
         check_status(args.claim.status)   # a wait that timed out traps here, with its numbers
@@ -749,7 +538,6 @@ def grouped_mm_dgrad(
     score_ptrs: Optional[torch.Tensor] = None,
     score_grad_delta: int = 0,
     part_stride: int = 0,
-    mx: Optional[MxDgradOperands] = None,
     timeout_s: float = 600.0,
     rank: int = 0,
 ) -> None:
@@ -770,15 +558,12 @@ def grouped_mm_dgrad(
     grad_h2 = s u, stores h2 scaled (s h2) for the W2 WGRAD, and writes n-tile j's share of
     <u, h2> (fp32) at score_ptrs[r] + score_grad_delta + j * part_stride (the owner's part
     slots; `score_parts_count` parts per route, summed by the owner: `rows.sum_score_parts`).
-    mx (with "swiglu_bwd", mxfp8): an MxDgradOperands; h1 is read from mx.h1q / mx.h1q_e, and
-    `h1` receives grad_h1's fake rows, mx.gh1_cols its fake columns, `h2` h2's fake columns.
     """
     args = _prepare(w_kn=True, w=w, expert_offsets=expert_offsets, max_rows=max_rows, a=a,
                     a_row_ptrs=a_row_ptrs, a_copy_out=a_copy_out, epilogue=epilogue, out=out,
                     out_row_ptrs=out_row_ptrs, h1=h1, h2=h2, activation=activation,
                     swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
                     claim_flags=claim_flags, score_ptrs=score_ptrs,
-                    score_grad_delta=score_grad_delta, part_stride=part_stride, mx=mx)
-    config = config or select_config("dgrad", n=args.n, kd=args.kd, device=w.device,
-                                     mx=mx is not None)
+                    score_grad_delta=score_grad_delta, part_stride=part_stride)
+    config = config or select_config("dgrad", n=args.n, kd=args.kd, device=w.device)
     _launch_mm(args, config, num_programs, timeout_s, rank)

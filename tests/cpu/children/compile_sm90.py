@@ -135,13 +135,6 @@ VARIANTS = {
     "dgrad_w2_swiglu_bwd_score_grads": lambda: G.grouped_mm_dgrad(w=w2, expert_offsets=offs,
         max_rows=R, a=p, epilogue="swiglu_bwd", h1=p, h2=p, config=BIG, score_ptrs=rows_tab,
         score_grad_delta=49152, part_stride=49152),
-    # mxfp8: h1 from its row bundle, grad_h1 / h2 stored as their MXFP8 copies
-    "dgrad_w2_swiglu_bwd_mx": lambda: G.grouped_mm_dgrad(w=w2, expert_offsets=offs,
-        max_rows=R, a=p, epilogue="swiglu_bwd", h1=p, h2=p, config=BIG,
-        mx=G.MxDgradOperands(p, p, p)),
-    "dgrad_w2_swiglu_bwd_mx_scored": lambda: G.grouped_mm_dgrad(w=w2, expert_offsets=offs,
-        max_rows=R, a=p, epilogue="swiglu_bwd", h1=p, h2=p, config=BIG, score_ptrs=rows_tab,
-        score_grad_delta=49152, part_stride=49152, mx=G.MxDgradOperands(p, p, p)),
     "dgrad_w13_tma": lambda: G.grouped_mm_dgrad(w=w13, expert_offsets=offs, max_rows=R, a=p,
         out=p, config=BIG),
     "wgrad_tma_fp32": lambda: G.grouped_mm_wgrad(p, p, offs, torch.empty(E, 2 * F, D),
