@@ -15,7 +15,6 @@ bench_quant.png.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 
@@ -31,8 +30,7 @@ from megatron_dist_moe.kernels import quant_fp8 as KF, quant_mxfp8 as KM  # noqa
 from megatron_dist_moe.layout import padded_rows  # noqa: E402
 from megatron_dist_moe.quant import fp8_block as QF, mxfp8 as QM  # noqa: E402
 
-FIELDS = ["commit", "gpu", "precision", "kernel", "shape", "group_rows", "num_warps", "us",
-          "us_min",
+FIELDS = ["commit", "gpu", "precision", "kernel", "shape", "group_rows", "us", "us_min",
           "us_max", "tb_s", "ratio_to_copy", "equal"]
 BF, F8, U8 = torch.bfloat16, torch.float8_e4m3fn, torch.uint8
 
@@ -90,9 +88,8 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
               torch.empty(Rp // 32, K, dtype=U8, device=dev)) if cols else None
         cf = torch.empty(R, K, dtype=BF, device=dev) if cols_fake else None
 
-        def run(gr, warps=None):
-            KM.quantize(src, offs, R, K, rows_fake=rf, cols=cb, cols_fake=cf, **order(gr),
-                        **({} if warps is None else {"num_warps": warps}))
+        def run(gr):
+            KM.quantize(src, offs, R, K, rows_fake=rf, cols=cb, cols_fake=cf, **order(gr))
 
         want_rf = once(lambda: QM.fake_rows(src))
         want_cb = once(lambda: QM.quantize_cols(src.cpu(), offs_c, Rp))
@@ -197,9 +194,6 @@ def main() -> int:
     ap.add_argument("--group-rows", default="0",
                     help="launch orders to time, comma-separated (0: the default)")
     ap.add_argument("--kernels", default="", help="precision:kernel names to run (default all)")
-    ap.add_argument("--warps", default="0",
-                    help="mxfp8 quantize: warps per program to time, comma-separated (0: the "
-                         "default)")
     args = ap.parse_args()
     T, K, E, D, F = map(int, args.shape.split("x"))
     dev = torch.device("cuda")
@@ -211,49 +205,43 @@ def main() -> int:
     print(f"{gpu}: R={R} rows (T={T}, K={K}, E={E}); bf16 copy {copy_tbs:.2f} TB/s", flush=True)
     wanted = {k for k in args.kernels.split(",") if k}
     rows, failed = [], 0
-    print("| precision | kernel | shape | group_rows | warps | us | TB/s | of copy | equal |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| precision | kernel | shape | group_rows | us | TB/s | of copy | equal |")
+    print("|---|---|---|---|---|---|---|---|")
     for (prec, name), (run, check, nbytes, shape) in cases(R, E, D, F, offs, dev).items():
         if wanted and f"{prec}:{name}" not in wanted:
             continue
-        sweep_warps = prec == "mxfp8" and name.startswith("quantize")
         for gr_text in args.group_rows.split(","):
-            for nw_text in (args.warps.split(",") if sweep_warps else ["0"]):
-                gr, nw = int(gr_text), int(nw_text)
-                fn = functools.partial(run, gr if gr > 0 else None,
-                                       **({"warps": nw} if nw > 0 else {}))
-                fn()
-                torch.cuda.synchronize()
-                ok = bool(check())
-                if not ok:
-                    failed += 1
-                    print(f"| {prec} | {name} | {shape} | {gr} | {nw} | - | - | - | False |",
-                          flush=True)
-                    continue
-                t = time_windows(fn, graph=True)
-                tbs = nbytes / t.median_ms / 1e9
-                rows.append(dict(commit=commit, gpu=gpu, precision=prec, kernel=name,
-                                 shape=shape, group_rows=gr, num_warps=nw,
-                                 us=round(t.median_ms * 1e3, 1),
-                                 us_min=round(t.min_ms * 1e3, 1),
-                                 us_max=round(t.max_ms * 1e3, 1), tb_s=round(tbs, 2),
-                                 ratio_to_copy=round(tbs / copy_tbs, 3), equal=ok))
-                print(f"| {prec} | {name} | {shape} | {gr} | {nw} | {t.median_ms * 1e3:.1f} | "
-                      f"{tbs:.2f} | {tbs / copy_tbs:.2f} | True |", flush=True)
+            gr = int(gr_text)
+            kw = gr if gr > 0 else None   # None: the launcher's default
+            run(kw)
+            torch.cuda.synchronize()
+            ok = bool(check())
+            if not ok:
+                failed += 1
+                print(f"| {prec} | {name} | {shape} | {gr} | - | - | - | False |", flush=True)
+                continue
+            t = time_windows(lambda: run(kw), graph=True)
+            tbs = nbytes / t.median_ms / 1e9
+            rows.append(dict(commit=commit, gpu=gpu, precision=prec, kernel=name, shape=shape,
+                             group_rows=gr, us=round(t.median_ms * 1e3, 1),
+                             us_min=round(t.min_ms * 1e3, 1), us_max=round(t.max_ms * 1e3, 1),
+                             tb_s=round(tbs, 2), ratio_to_copy=round(tbs / copy_tbs, 3),
+                             equal=ok))
+            print(f"| {prec} | {name} | {shape} | {gr} | {t.median_ms * 1e3:.1f} | {tbs:.2f} | "
+                  f"{tbs / copy_tbs:.2f} | True |", flush=True)
     os.makedirs(args.out, exist_ok=True)
     append_csv_fields(os.path.join(args.out, "bench_quant.csv"), rows, FIELDS)
     plt = pyplot()
     if plt is not None and rows:
         ks = list(dict.fromkeys(f"{r['precision']}\n{r['kernel']}" for r in rows))
-        grs = list(dict.fromkeys((r["group_rows"], r["num_warps"]) for r in rows))
+        grs = list(dict.fromkeys(r["group_rows"] for r in rows))
         fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(ks)), 4.5))
         w = 0.8 / len(grs)
         for i, gr in enumerate(grs):
             pts = [(j, r["tb_s"]) for j, k in enumerate(ks) for r in rows
-                   if f"{r['precision']}\n{r['kernel']}" == k
-                   and (r["group_rows"], r["num_warps"]) == gr]
+                   if f"{r['precision']}\n{r['kernel']}" == k and r["group_rows"] == gr]
             ax.bar([j + w * i for j, _ in pts], [v for _, v in pts], w,
-                   label=f"group_rows={gr[0] or 'default'}, warps={gr[1] or 'default'}")
+                   label=f"group_rows={gr or 'default'}")
         ax.axhline(copy_tbs, color="k", lw=0.8, ls="--", label=f"bf16 copy {copy_tbs:.2f}")
         ax.set_xticks([j + 0.4 - w / 2 for j in range(len(ks))], ks, fontsize=7)
         ax.set_ylabel("TB/s (bytes read + written)")
