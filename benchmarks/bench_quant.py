@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -68,9 +70,35 @@ def once(fn):
     return get
 
 
+@dataclass
+class Case:
+    """One quantizer call: run(group_rows or None), check() -> bool against the twin, the bytes
+    it reads and writes, its outputs (poisoned before every checked run, so that tiles a
+    launch order skips cannot pass on an earlier order's results), and whether it takes a
+    launch order."""
+
+    run: Callable
+    check: Callable
+    nbytes: float
+    shape: str
+    outputs: list
+    takes_order: bool = True
+
+
+def poison(t: torch.Tensor) -> None:
+    """Fill an output with bytes no twin produces on these inputs (NaN for bf16 / fp32 / e4m3,
+    0xFF for E8M0 exponents)."""
+    t.view(torch.uint8).fill_(0xFF)
+
+
+def rate_differing(got: torch.Tensor, want: torch.Tensor) -> float:
+    return (bits(got.contiguous()) != bits(want.contiguous())).float().mean().item()
+
+
 def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
-    """{(precision, kernel): (run(group_rows), check() -> bool, bytes read + written, shape)}:
-    the calls of Mxfp8Pipeline / Fp8BlockPipeline at these shapes."""
+    """{(precision, kernel): Case}: the calls of Mxfp8Pipeline / Fp8BlockPipeline at these
+    shapes. Column bundles count the rows of the padded segments the kernels write (`used`),
+    not the allocation's host bound Rp."""
     g = torch.Generator(device=dev).manual_seed(0)
     rnd = lambda *s: torch.randn(*s, device=dev, generator=g).to(BF)   # noqa: E731
     Rp = padded_rows(R, E)
@@ -106,8 +134,10 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
             if cf is not None:
                 ok &= same(cf.cpu(), want_cf())
             return ok
-        nbytes = R * K * 2 * (1 + rows_fake + cols_fake) + (Rp * K * (1 + 1 / 32) if cols else 0)
-        out[("mxfp8", name)] = (run, check, nbytes, f"{R}x{K}")
+        nbytes = R * K * 2 * (1 + rows_fake + cols_fake) + (used * K * (1 + 1 / 32) if cols
+                                                            else 0)
+        outs = [t for t in (rf, cf) if t is not None] + (list(cb) if cb else [])
+        out[("mxfp8", name)] = Case(run, check, nbytes, f"{R}x{K}", outs)
 
     # forward: x_g -> fake rows (in place in the layer) + the saved column bundle
     mx_quant("quantize_x", x, D, True, True, False)
@@ -121,25 +151,26 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
     h2f = torch.empty(R, F, dtype=BF, device=dev)
     want_h1q = once(lambda: QM.quantize_rows(h1))
     want_h2 = once(lambda: QM.fake_rows(act.forward(h1.float()).to(BF)))
-    out[("mxfp8", "swiglu_quant")] = (
+    out[("mxfp8", "swiglu_quant")] = Case(
         lambda gr: KM.swiglu_quant(h1, nr, R, F, h2_fake=h2f, h1q=h1q, **order(gr)),
         lambda: (same(h1q[0], want_h1q()[0]) and same(h1q[1], want_h1q()[1])
                  # h2: the activation's last fp32 bit may differ from torch's, which can flip
                  # a rounding (the kernel check bounds such flips the same way)
-                 and (bits(h2f) != bits(want_h2())).float().mean().item() < 1e-3),
-        R * 2 * F * (2 + 1 + 1 / 32) + R * F * 2, f"{R}x{2 * F}")
+                 and rate_differing(h2f, want_h2()) < 1e-3),
+        R * 2 * F * (2 + 1 + 1 / 32) + R * F * 2, f"{R}x{2 * F}", [*h1q, h2f])
     q, e = QM.quantize_rows(gh1)
     deq = torch.empty(R, 2 * F, dtype=BF, device=dev)
-    out[("mxfp8", "dequantize_rows")] = (
+    want_deq = once(lambda: QM.dequantize_rows(q, e).to(BF))
+    out[("mxfp8", "dequantize_rows")] = Case(
         lambda gr: KM.dequantize_rows(q, e, nr, R, 2 * F, out=deq, **order(gr)),
-        lambda: same(deq, QM.dequantize_rows(q, e).to(BF)),
-        R * 2 * F * (1 + 1 / 32 + 2), f"{R}x{2 * F}")
+        lambda: same(deq, want_deq()), R * 2 * F * (1 + 1 / 32 + 2), f"{R}x{2 * F}", [deq])
     qc, ec = (t.to(dev) for t in QM.quantize_cols(x.cpu(), offs_c, Rp))
     dqc = torch.empty(R, D, dtype=BF, device=dev)
-    out[("mxfp8", "dequantize_cols")] = (
+    want_dqc = once(lambda: QM.fake_cols(x.cpu(), offs_c))
+    out[("mxfp8", "dequantize_cols")] = Case(
         lambda gr: KM.dequantize_cols(qc, ec, offs, R, D, out=dqc, **order(gr)),
-        lambda: same(dqc.cpu(), QM.fake_cols(x.cpu(), offs_c)),
-        Rp * D * (1 + 1 / 32) + R * D * 2, f"{R}x{D}")
+        lambda: same(dqc.cpu(), want_dqc()), used * D * (1 + 1 / 32) + R * D * 2, f"{R}x{D}",
+        [dqc])
 
     def fp8_quant(name, src, K, rows: bool, cols: bool):
         rb = (torch.empty(R, K, dtype=F8, device=dev),
@@ -164,8 +195,9 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
                 ok &= same(cb[1][:used // 128].cpu(), ts[:used // 128])
             return ok
         nbytes = R * K * 2 + (R * K * (1 + 4 / 128) if rows else 0) + (
-            Rp * K * (1 + 4 / 128) if cols else 0)
-        out[("fp8_block", name)] = (run, check, nbytes, f"{R}x{K}")
+            used * K * (1 + 4 / 128) if cols else 0)
+        outs = (list(rb) if rb else []) + (list(cb) if cb else [])
+        out[("fp8_block", name)] = Case(run, check, nbytes, f"{R}x{K}", outs)
 
     fp8_quant("quantize_x", x, D, True, True)
     fp8_quant("quantize_gh1", gh1, 2 * F, True, True)
@@ -173,10 +205,15 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
     f1 = (torch.empty(R, 2 * F, dtype=F8, device=dev), torch.empty(R, 2 * F // 128, device=dev))
     f2 = (torch.empty(R, F, dtype=F8, device=dev), torch.empty(R, F // 128, device=dev))
     want_f1 = once(lambda: QF.quantize_rows(h1))
-    out[("fp8_block", "swiglu_quant")] = (
+    want_f2 = once(lambda: QF.quantize_rows(act.forward(h1.float()).to(BF)))
+    out[("fp8_block", "swiglu_quant")] = Case(
         lambda gr: KF.swiglu_quant(h1, nr, R, F, h2q=f2, h1q=f1),
-        lambda: same(f1[0], want_f1()[0]) and same(f1[1], want_f1()[1]),
-        R * 2 * F * (2 + 1 + 4 / 128) + R * F * (1 + 4 / 128), f"{R}x{2 * F}")
+        lambda: (same(f1[0], want_f1()[0]) and same(f1[1], want_f1()[1])
+                 # h2 as in mxfp8's swiglu_quant above
+                 and rate_differing(f2[0], want_f2()[0]) < 1e-3
+                 and rate_differing(f2[1], want_f2()[1]) < 1e-3),
+        R * 2 * F * (2 + 1 + 4 / 128) + R * F * (1 + 4 / 128), f"{R}x{2 * F}", [*f1, *f2],
+        takes_order=False)
     return out
 
 
@@ -207,12 +244,16 @@ def main() -> int:
     rows, failed = [], 0
     print("| precision | kernel | shape | group_rows | us | TB/s | of copy | equal |")
     print("|---|---|---|---|---|---|---|---|")
-    for (prec, name), (run, check, nbytes, shape) in cases(R, E, D, F, offs, dev).items():
+    for (prec, name), case in cases(R, E, D, F, offs, dev).items():
         if wanted and f"{prec}:{name}" not in wanted:
             continue
-        for gr_text in args.group_rows.split(","):
+        orders = args.group_rows.split(",") if case.takes_order else ["0"]
+        run, check, nbytes, shape = case.run, case.check, case.nbytes, case.shape
+        for gr_text in orders:
             gr = int(gr_text)
             kw = gr if gr > 0 else None   # None: the launcher's default
+            for t in case.outputs:
+                poison(t)
             run(kw)
             torch.cuda.synchronize()
             ok = bool(check())
@@ -223,7 +264,7 @@ def main() -> int:
             t = time_windows(lambda: run(kw), graph=True)
             tbs = nbytes / t.median_ms / 1e9
             rows.append(dict(commit=commit, gpu=gpu, precision=prec, kernel=name, shape=shape,
-                             group_rows=gr, us=round(t.median_ms * 1e3, 1),
+                             group_rows=gr or "default", us=round(t.median_ms * 1e3, 1),
                              us_min=round(t.min_ms * 1e3, 1), us_max=round(t.max_ms * 1e3, 1),
                              tb_s=round(tbs, 2), ratio_to_copy=round(tbs / copy_tbs, 3),
                              equal=ok))

@@ -172,8 +172,10 @@ def quantize_rows_cols(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows=
     rows = (q, s): the row bundle, q [>= R, K] e4m3, s [>= R, K/128] fp32 (tensors or device
     pointers); cols = (q_t, s_t): the column bundle over each expert's segment padded to 128
     rows, q_t [K, Rp] e4m3 and s_t [Rp/128, K] fp32 with Rp = layout.padded_rows(R, E) (zeros
-    in each segment's padding). max_rows: host bound on R (the grid)."""
+    in each segment's padding). max_rows: host bound on R (the grid). group_rows: 128-row
+    blocks per launch group (common.grouped_tile)."""
     assert rows is not None or cols is not None
+    assert group_rows >= 1, f"group_rows={group_rows}: 128-row blocks per launch group, >= 1"
     assert K % BLOCK == 0, f"K={K} must be a multiple of {BLOCK}"
     E = offsets.numel() - 1
     from ..layout import padded_rows

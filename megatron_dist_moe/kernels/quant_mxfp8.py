@@ -152,6 +152,7 @@ def quantize(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows_fake=None,
                nothing reads, are not written)
     cols_fake  bf16 [>= R, K]: quant/mxfp8.fake_cols(x, offsets)
     max_rows: host bound on R (the grid)."""
+    assert group_rows >= 1, f"group_rows={group_rows}: 128-row blocks per launch group, >= 1"
     assert rows_fake is not None or cols is not None or cols_fake is not None
     assert K % 128 == 0, f"K={K} must be a multiple of 128"
     E = offsets.numel() - 1
@@ -224,6 +225,7 @@ def swiglu_quant(h1, num_rows: torch.Tensor, max_rows: int, F: int, *, h2_fake, 
     """From bf16 h1 [R, 2F] (R = num_rows[0] on the device): h2_fake [R, F] bf16 =
     fake_rows(round(act(h1))); h1q = (q [R, 2F] e4m3, e [R, 2F/32] uint8), the row bundle of
     h1, when given."""
+    assert group_rows >= 1, f"group_rows={group_rows}: 128-row blocks per launch group, >= 1"
     assert F % 128 == 0, f"F={F} must be a multiple of 128"
     BLOCK_R = 32
     dummy = num_rows
@@ -261,6 +263,7 @@ def _deq_rows_kernel(q_addr, e_addr, num_rows_ptr, out_addr, K, n_rb, HW: tl.con
 def dequantize_rows(q, e, num_rows: torch.Tensor, max_rows: int, K: int, *, out,
                     group_rows: int = GROUP_ROWS_DEQ_ROWS) -> None:
     """out [R, K] bf16 = quant/mxfp8.dequantize_rows(q [R, K], e [R, K/32]) (R = num_rows[0])."""
+    assert group_rows >= 1, f"group_rows={group_rows}: 128-row blocks per launch group, >= 1"
     assert K % 128 == 0, f"K={K} must be a multiple of 128"
     BLOCK_R = 32
     n_rb = max(1, triton.cdiv(max_rows, BLOCK_R))
@@ -296,6 +299,7 @@ def dequantize_cols(q_t, e_t, offsets: torch.Tensor, max_rows: int, K: int, *, o
                     group_rows: int = GROUP_ROWS) -> None:
     """out [R, K] bf16, token-major: the column bundle (q_t [K, Rp], e_t [Rp/32, K]) of
     `quantize`, dequantized, without its padding rows."""
+    assert group_rows >= 1, f"group_rows={group_rows}: 128-row blocks per launch group, >= 1"
     assert K % 128 == 0, f"K={K} must be a multiple of 128"
     E = offsets.numel() - 1
     from ..layout import padded_rows
