@@ -15,7 +15,9 @@ E4M3 + E8M0 bundles where state is saved:
     fake_weight     w [E, N, K] -> bf16 [E, N, K] of its 32 x 32 tile quantization
 
 R and the expert offsets are device values: grids are host bounds and programs past the rows
-return.
+return. The [R, K] launchers take `group_rows`, their tiles' launch order (GROUP_ROWS:
+128-row blocks that walk every column block together, common.grouped_tile); the default is
+the measured fastest, the argument is for benchmarks/bench_quant.py.
 """
 
 from __future__ import annotations
