@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ..quant.fp8_block import BF16_MAX, BLOCK, BlockScaling
-from .common import as_device_ptr, grouped_tile, interpreting, load_ptr
+from .common import as_device_ptr, grouped_grid, grouped_tile, interpreting, load_ptr
 from .rows import _act_fwd
 
 __all__ = ["quantize_rows_cols", "swiglu_quant", "quantize_weight", "block_scales", "to_e4m3",
@@ -175,7 +175,6 @@ def quantize_rows_cols(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows=
     in each segment's padding). max_rows: host bound on R (the grid). group_rows: 128-row
     blocks per launch group (common.grouped_tile)."""
     assert rows is not None or cols is not None
-    assert group_rows >= 1, f"group_rows={group_rows}: 128-row blocks per launch group, >= 1"
     assert K % BLOCK == 0, f"K={K} must be a multiple of {BLOCK}"
     E = offsets.numel() - 1
     from ..layout import padded_rows
@@ -192,7 +191,7 @@ def quantize_rows_cols(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows=
     chunk, warps = (64, 4) if rows and cols else (64, 8) if rows else (128, 8)
     if interpreting():
         chunk = 128     # the interpreter's cost is per loop step and per program, not per byte
-    _quant_rows_cols_kernel[(n_pb * (K // BLOCK),)](
+    _quant_rows_cols_kernel[grouped_grid(n_pb, K // BLOCK, group_rows)](
         xa, offsets, q, s, qc, sc, K, E, n_pb, E_PAD=max(2, triton.next_power_of_2(E)),
         ROWS=rows is not None, COLS=cols is not None, POW2=recipe.power_2_scales,
         EPS=float(recipe.amax_epsilon), HW=_hw(offsets), CHUNK=chunk, GROUP_R=group_rows,

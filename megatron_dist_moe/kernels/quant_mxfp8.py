@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..quant.mxfp8 import BLOCK
-from .common import as_device_ptr, grouped_tile, interpreting, load_ptr
+from .common import as_device_ptr, grouped_grid, grouped_tile, interpreting, load_ptr
 from .quant_fp8 import _hw, abs_nan0, padded_block, round_bf16, to_e4m3
 from .rows import _act_fwd
 
@@ -154,7 +154,6 @@ def quantize(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows_fake=None,
                nothing reads, are not written)
     cols_fake  bf16 [>= R, K]: quant/mxfp8.fake_cols(x, offsets)
     max_rows: host bound on R (the grid)."""
-    assert group_rows >= 1, f"group_rows={group_rows}: 128-row blocks per launch group, >= 1"
     assert rows_fake is not None or cols is not None or cols_fake is not None
     assert K % 128 == 0, f"K={K} must be a multiple of 128"
     E = offsets.numel() - 1
@@ -170,7 +169,7 @@ def quantize(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows_fake=None,
     # 128 x 128 tile spills registers with all three outputs
     BLOCK_C = 64 if interpreting() else 32    # the interpreter's cost is per program
     n_pb = max(1, Rp // 128)
-    _quant_kernel[(n_pb * (K // BLOCK_C),)](
+    _quant_kernel[grouped_grid(n_pb, K // BLOCK_C, group_rows)](
         as_device_ptr(x, "x", torch.bfloat16), offsets, rf, cq, ce, cf, K, E, n_pb,
         E_PAD=max(2, triton.next_power_of_2(E)), ROWS_FAKE=rows_fake is not None,
         COLS=cols is not None, COLS_FAKE=cols_fake is not None, HW=_hw(offsets),
@@ -227,14 +226,13 @@ def swiglu_quant(h1, num_rows: torch.Tensor, max_rows: int, F: int, *, h2_fake, 
     """From bf16 h1 [R, 2F] (R = num_rows[0] on the device): h2_fake [R, F] bf16 =
     fake_rows(round(act(h1))); h1q = (q [R, 2F] e4m3, e [R, 2F/32] uint8), the row bundle of
     h1, when given."""
-    assert group_rows >= 1, f"group_rows={group_rows}: 128-row blocks per launch group, >= 1"
     assert F % 128 == 0, f"F={F} must be a multiple of 128"
     BLOCK_R = 32
     dummy = num_rows
     a, b = (as_device_ptr(h1q[0], "h1q"), as_device_ptr(h1q[1], "h1q_s")) if h1q else (
         dummy, dummy)
     n_rb = max(1, triton.cdiv(max_rows, BLOCK_R))
-    _swiglu_quant_kernel[(n_rb * (F // 128),)](
+    _swiglu_quant_kernel[grouped_grid(n_rb, F // 128, group_rows)](
         as_device_ptr(h1, "h1", torch.bfloat16), num_rows, a, b,
         as_device_ptr(h2_fake, "h2_fake", torch.bfloat16), F, float(swiglu_alpha),
         float(swiglu_limit), n_rb, CLAMPED=activation == "swiglu_clamped",
@@ -265,11 +263,10 @@ def _deq_rows_kernel(q_addr, e_addr, num_rows_ptr, out_addr, K, n_rb, HW: tl.con
 def dequantize_rows(q, e, num_rows: torch.Tensor, max_rows: int, K: int, *, out,
                     group_rows: int = GROUP_ROWS_DEQ_ROWS) -> None:
     """out [R, K] bf16 = quant/mxfp8.dequantize_rows(q [R, K], e [R, K/32]) (R = num_rows[0])."""
-    assert group_rows >= 1, f"group_rows={group_rows}: 128-row blocks per launch group, >= 1"
     assert K % 128 == 0, f"K={K} must be a multiple of 128"
     BLOCK_R = 32
     n_rb = max(1, triton.cdiv(max_rows, BLOCK_R))
-    _deq_rows_kernel[(n_rb * (K // 128),)](
+    _deq_rows_kernel[grouped_grid(n_rb, K // 128, group_rows)](
         as_device_ptr(q, "q"), as_device_ptr(e, "e"), num_rows,
         as_device_ptr(out, "out", torch.bfloat16), K, n_rb, HW=_hw(num_rows), BLOCK_R=BLOCK_R,
         GROUP_R=group_rows * 4, num_warps=4)
@@ -301,12 +298,11 @@ def dequantize_cols(q_t, e_t, offsets: torch.Tensor, max_rows: int, K: int, *, o
                     group_rows: int = GROUP_ROWS) -> None:
     """out [R, K] bf16, token-major: the column bundle (q_t [K, Rp], e_t [Rp/32, K]) of
     `quantize`, dequantized, without its padding rows."""
-    assert group_rows >= 1, f"group_rows={group_rows}: 128-row blocks per launch group, >= 1"
     assert K % 128 == 0, f"K={K} must be a multiple of 128"
     E = offsets.numel() - 1
     from ..layout import padded_rows
     n_pb = max(1, padded_rows(max_rows, E) // 128)
-    _deq_cols_kernel[(n_pb * (K // 128),)](
+    _deq_cols_kernel[grouped_grid(n_pb, K // 128, group_rows)](
         as_device_ptr(q_t, "q_t"), as_device_ptr(e_t, "e_t"), offsets,
         as_device_ptr(out, "out", torch.bfloat16), K, E, n_pb,
         E_PAD=max(2, triton.next_power_of_2(E)), HW=_hw(offsets), GROUP_R=group_rows,
