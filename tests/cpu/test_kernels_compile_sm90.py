@@ -37,7 +37,8 @@ VARIANTS = ["fwd_swiglu_tma", "fwd_swiglu_decode", "fwd_w2_scatter_decode",
             "mxfp8_quantize_cols_fake", "mxfp8_swiglu_quant", "mxfp8_dequantize_rows",
             "mxfp8_dequantize_cols", "mxfp8_fake_weight", "nvfp4_quantize_rows",
             "nvfp4_swiglu_quant", "nvfp4_mm_store", "nvfp4_mm_store_medium",
-            "nvfp4_mm_scatter_decode", "nvfp4_dequantize_rows", "mega_fwd"]
+            "nvfp4_mm_scatter_decode", "nvfp4_dequantize_rows", "nvfp4_swiglu_quant_a16",
+            "nvfp4_fanout_dequantize", "mega_fwd"]
 
 MAX_SPILL_BYTES = 256
 

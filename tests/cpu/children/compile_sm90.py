@@ -1,5 +1,10 @@
 """Child of tests/cpu/test_kernels_compile_sm90.py: every kernel variant recorded from its
-launcher and compiled for sm_90 (Triton's bundled ptxas). Prints one `RESULT <json>` each."""
+launcher and compiled for sm_90 (Triton's bundled ptxas). Prints one `RESULT <json>` each.
+
+    python tests/cpu/children/compile_sm90.py [--ptx-dir DIR] [VARIANT ...]
+
+--ptx-dir writes each variant's PTX to DIR/<variant>.ptx: a refactor of kernel code that
+leaves the PTX unchanged (diff the two directories) needs no new GPU run."""
 import json
 import re
 import sys
@@ -73,8 +78,9 @@ def compile_call(jit, kw, num_warps, num_stages, **options):
                           options=dict(num_warps=num_warps, num_stages=num_stages, **options))
 
 
-def spill_bytes(ptx):
-    """Spill stores ptxas reports for the kernel (Triton's bundled ptxas, sm_90a)."""
+def ptxas_stats(ptx):
+    """(spill store bytes, registers) ptxas reports for the kernel (Triton's bundled ptxas,
+    sm_90a); -1 where it reports none."""
     import os
     import subprocess
     import tempfile
@@ -84,8 +90,10 @@ def spill_bytes(ptx):
         open(path, "w").write(ptx)
         out = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
                              capture_output=True, text=True)
-    m = re.search(r"(\d+) bytes spill stores", out.stdout + out.stderr)
-    return int(m.group(1)) if m else -1
+    text = out.stdout + out.stderr
+    spills = re.search(r"(\d+) bytes spill stores", text)
+    regs = re.search(r"Used (\d+) registers", text)
+    return int(spills.group(1)) if spills else -1, int(regs.group(1)) if regs else -1
 
 
 def record(jit_name, module, fn):
@@ -252,6 +260,12 @@ VARIANTS["nvfp4_mm_scatter_decode"] = lambda: GN.nvfp4_grouped_mm(
     a=p, weight=_W4, expert_offsets=offs, max_rows=48, epilogue="scatter", out_row_ptrs=rows_tab,
     a16=p, tiles=GN.DECODE_TILES, decode="f16_asm")
 VARIANTS["nvfp4_dequantize_rows"] = lambda: KN.dequantize_rows(p, offs[-1:], R, D, out=p)
+# the two passes that also decode into a16 (the wgmma GEMM's fragment order)
+VARIANTS["nvfp4_swiglu_quant_a16"] = lambda: KN.swiglu_quant(p, offs[-1:], R, F, out=p, a16=p,
+                                                             a16_order="fragment")
+VARIANTS["nvfp4_fanout_dequantize"] = lambda: KN.fanout_dequantize(
+    torch.zeros(2, dtype=torch.int64), 2 * D, torch.zeros(2 * 8 * 6, dtype=torch.int32), 8, 6,
+    p, offs[-1:], D, a16=p, order="fragment")
 # the Mega forward, with the GPU's tile config
 from megatron_dist_moe.kernels.grouped_gemm import mega as GM  # noqa: E402
 _MEGA_CFG = G.CONFIG_TABLE[("fwd", "large")]
@@ -266,6 +280,8 @@ JIT = {"rows_device_check": (K_checks, "_device_check_kernel"),
        "nvfp4_quantize_rows": (KN, "_quant_rows_kernel"),
        "nvfp4_dequantize_rows": (KN, "_deq_rows_kernel"),
        "nvfp4_swiglu_quant": (KN, "_quant_rows_kernel"),
+       "nvfp4_swiglu_quant_a16": (KN, "_quant_rows_kernel"),
+       "nvfp4_fanout_dequantize": (KN, "_fanout_deq_kernel"),
        "claim_status_check": (K_checks, "_check_status_kernel"),
        "mxfp8_quantize_all": (KM, "_quant_kernel"),
        "mxfp8_quantize_x": (KM, "_quant_kernel"),
@@ -293,7 +309,14 @@ JIT = {"rows_device_check": (K_checks, "_device_check_kernel"),
        "routing_place": (KR, "_route_place_kernel"),
        "routing_place_fanout": (KR, "_route_place_kernel")}
 
-names = sys.argv[1:] or list(VARIANTS)
+args = sys.argv[1:]
+ptx_dir = None
+if args and args[0].startswith("--ptx-dir"):
+    ptx_dir = args[0].split("=", 1)[1] if "=" in args[0] else args[1]
+    args = args[1:] if "=" in args[0] else args[2:]
+    import os
+    os.makedirs(ptx_dir, exist_ok=True)
+names = args or list(VARIANTS)
 for name in names:
     t0 = time.time()
     res = {"name": name}
@@ -313,8 +336,13 @@ for name in names:
                 kw.update(IEEE=False, USE_TMA=True)
         kernel = compile_call(jit, kw, nw, ns)
         ptx = kernel.asm["ptx"]
+        if ptx_dir is not None:
+            with open(f"{ptx_dir}/{name}.ptx", "w") as f:
+                f.write(ptx)
         res["ok"] = True
-        res["spill_bytes"] = spill_bytes(ptx)
+        res["spill_bytes"], res["registers"] = ptxas_stats(ptx)
+        res["shared_bytes"] = kernel.metadata.shared
+        res["bar_sync"] = len(re.findall(r"\bbar\.sync\b", ptx))
         res["ptx"] = {k: len(re.findall(pat, ptx)) for k, pat in {
             "wgmma": r"wgmma\.mma_async", "wgmma_e4m3": r"wgmma\.mma_async[.\w]*\.e4m3",
             "tma_load": r"cp\.async\.bulk\.tensor",
