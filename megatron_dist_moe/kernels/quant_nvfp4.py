@@ -106,13 +106,10 @@ def _quant_row(src, r, out, a16, K, alpha, limit, ACT: tl.constexpr, CLAMPED: tl
         s8_bits = s8.to(tl.uint8, bitcast=True)
         tl.store(out + K // 2 + cs, s8_bits, mask=cs < K // 16)
         if A16 > 0:
-            # NOTE: decoded from the stored bits by the ops dequantize_rows runs (_deq_rows_kernel),
-            # so a16 is its result bit for bit; a decode from the codes and the fp8 scale through
-            # fp32 gave other bits on sm_90
-            s16 = s8_bits.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-            c = k0 + tl.arange(0, CHUNK)[None, :]
-            tl.store(a16 + a16_position(c, A16 == 2),
-                     _decode_f16(packed[None, :], s16[None, :], 1, CHUNK), mask=c < K)
+            # decoded from the stored bytes by dequantize_rows' own steps, so a16 is its result
+            # bit for bit (a decode from the codes and the fp8 scale through fp32 gave other
+            # bits on sm_90)
+            _decode_into_a16(packed, s8_bits, k0, K, a16, CHUNK, A16 == 2)
     tail = K // 2 + K // 16
     tl.store((out + tail).to(tl.pointer_type(tl.float32)), s_dec)
     if PAD > 0:
@@ -162,6 +159,24 @@ def _decode_f16(packed, scales16, ROWS: tl.constexpr, BK: tl.constexpr):
     return tl.reshape(v, (ROWS, BK))
 
 
+@triton.jit
+def _decode_chunk(packed, s8, CHUNK: tl.constexpr):
+    """fp16 [1, CHUNK]: CHUNK values of a byte row, from their packed bytes [CHUNK/2] and E4M3
+    scale bytes [CHUNK/16] (uint8), before the row's global scale. The one decode of stored
+    byte rows: dequantize_rows, the fan-out and the quantizers' a16 all run it, so their a16
+    agree bit for bit."""
+    s16 = s8.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return _decode_f16(packed[None, :], s16[None, :], 1, CHUNK)
+
+
+@triton.jit
+def _decode_into_a16(packed, s8, k0, K, a16, CHUNK: tl.constexpr, FRAGMENT: tl.constexpr):
+    """_decode_chunk of values [k0, k0 + CHUNK) of a row into its a16 row (fp16 at a16, the
+    order of a16_position; values past K not stored)."""
+    c = k0 + tl.arange(0, CHUNK)[None, :]
+    tl.store(a16 + a16_position(c, FRAGMENT), _decode_chunk(packed, s8, CHUNK), mask=c < K)
+
+
 # Two E2M1 codes per byte, four bytes per call: prmt spreads bytes 0,1 (2,3) into the low bytes of
 # two 16-bit lanes; shifts and masks place each nibble's sign at bit 15 and its magnitude at bits
 # 11..9 (the fp16 of value x 2^-14, as _decode_f16); two f16x2 multiplies apply 2^14 and the
@@ -206,10 +221,7 @@ def _deq_rows_kernel(src_addr, num_rows_ptr, out_addr, K, src_stride, CHUNK: tl.
         packed = tl.load(src + cb, mask=cb < K // 2, other=0)
         cs = k0 // 16 + tl.arange(0, CHUNK // 16)
         s8 = tl.load(src + K // 2 + cs, mask=cs < K // 16, other=0)
-        s16 = s8.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        v = _decode_f16(packed[None, :], s16[None, :], 1, CHUNK)
-        c = k0 + tl.arange(0, CHUNK)[None, :]
-        tl.store(out + a16_position(c, FRAGMENT), v, mask=c < K)
+        _decode_into_a16(packed, s8, k0, K, out, CHUNK, FRAGMENT)
 
 
 @triton.jit
@@ -237,8 +249,7 @@ def _fanout_deq_kernel(src_base_ptr, dest_ptr, xg_addr, a16_addr, num_rows_ptr, 
     cs = c0 // 16 + tl.arange(0, CH // 16)
     sm = cs < D // 16
     s8 = tl.load(src + D // 2 + cs, mask=sm, other=0)
-    s16 = s8.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    v = tl.reshape(_decode_f16(packed[None, :], s16[None, :], 1, CH), (CH,))
+    v = tl.reshape(_decode_chunk(packed, s8, CH), (CH,))
     c = c0 + tl.arange(0, CH)
     p = a16_position(c, FRAGMENT)
     tb = tl.arange(0, 32)             # S_dec and the pad, by the first column block
