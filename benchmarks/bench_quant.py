@@ -4,12 +4,13 @@ them, in TB/s of bytes read + written against the HBM copy rate of the same run.
 Every kernel is first checked bit for bit against its torch twin (quant/fp8_block.py,
 quant/mxfp8.py) on the same inputs; a kernel that differs is reported and not timed.
 
-    python benchmarks/bench_quant.py --out bench_out [--group-rows 1,4,16,0]
+    python benchmarks/bench_quant.py --out bench_out [--group-rows 1,4,16,0] [--tiles all]
 
 --group-rows: the tile launch orders to time (common.grouped_tile: this many 128-row blocks
-walk every column block together; 0 is the launchers' default). Rows: bench_quant.csv (commit,
-gpu, precision, kernel, shape, group_rows, us, tb_s, ratio to the copy rate), a plot
-bench_quant.png.
+walk every column block together; 0 is the launchers' default). --tiles: mxfp8 `quantize`'s
+tiles to time (rows x columns x warps, e.g. 32x32x1, or "all" for quant_mxfp8.QUANT_TILES;
+default: the launcher's). Rows: bench_quant.csv (commit, gpu, precision, kernel, shape,
+group_rows, tile, us, tb_s, ratio to the copy rate), a plot bench_quant.png.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from megatron_dist_moe.kernels import quant_fp8 as KF, quant_mxfp8 as KM  # noqa
 from megatron_dist_moe.layout import padded_rows  # noqa: E402
 from megatron_dist_moe.quant import fp8_block as QF, mxfp8 as QM  # noqa: E402
 
-FIELDS = ["commit", "gpu", "precision", "kernel", "shape", "group_rows", "us", "us_min",
+FIELDS = ["commit", "gpu", "precision", "kernel", "shape", "group_rows", "tile", "us", "us_min",
           "us_max", "tb_s", "ratio_to_copy", "equal"]
 BF, F8, U8 = torch.bfloat16, torch.float8_e4m3fn, torch.uint8
 
@@ -54,9 +55,10 @@ def guide_offsets(T: int, K: int, E: int, dev) -> torch.Tensor:
     return torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(torch.int32).to(dev)
 
 
-def order(group_rows):
-    """The launch-order argument: none (the launcher's default) for None."""
-    return {} if group_rows is None else {"group_rows": group_rows}
+def order(group_rows, tile=None):
+    """The launch-order and tile arguments: none (the launcher's defaults) for None."""
+    return ({} if group_rows is None else {"group_rows": group_rows}) | (
+        {} if tile is None else {"tile": tile})
 
 
 def once(fn):
@@ -72,10 +74,10 @@ def once(fn):
 
 @dataclass
 class Case:
-    """One quantizer call: run(group_rows or None), check() -> bool against the twin, the bytes
-    it reads and writes, its outputs (poisoned before every checked run, so that tiles a
-    launch order skips cannot pass on an earlier order's results), and whether it takes a
-    launch order."""
+    """One quantizer call: run(group_rows or None, tile or None), check() -> bool against the
+    twin, the bytes it reads and writes, its outputs (poisoned before every checked run, so
+    that tiles a launch order skips cannot pass on an earlier order's results), and whether it
+    takes a launch order and a tile."""
 
     run: Callable
     check: Callable
@@ -83,6 +85,7 @@ class Case:
     shape: str
     outputs: list
     takes_order: bool = True
+    takes_tile: bool = False
 
 
 def poison(t: torch.Tensor) -> None:
@@ -116,8 +119,8 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
               torch.empty(Rp // 32, K, dtype=U8, device=dev)) if cols else None
         cf = torch.empty(R, K, dtype=BF, device=dev) if cols_fake else None
 
-        def run(gr):
-            KM.quantize(src, offs, R, K, rows_fake=rf, cols=cb, cols_fake=cf, **order(gr))
+        def run(gr, tile=None):
+            KM.quantize(src, offs, R, K, rows_fake=rf, cols=cb, cols_fake=cf, **order(gr, tile))
 
         want_rf = once(lambda: QM.fake_rows(src))
         want_cb = once(lambda: QM.quantize_cols(src.cpu(), offs_c, Rp))
@@ -137,7 +140,7 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
         nbytes = R * K * 2 * (1 + rows_fake + cols_fake) + (used * K * (1 + 1 / 32) if cols
                                                             else 0)
         outs = [t for t in (rf, cf) if t is not None] + (list(cb) if cb else [])
-        out[("mxfp8", name)] = Case(run, check, nbytes, f"{R}x{K}", outs)
+        out[("mxfp8", name)] = Case(run, check, nbytes, f"{R}x{K}", outs, takes_tile=True)
 
     # forward: x_g -> fake rows (in place in the layer) + the saved column bundle
     mx_quant("quantize_x", x, D, True, True, False)
@@ -152,7 +155,7 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
     want_h1q = once(lambda: QM.quantize_rows(h1))
     want_h2 = once(lambda: QM.fake_rows(act.forward(h1.float()).to(BF)))
     out[("mxfp8", "swiglu_quant")] = Case(
-        lambda gr: KM.swiglu_quant(h1, nr, R, F, h2_fake=h2f, h1q=h1q, **order(gr)),
+        lambda gr, tile=None: KM.swiglu_quant(h1, nr, R, F, h2_fake=h2f, h1q=h1q, **order(gr)),
         lambda: (same(h1q[0], want_h1q()[0]) and same(h1q[1], want_h1q()[1])
                  # h2: the activation's last fp32 bit may differ from torch's, which can flip
                  # a rounding (the kernel check bounds such flips the same way)
@@ -162,13 +165,13 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
     deq = torch.empty(R, 2 * F, dtype=BF, device=dev)
     want_deq = once(lambda: QM.dequantize_rows(q, e).to(BF))
     out[("mxfp8", "dequantize_rows")] = Case(
-        lambda gr: KM.dequantize_rows(q, e, nr, R, 2 * F, out=deq, **order(gr)),
+        lambda gr, tile=None: KM.dequantize_rows(q, e, nr, R, 2 * F, out=deq, **order(gr)),
         lambda: same(deq, want_deq()), R * 2 * F * (1 + 1 / 32 + 2), f"{R}x{2 * F}", [deq])
     qc, ec = (t.to(dev) for t in QM.quantize_cols(x.cpu(), offs_c, Rp))
     dqc = torch.empty(R, D, dtype=BF, device=dev)
     want_dqc = once(lambda: QM.fake_cols(x.cpu(), offs_c))
     out[("mxfp8", "dequantize_cols")] = Case(
-        lambda gr: KM.dequantize_cols(qc, ec, offs, R, D, out=dqc, **order(gr)),
+        lambda gr, tile=None: KM.dequantize_cols(qc, ec, offs, R, D, out=dqc, **order(gr)),
         lambda: same(dqc.cpu(), want_dqc()), used * D * (1 + 1 / 32) + R * D * 2, f"{R}x{D}",
         [dqc])
 
@@ -178,7 +181,7 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
         cb = (torch.empty(K, Rp, dtype=F8, device=dev),
               torch.empty(Rp // 128, K, device=dev)) if cols else None
 
-        def run(gr):
+        def run(gr, tile=None):
             KF.quantize_rows_cols(src, offs, R, K, rows=rb, cols=cb, **order(gr))
 
         want_rb = once(lambda: QF.quantize_rows(src))
@@ -207,7 +210,7 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
     want_f1 = once(lambda: QF.quantize_rows(h1))
     want_f2 = once(lambda: QF.quantize_rows(act.forward(h1.float()).to(BF)))
     out[("fp8_block", "swiglu_quant")] = Case(
-        lambda gr: KF.swiglu_quant(h1, nr, R, F, h2q=f2, h1q=f1),
+        lambda gr, tile=None: KF.swiglu_quant(h1, nr, R, F, h2q=f2, h1q=f1),
         lambda: (same(f1[0], want_f1()[0]) and same(f1[1], want_f1()[1])
                  # h2 as in mxfp8's swiglu_quant above
                  and rate_differing(f2[0], want_f2()[0]) < 1e-3
@@ -215,6 +218,19 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
         R * 2 * F * (2 + 1 + 4 / 128) + R * F * (1 + 4 / 128), f"{R}x{2 * F}", [*f1, *f2],
         takes_order=False)
     return out
+
+
+def parse_tiles(text: str) -> list:
+    """--tiles: [None] (the launcher's tile), QUANT_TILES for "all", else the listed RxCxW."""
+    if not text:
+        return [None]
+    if text == "all":
+        return list(KM.QUANT_TILES)
+    tiles = [tuple(int(v) for v in t.split("x")) for t in text.split(",") if t]
+    bad = [t for t in tiles if t not in KM.QUANT_TILES]
+    if bad:
+        raise SystemExit(f"--tiles: {bad} not among quant_mxfp8.QUANT_TILES {KM.QUANT_TILES}")
+    return tiles
 
 
 def copy_rate(R: int, K: int, dev) -> float:
@@ -230,6 +246,9 @@ def main() -> int:
     ap.add_argument("--shape", default="2048x6x6x7168x3072", help="T x K x E x D x F")
     ap.add_argument("--group-rows", default="0",
                     help="launch orders to time, comma-separated (0: the default)")
+    ap.add_argument("--tiles", default="",
+                    help="mxfp8 quantize tiles RxCxW, comma-separated, or 'all' (default: the "
+                         "launcher's)")
     ap.add_argument("--kernels", default="", help="precision:kernel names to run (default all)")
     args = ap.parse_args()
     T, K, E, D, F = map(int, args.shape.split("x"))
@@ -241,48 +260,53 @@ def main() -> int:
     copy_tbs = copy_rate(R, D, dev)
     print(f"{gpu}: R={R} rows (T={T}, K={K}, E={E}); bf16 copy {copy_tbs:.2f} TB/s", flush=True)
     wanted = {k for k in args.kernels.split(",") if k}
+    tiles = parse_tiles(args.tiles)
     rows, failed = [], 0
-    print("| precision | kernel | shape | group_rows | us | TB/s | of copy | equal |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| precision | kernel | shape | group_rows | tile | us | TB/s | of copy | equal |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for (prec, name), case in cases(R, E, D, F, offs, dev).items():
         if wanted and f"{prec}:{name}" not in wanted:
             continue
         orders = args.group_rows.split(",") if case.takes_order else ["0"]
         run, check, nbytes, shape = case.run, case.check, case.nbytes, case.shape
-        for gr_text in orders:
+        for gr_text, tile in [(o, t) for o in orders for t in (tiles if case.takes_tile
+                                                                 else [None])]:
             gr = int(gr_text)
             kw = gr if gr > 0 else None   # None: the launcher's default
+            tile_text = "default" if tile is None else "x".join(map(str, tile))
             for t in case.outputs:
                 poison(t)
-            run(kw)
+            run(kw, tile)
             torch.cuda.synchronize()
             ok = bool(check())
             if not ok:
                 failed += 1
-                print(f"| {prec} | {name} | {shape} | {gr} | - | - | - | False |", flush=True)
+                print(f"| {prec} | {name} | {shape} | {gr} | {tile_text} | - | - | - | False |",
+                      flush=True)
                 continue
-            t = time_windows(lambda: run(kw), graph=True)
+            t = time_windows(lambda: run(kw, tile), graph=True)
             tbs = nbytes / t.median_ms / 1e9
             rows.append(dict(commit=commit, gpu=gpu, precision=prec, kernel=name, shape=shape,
-                             group_rows=gr or "default", us=round(t.median_ms * 1e3, 1),
+                             group_rows=gr or "default", tile=tile_text,
+                             us=round(t.median_ms * 1e3, 1),
                              us_min=round(t.min_ms * 1e3, 1), us_max=round(t.max_ms * 1e3, 1),
                              tb_s=round(tbs, 2), ratio_to_copy=round(tbs / copy_tbs, 3),
                              equal=ok))
-            print(f"| {prec} | {name} | {shape} | {gr} | {t.median_ms * 1e3:.1f} | {tbs:.2f} | "
-                  f"{tbs / copy_tbs:.2f} | True |", flush=True)
+            print(f"| {prec} | {name} | {shape} | {gr} | {tile_text} | {t.median_ms * 1e3:.1f} | "
+                  f"{tbs:.2f} | {tbs / copy_tbs:.2f} | True |", flush=True)
     os.makedirs(args.out, exist_ok=True)
     append_csv_fields(os.path.join(args.out, "bench_quant.csv"), rows, FIELDS)
     plt = pyplot()
     if plt is not None and rows:
         ks = list(dict.fromkeys(f"{r['precision']}\n{r['kernel']}" for r in rows))
-        grs = list(dict.fromkeys(r["group_rows"] for r in rows))
+        variants = list(dict.fromkeys((r["group_rows"], r["tile"]) for r in rows))
         fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(ks)), 4.5))
-        w = 0.8 / len(grs)
-        for i, gr in enumerate(grs):
+        w = 0.8 / len(variants)
+        for i, v in enumerate(variants):
             pts = [(j, r["tb_s"]) for j, k in enumerate(ks) for r in rows
-                   if f"{r['precision']}\n{r['kernel']}" == k and r["group_rows"] == gr]
-            ax.bar([j + w * i for j, _ in pts], [v for _, v in pts], w,
-                   label=f"group_rows={gr or 'default'}")
+                   if f"{r['precision']}\n{r['kernel']}" == k and (r["group_rows"], r["tile"]) == v]
+            ax.bar([j + w * i for j, _ in pts], [t for _, t in pts], w,
+                   label=f"group_rows={v[0]}, tile={v[1]}")
         ax.axhline(copy_tbs, color="k", lw=0.8, ls="--", label=f"bf16 copy {copy_tbs:.2f}")
         ax.set_xticks([j + 0.4 - w / 2 for j in range(len(ks))], ks, fontsize=7)
         ax.set_ylabel("TB/s (bytes read + written)")

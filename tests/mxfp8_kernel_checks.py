@@ -97,6 +97,37 @@ def check_quantize(device, big=False):
         _bits_equal(f"fake cols beside in-place rows K={K}", cf2, MX.fake_cols(x, offs.long().cpu()))
 
 
+def check_quantize_tiles(device, big=False):
+    """Every tile `quantize` accepts (QUANT_TILES, the candidates bench_quant times), bit-equal
+    to the twin: all three outputs, and the in-place rows with the column bundle. The
+    interpreter runs two (its cost is per program; warps do not change what a program does)."""
+    from megatron_dist_moe.kernels.quant_mxfp8 import QUANT_TILES, quantize
+    lens, offs, R = _segments(big, device)
+    E = len(lens)
+    K = 1024 if big else 256
+    x = adversarial(R, K, seed=3, device=device)
+    Rp = padded_rows(R, E)
+    used = int(MX.padded_offsets(offs.cpu())[-1])
+    tq, te = MX.quantize_cols(x, offs.long().cpu(), Rp)
+    want_rf, want_cf = MX.fake_rows(x), MX.fake_cols(x, offs.long().cpu())
+    tiles = QUANT_TILES if big else ((64, 32, 2), (32, 128, 4))
+    for tile in tiles:
+        rf = torch.full((R, K), float("nan"), dtype=BF, device=device)
+        qc = torch.full((K, Rp), float("nan"), dtype=F8, device=device)
+        ec = torch.full((Rp // 32, K), 0xFF, dtype=U8, device=device)
+        cf = torch.full((R, K), float("nan"), dtype=BF, device=device)
+        quantize(x, offs, R + 5, K, rows_fake=rf, cols=(qc, ec), cols_fake=cf, tile=tile)
+        _bits_equal(f"tile {tile}: fake rows", rf, want_rf)
+        _bits_equal(f"tile {tile}: cols", qc[:, :used], tq[:, :used])
+        _bits_equal(f"tile {tile}: col exponents", ec[:used // 32], te[:used // 32])
+        _bits_equal(f"tile {tile}: fake cols", cf, want_cf)
+        y = x.clone()
+        qc.view(U8).fill_(0xFF)
+        quantize(y, offs, R, K, rows_fake=y, cols=(qc, ec), tile=tile)
+        _bits_equal(f"tile {tile}: fake rows in place", y, want_rf)
+        _bits_equal(f"tile {tile}: cols beside in-place rows", qc[:, :used], tq[:, :used])
+
+
 def check_swiglu_quant(device, big=False):
     from megatron_dist_moe.kernels.quant_mxfp8 import swiglu_quant
     R, F = (6000, 3072) if big else (141, 256)
@@ -153,4 +184,5 @@ def check_fake_weight(device, big=False):
 
 
 CHECKS = {f.__name__[len("check_"):]: f for f in
-          (check_quantize, check_swiglu_quant, check_dequantize, check_fake_weight)}
+          (check_quantize, check_quantize_tiles, check_swiglu_quant, check_dequantize,
+           check_fake_weight)}

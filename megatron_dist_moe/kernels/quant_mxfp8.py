@@ -91,35 +91,39 @@ def _e4m3_value(b, HW: tl.constexpr):
 
 
 @triton.jit
-def _quant_kernel(x_addr, offsets_ptr, rf_addr, cq_addr, ce_addr, cf_addr, K, E, n_pb,
+def _quant_kernel(x_addr, offsets_ptr, rf_addr, cq_addr, ce_addr, cf_addr, K, E, n_rb,
                   E_PAD: tl.constexpr, ROWS_FAKE: tl.constexpr, COLS: tl.constexpr,
-                  COLS_FAKE: tl.constexpr, HW: tl.constexpr, BLOCK_C: tl.constexpr,
-                  GROUP_R: tl.constexpr):
-    # one program per 128-row block of the padded row space x BLOCK_C columns: the 32-row
-    # column blocks of every expert start at a multiple of 32 from its first row
-    pb, cb = grouped_tile(n_pb, K // BLOCK_C, GROUP_R)
-    found, p0, start, n, pstart, Rp = padded_block(offsets_ptr, E, E_PAD, pb)
+                  COLS_FAKE: tl.constexpr, HW: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_C: tl.constexpr, GROUP_R: tl.constexpr):
+    # one program per BLOCK_R rows (32, 64 or 128, inside one 128-row block) of the padded row
+    # space x BLOCK_C columns: the 32-row column blocks of every expert start at a multiple of
+    # 32 from its first row
+    rb, cb = grouped_tile(n_rb, K // BLOCK_C, GROUP_R)
+    PER: tl.constexpr = 128 // BLOCK_R
+    found, p0, start, n, pstart, Rp = padded_block(offsets_ptr, E, E_PAD, rb // PER)
     if not found:
         return          # past the last padded segment
+    p0 += (rb % PER) * BLOCK_R
+    NRB: tl.constexpr = BLOCK_R // 32
     # Each direction loads its own 3-d view of the tile (the second load mostly hits L2), so
     # the 32-value blocks are an axis of the loaded tensor: reshaping one 2-d tile into both
     # views made the kernel run at ~0.3 TB/s.
     x_base = load_ptr(x_addr, tl.bfloat16)
     if COLS or COLS_FAKE:
-        i3 = tl.arange(0, 4)[:, None, None] * 32 + tl.arange(0, 32)[None, :, None]   # [4, 32, 1]
+        i3 = tl.arange(0, NRB)[:, None, None] * 32 + tl.arange(0, 32)[None, :, None]
         local3 = p0 - pstart + i3
         ok3 = local3 < n
         rows3 = start + local3
         c3 = (cb * BLOCK_C + tl.arange(0, BLOCK_C))[None, None, :]                  # [1, 1, BC]
-        xc = tl.load(x_base + rows3 * K + c3, mask=ok3, other=0.0).to(tl.float32)  # [4, 32, BC]
-        ec = e8m0(tl.max(abs_nan0(xc), 1))                                          # [4, BC]
-        ec3 = tl.broadcast_to(ec[:, None, :], (4, 32, BLOCK_C))
+        xc = tl.load(x_base + rows3 * K + c3, mask=ok3, other=0.0).to(tl.float32)  # [NRB, 32, BC]
+        ec = e8m0(tl.max(abs_nan0(xc), 1))                                          # [NRB, BC]
+        ec3 = tl.broadcast_to(ec[:, None, :], (NRB, 32, BLOCK_C))
         if COLS:
             q = to_e4m3(xc * e8m0_reciprocal(ec3), HW)
             qc_base = load_ptr(cq_addr, tl.float8e4nv)
             tl.store(qc_base + c3.to(tl.int64) * Rp + (p0 + i3), q)
             ce_base = load_ptr(ce_addr, tl.uint8)
-            eb = pb.to(tl.int64) * 4 + tl.arange(0, 4)
+            eb = p0 // 32 + tl.arange(0, NRB)
             cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
             tl.store(ce_base + eb[:, None] * K + cols[None, :], ec.to(tl.uint8))
         if COLS_FAKE:
@@ -129,21 +133,32 @@ def _quant_kernel(x_addr, offsets_ptr, rf_addr, cq_addr, ce_addr, cf_addr, K, E,
         if COLS or COLS_FAKE:
             # rows_fake may be x itself: every thread's column-view loads before any row store
             tl.debug_barrier()
-        i = tl.arange(0, 128)
+        i = tl.arange(0, BLOCK_R)
         local = p0 - pstart + i
         ok = (local < n)[:, None, None]
-        rows = (start + local)[:, None, None]                                       # [128, 1, 1]
+        rows = (start + local)[:, None, None]                                       # [BR, 1, 1]
         j3 = (cb * BLOCK_C + tl.arange(0, BLOCK_C // 32)[None, :, None] * 32
               + tl.arange(0, 32)[None, None, :])                                    # [1, BC/32, 32]
         xr = tl.load(x_base + rows * K + j3, mask=ok, other=0.0).to(tl.float32)
-        er = e8m0(tl.max(abs_nan0(xr), 2))                                          # [128, BC/32]
-        f = _fake(xr, tl.broadcast_to(er[:, :, None], (128, BLOCK_C // 32, 32)), HW)
+        er = e8m0(tl.max(abs_nan0(xr), 2))                                          # [BR, BC/32]
+        f = _fake(xr, tl.broadcast_to(er[:, :, None], (BLOCK_R, BLOCK_C // 32, 32)), HW)
         rf_base = load_ptr(rf_addr, tl.bfloat16)
         tl.store(rf_base + rows * K + j3, f, mask=ok)
 
 
+# (rows, columns, warps) of quantize's tiles: 128 x 32 at 4 warps was the fastest of a sweep of
+# 128-row tiles at the guide's shapes on one H200 for every output set (x, grad_y, grad_h1, h2:
+# 1.4 -> 1.85-2.15 TB/s; docs/decisions.md); a 128 x 128 tile spills registers with all three
+# outputs
+QUANT_TILE = (128, 32, 4)
+# the tiles `quantize` accepts: candidates bench_quant.py times against the default (a 32-row
+# tile keeps each column block's amax inside one warp: no shared-memory reduction)
+QUANT_TILES = ((128, 32, 4), (128, 32, 8), (64, 32, 2), (64, 32, 4), (32, 32, 1), (32, 32, 2),
+               (32, 64, 1), (32, 64, 2), (32, 128, 4))
+
+
 def quantize(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows_fake=None, cols=None,
-             cols_fake=None, group_rows: int = GROUP_ROWS) -> None:
+             cols_fake=None, group_rows: int = GROUP_ROWS, tile: tuple = QUANT_TILE) -> None:
     """MXFP8 quantization of bf16 rows x [R, K] (tensor or device pointer; R = offsets[-1] on
     the device), in one launch (one read of x per direction):
 
@@ -153,9 +168,12 @@ def quantize(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows_fake=None,
                quant/mxfp8.quantize_cols; the rows past the last padded segment, which
                nothing reads, are not written)
     cols_fake  bf16 [>= R, K]: quant/mxfp8.fake_cols(x, offsets)
-    max_rows: host bound on R (the grid)."""
+    max_rows: host bound on R (the grid). tile: (rows, columns, warps) of a program, one of
+    QUANT_TILES (for benchmarks/bench_quant.py; the default is the measured fastest)."""
     assert rows_fake is not None or cols is not None or cols_fake is not None
     assert K % 128 == 0, f"K={K} must be a multiple of 128"
+    assert tuple(tile) in QUANT_TILES, f"tile={tile}: expected one of {QUANT_TILES}"
+    block_r, block_c, warps = tile
     E = offsets.numel() - 1
     from ..layout import padded_rows
     Rp = padded_rows(max_rows, E)
@@ -164,16 +182,15 @@ def quantize(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows_fake=None,
     cq, ce = (as_device_ptr(cols[0], "q_t"), as_device_ptr(cols[1], "e_t")) if cols else (
         dummy, dummy)
     cf = as_device_ptr(cols_fake, "cols_fake", torch.bfloat16) if cols_fake is not None else dummy
-    # 128 x 32 tiles at 4 warps: the fastest in a sweep at the guide's shapes on one H200 for
-    # every output set (x, grad_y, grad_h1, h2: 1.4 -> 1.85-2.15 TB/s; docs/decisions.md); a
-    # 128 x 128 tile spills registers with all three outputs
-    BLOCK_C = 64 if interpreting() else 32    # the interpreter's cost is per program
-    n_pb = max(1, Rp // 128)
-    _quant_kernel[grouped_grid(n_pb, K // BLOCK_C, group_rows)](
-        as_device_ptr(x, "x", torch.bfloat16), offsets, rf, cq, ce, cf, K, E, n_pb,
+    if interpreting() and tile == QUANT_TILE:
+        block_c = 64    # the interpreter's cost is per program
+    n_rb = max(1, Rp // block_r)
+    _quant_kernel[grouped_grid(n_rb, K // block_c, group_rows)](
+        as_device_ptr(x, "x", torch.bfloat16), offsets, rf, cq, ce, cf, K, E, n_rb,
         E_PAD=max(2, triton.next_power_of_2(E)), ROWS_FAKE=rows_fake is not None,
         COLS=cols is not None, COLS_FAKE=cols_fake is not None, HW=_hw(offsets),
-        BLOCK_C=BLOCK_C, GROUP_R=group_rows, num_warps=4)
+        BLOCK_R=block_r, BLOCK_C=block_c, GROUP_R=group_rows * (128 // block_r),
+        num_warps=warps)
 
 
 @triton.jit

@@ -1,0 +1,23 @@
+"""Child of tests/cpu/test_bench_quant_interp.py: benchmarks/bench_quant.py's cases at small
+shapes under Triton's interpreter. Each case runs (default launch order and tile, and every
+mxfp8 tile the interpreter check does not cover) and is checked against its twin the way the
+GPU benchmark checks it, after its outputs are poisoned. Prints one `RESULT <json>` each."""
+import json
+
+import torch
+
+import bench_quant as B
+
+T, K, E, D, F = 40, 2, 4, 256, 128
+offs = B.guide_offsets(T, K, E, "cpu")
+R = int(offs[-1])
+for (prec, name), case in B.cases(R, E, D, F, offs, "cpu").items():
+    tiles = [None] + ([(32, 32, 1), (128, 32, 8)] if case.takes_tile else [])
+    for tile in tiles:
+        for t in case.outputs:
+            B.poison(t)
+        case.run(None, tile)
+        ok = bool(case.check())
+        label = "default" if tile is None else "x".join(map(str, tile))
+        print("RESULT " + json.dumps(dict(name=f"{prec}:{name}:{label}", equal=ok,
+                                          nbytes=case.nbytes)), flush=True)
