@@ -4,8 +4,6 @@ mxfp8 tile the interpreter check does not cover) and is checked against its twin
 GPU benchmark checks it, after its outputs are poisoned. Prints one `RESULT <json>` each."""
 import json
 
-import torch
-
 import bench_quant as B
 
 T, K, E, D, F = 40, 2, 4, 256, 128

@@ -79,21 +79,26 @@ def compile_call(jit, kw, num_warps, num_stages, **options):
 
 
 def ptxas_stats(ptx):
-    """(spill store bytes, registers) ptxas reports for the kernel (Triton's bundled ptxas,
-    sm_90a); -1 where it reports none."""
+    """(spill store bytes, registers, SASS instructions) of the kernel from Triton's bundled
+    ptxas (sm_90a) and cuobjdump; -1 where they report none. The SASS count of a loop-free
+    kernel is what each thread issues: per value, the measure of an issue-bound kernel."""
     import os
     import subprocess
     import tempfile
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.ptx")
+        path, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
         open(path, "w").write(ptx)
-        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
-                             capture_output=True, text=True)
+        out = subprocess.run([os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v", path, "-o",
+                              cubin], capture_output=True, text=True)
+        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin],
+                              capture_output=True, text=True).stdout if os.path.exists(cubin) else ""
     text = out.stdout + out.stderr
     spills = re.search(r"(\d+) bytes spill stores", text)
     regs = re.search(r"Used (\d+) registers", text)
-    return int(spills.group(1)) if spills else -1, int(regs.group(1)) if regs else -1
+    n_sass = sum(1 for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line))
+    return (int(spills.group(1)) if spills else -1, int(regs.group(1)) if regs else -1,
+            n_sass or -1)
 
 
 def record(jit_name, module, fn):
@@ -340,7 +345,7 @@ for name in names:
             with open(f"{ptx_dir}/{name}.ptx", "w") as f:
                 f.write(ptx)
         res["ok"] = True
-        res["spill_bytes"], res["registers"] = ptxas_stats(ptx)
+        res["spill_bytes"], res["registers"], res["sass_instructions"] = ptxas_stats(ptx)
         res["shared_bytes"] = kernel.metadata.shared
         res["bar_sync"] = len(re.findall(r"\bbar\.sync\b", ptx))
         res["ptx"] = {k: len(re.findall(pat, ptx)) for k, pat in {
