@@ -24,7 +24,9 @@
 #              (BASE_LAYER_ARGS instead of LAYER_ARGS where the old tree takes other arguments)
 #   bench      bench_grouped_gemm (BENCH_ARGS)
 #   quant      bench_quant: the fp8_block / mxfp8 activation quantizers in TB/s against the copy
-#              rate, bit-exact first (QUANT_ARGS, e.g. "--group-rows 0,1,4")
+#              rate, bit-exact first (QUANT_ARGS, e.g. "--group-rows 0,1,4" or "--tiles all")
+#   quantbase  the same bench_quant run on the tree in $BASE_TREE (QUANT_BASE_ARGS instead of
+#              QUANT_ARGS where the old tree takes other arguments)
 #   fp8gemm    bench_fp8_gemm: the fp8_block kernels beside bf16 and torch._scaled_mm (FP8_ARGS)
 #   nvfp4gemm  bench_nvfp4_gemm: the NVFP4 GEMM's decodes and tiles beside bf16 (NVFP4_ARGS,
 #              e.g. "--sweep")
@@ -100,6 +102,11 @@ for s in $sections; do case $s in
              run baseline torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py --out "$OUT/baseline" ${BASE_LAYER_ARGS:-${LAYER_ARGS:-}}) ;;
   bench) LIMIT=400 run bench_gemm python3 benchmarks/bench_grouped_gemm.py --csv "$OUT/bench_gemm.csv" ${BENCH_ARGS:-} ;;
   quant) LIMIT=300 run quant python3 benchmarks/bench_quant.py --out "$OUT" ${QUANT_ARGS:-} ;;
+  quantbase) [ -d "${BASE_TREE:-_base}" ] || { echo "quantbase: no tree at ${BASE_TREE:-_base}"; continue; }
+             (cd "${BASE_TREE:-_base}" && GIT_COMMIT=${BASE_COMMIT:-base} \
+              PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} LIMIT=300 \
+              run quant_base python3 benchmarks/bench_quant.py --out "$OUT/quant_base" \
+                  ${QUANT_BASE_ARGS:-${QUANT_ARGS:-}}) ;;
   fp8gemm) LIMIT=300 run fp8_gemm python3 benchmarks/bench_fp8_gemm.py --out "$OUT" ${FP8_ARGS:-} ;;
   nvfp4gemm) LIMIT=300 run nvfp4_gemm python3 benchmarks/bench_nvfp4_gemm.py --out "$OUT" ${NVFP4_ARGS:-} ;;
   claimsweep) run claimsweep python3 benchmarks/bench_grouped_gemm.py --kernels fwd_swiglu_claim,dgrad_w2_claim \
