@@ -226,7 +226,19 @@ def append_csv(path: str, rows: list[dict]) -> None:
 
 
 def append_csv_fields(path: str, rows: list[dict], fields: list[str]) -> None:
-    """Append rows to a CSV file with these columns (header when the file is new)."""
+    """Append rows to a CSV file with these columns (header when the file is new). A file
+    written with other columns (an older version of the benchmark) is rewritten with the union
+    of both, its rows keeping their values, so that no row lands under another's header."""
+    if os.path.exists(path):
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            old_fields, old_rows = list(reader.fieldnames or []), list(reader)
+        if old_fields != list(fields):
+            fields = old_fields + [c for c in fields if c not in old_fields]
+            with open(path, "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+                w.writeheader()
+                w.writerows(old_rows)
     new = not os.path.exists(path)
     with open(path, "a", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")

@@ -91,6 +91,11 @@ def check_quantize_rows_cols(device, big=False):
                 torch.bfloat16).to(device)
             x[7, 3] = float("nan")
             x[9, :128] = 0
+            x[11, 128:256] = float("nan")      # an all-NaN row block: amax 0
+            # a column of NaN over the longest expert's first 128-row block (all of its real
+            # rows; the padding rows of a short expert are zeros)
+            e = max(range(E), key=lambda i: lens[i])
+            x[int(offs[e]):int(offs[e]) + min(lens[e], 128), 6] = float("nan")
             Rp = padded_rows(R, E)
             q = torch.empty(R, K, dtype=F8, device=device)
             s = torch.empty(R, K // 128, device=device)

@@ -51,7 +51,20 @@ def adversarial(R, K, seed=0, device="cpu"):
     x[9, 5] = float("nan")
     x[10, 7] = float("inf")                                # a block with inf: E8M0 254, NaN
     x[11, 40] = -float("inf")
+    x[12, 128:160] = float("nan")                          # an all-NaN row block: amax 0
     return x.to(BF).to(device)
+
+
+def nan_column_block(x, offs):
+    """x with one all-NaN 32-row column block (rows 32..63 of the longest expert): its amax
+    ignores every value, so its exponent is 0 and its values stay NaN."""
+    lens = (offs[1:] - offs[:-1]).tolist()
+    e = max(range(len(lens)), key=lambda i: lens[i])
+    assert lens[e] >= 64, "no expert has two 32-row blocks"
+    s = int(offs[e])
+    x = x.clone()
+    x[s + 32:s + 64, x.shape[1] // 2 + 3] = float("nan")
+    return x
 
 
 def _segments(big, device):
@@ -66,7 +79,7 @@ def check_quantize(device, big=False):
     lens, offs, R = _segments(big, device)
     E = len(lens)
     for K in ((7168, 384) if big else (256,)):
-        x = adversarial(R, K, seed=K, device=device)
+        x = nan_column_block(adversarial(R, K, seed=K, device=device), offs.cpu())
         Rp = padded_rows(R, E)
         rf = torch.full((R, K), float("nan"), dtype=BF, device=device)
         qc = torch.empty(K, Rp, dtype=F8, device=device)
@@ -100,17 +113,18 @@ def check_quantize(device, big=False):
 def check_quantize_tiles(device, big=False):
     """Every tile `quantize` accepts (QUANT_TILES, the candidates bench_quant times), bit-equal
     to the twin: all three outputs, and the in-place rows with the column bundle. The
-    interpreter runs two (its cost is per program; warps do not change what a program does)."""
+    interpreter runs one per row count (its cost is per program; warps do not change what a
+    program does)."""
     from megatron_dist_moe.kernels.quant_mxfp8 import QUANT_TILES, quantize
     lens, offs, R = _segments(big, device)
     E = len(lens)
     K = 1024 if big else 256
-    x = adversarial(R, K, seed=3, device=device)
+    x = nan_column_block(adversarial(R, K, seed=3, device=device), offs.cpu())
     Rp = padded_rows(R, E)
     used = int(MX.padded_offsets(offs.cpu())[-1])
     tq, te = MX.quantize_cols(x, offs.long().cpu(), Rp)
     want_rf, want_cf = MX.fake_rows(x), MX.fake_cols(x, offs.long().cpu())
-    tiles = QUANT_TILES if big else ((64, 32, 2), (32, 128, 4))
+    tiles = QUANT_TILES if big else ((64, 32, 2), (32, 64, 1), (32, 128, 4))
     for tile in tiles:
         rf = torch.full((R, K), float("nan"), dtype=BF, device=device)
         qc = torch.full((K, Rp), float("nan"), dtype=F8, device=device)
@@ -123,9 +137,17 @@ def check_quantize_tiles(device, big=False):
         _bits_equal(f"tile {tile}: fake cols", cf, want_cf)
         y = x.clone()
         qc.view(U8).fill_(0xFF)
+        ec.fill_(0xFF)
         quantize(y, offs, R, K, rows_fake=y, cols=(qc, ec), tile=tile)
         _bits_equal(f"tile {tile}: fake rows in place", y, want_rf)
         _bits_equal(f"tile {tile}: cols beside in-place rows", qc[:, :used], tq[:, :used])
+        _bits_equal(f"tile {tile}: col exponents beside in-place rows", ec[:used // 32],
+                    te[:used // 32])
+        y = x.clone()
+        cf.fill_(float("nan"))
+        quantize(y, offs, R, K, rows_fake=y, cols_fake=cf, tile=tile)
+        _bits_equal(f"tile {tile}: fake rows in place beside fake cols", y, want_rf)
+        _bits_equal(f"tile {tile}: fake cols beside in-place rows", cf, want_cf)
 
 
 def check_swiglu_quant(device, big=False):

@@ -34,6 +34,7 @@ def rows_of(R, K, seed=0, device="cpu"):
     x[1] = 0                                               # a zero row
     x[2, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0] * 2) * 100
     x[3, 5] = float("nan")
+    x[3, 32:48] = float("nan")                             # an all-NaN 16-value block
     x[4, 9] = float("inf")
     x[5] *= 2.0 ** -40
     return x.to(BF).to(device)

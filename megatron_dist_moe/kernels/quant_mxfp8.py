@@ -152,13 +152,13 @@ def _quant_kernel(x_addr, offsets_ptr, rf_addr, cq_addr, ce_addr, cf_addr, K, E,
 # outputs
 QUANT_TILE = (128, 32, 4)
 # the tiles `quantize` accepts: candidates bench_quant.py times against the default (a 32-row
-# tile keeps each column block's amax inside one warp: no shared-memory reduction)
+# tile at one warp keeps each column block's amax inside the warp: no shared-memory reduction)
 QUANT_TILES = ((128, 32, 4), (128, 32, 8), (64, 32, 2), (64, 32, 4), (32, 32, 1), (32, 32, 2),
                (32, 64, 1), (32, 64, 2), (32, 128, 4))
 
 
 def quantize(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows_fake=None, cols=None,
-             cols_fake=None, group_rows: int = GROUP_ROWS, tile: tuple = QUANT_TILE) -> None:
+             cols_fake=None, group_rows: int = GROUP_ROWS, tile: tuple | None = None) -> None:
     """MXFP8 quantization of bf16 rows x [R, K] (tensor or device pointer; R = offsets[-1] on
     the device), in one launch (one read of x per direction):
 
@@ -169,11 +169,12 @@ def quantize(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows_fake=None,
                nothing reads, are not written)
     cols_fake  bf16 [>= R, K]: quant/mxfp8.fake_cols(x, offsets)
     max_rows: host bound on R (the grid). tile: (rows, columns, warps) of a program, one of
-    QUANT_TILES (for benchmarks/bench_quant.py; the default is the measured fastest)."""
+    QUANT_TILES (for benchmarks/bench_quant.py); None: QUANT_TILE, the measured fastest."""
     assert rows_fake is not None or cols is not None or cols_fake is not None
     assert K % 128 == 0, f"K={K} must be a multiple of 128"
-    assert tuple(tile) in QUANT_TILES, f"tile={tile}: expected one of {QUANT_TILES}"
-    block_r, block_c, warps = tile
+    assert tile is None or tuple(tile) in QUANT_TILES, (
+        f"tile={tile}: expected one of {QUANT_TILES}")
+    block_r, block_c, warps = QUANT_TILE if tile is None else tile
     E = offsets.numel() - 1
     from ..layout import padded_rows
     Rp = padded_rows(max_rows, E)
@@ -182,7 +183,7 @@ def quantize(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows_fake=None,
     cq, ce = (as_device_ptr(cols[0], "q_t"), as_device_ptr(cols[1], "e_t")) if cols else (
         dummy, dummy)
     cf = as_device_ptr(cols_fake, "cols_fake", torch.bfloat16) if cols_fake is not None else dummy
-    if interpreting() and tile == QUANT_TILE:
+    if interpreting() and tile is None:
         block_c = 64    # the interpreter's cost is per program
     n_rb = max(1, Rp // block_r)
     _quant_kernel[grouped_grid(n_rb, K // block_c, group_rows)](

@@ -47,8 +47,9 @@
 #   pack       fold everything under $OUT into one archive (the device tool brings back few files)
 # GIT_COMMIT: the commit of the tree that travels (the device copy's git HEAD is the last
 # landed commit, not the working tree's), written into every CSV row; pass it in the command.
-# Knobs: CHECK_ARGS PACKING_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS FP8_ARGS QUANT_ARGS (extra arguments), TMO
-# (seconds per step).
+# Knobs: CHECK_ARGS PACKING_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS FP8_ARGS QUANT_ARGS
+# QUANT_BASE_ARGS BASE_LAYER_ARGS (extra arguments), BASE_TREE BASE_COMMIT (the baseline tree and
+# its commit), TMO (seconds per step).
 # megatron-core travels as a wheel in .whl/ (carry it); it is installed into /tmp/site here.
 # Logs go to $OUT (or ./out) so the device tool brings them back.
 set -u

@@ -1,7 +1,7 @@
 """Child of tests/cpu/test_bench_quant_interp.py: benchmarks/bench_quant.py's cases at small
-shapes under Triton's interpreter. Each case runs (default launch order and tile, and every
-mxfp8 tile the interpreter check does not cover) and is checked against its twin the way the
-GPU benchmark checks it, after its outputs are poisoned. Prints one `RESULT <json>` each."""
+shapes under Triton's interpreter. Each case runs (the default launch order and tile, and for
+mxfp8 `quantize` two explicit tiles, 32 and 128 rows) and is checked against its twin the way
+the GPU benchmark checks it, after its outputs are poisoned. Prints one `RESULT <json>` each."""
 import json
 
 import bench_quant as B

@@ -7,7 +7,6 @@ launcher and compiled for sm_90 (Triton's bundled ptxas). Prints one `RESULT <js
 leaves the PTX unchanged (diff the two directories) needs no new GPU run."""
 import json
 import re
-import sys
 import time
 import torch
 import triton
@@ -80,8 +79,9 @@ def compile_call(jit, kw, num_warps, num_stages, **options):
 
 def ptxas_stats(ptx):
     """(spill store bytes, registers, SASS instructions) of the kernel from Triton's bundled
-    ptxas (sm_90a) and cuobjdump; -1 where they report none. The SASS count of a loop-free
-    kernel is what each thread issues: per value, the measure of an issue-bound kernel."""
+    ptxas (sm_90a) and cuobjdump; -1 where they report none. The SASS count (without the NOP
+    padding) of a loop-free kernel is what each thread issues: per value, the measure of an
+    issue-bound kernel."""
     import os
     import subprocess
     import tempfile
@@ -96,7 +96,8 @@ def ptxas_stats(ptx):
     text = out.stdout + out.stderr
     spills = re.search(r"(\d+) bytes spill stores", text)
     regs = re.search(r"Used (\d+) registers", text)
-    n_sass = sum(1 for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line))
+    n_sass = sum(1 for line in sass.splitlines()
+                 if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line) and not re.search(r"\bNOP\b", line))
     return (int(spills.group(1)) if spills else -1, int(regs.group(1)) if regs else -1,
             n_sass or -1)
 
@@ -314,14 +315,22 @@ JIT = {"rows_device_check": (K_checks, "_device_check_kernel"),
        "routing_place": (KR, "_route_place_kernel"),
        "routing_place_fanout": (KR, "_route_place_kernel")}
 
-args = sys.argv[1:]
-ptx_dir = None
-if args and args[0].startswith("--ptx-dir"):
-    ptx_dir = args[0].split("=", 1)[1] if "=" in args[0] else args[1]
-    args = args[1:] if "=" in args[0] else args[2:]
+# mxfp8 quantize's other tiles (quant_mxfp8.QUANT_TILES; the default's variants are above)
+for _t in ((32, 64, 1), (32, 32, 1), (64, 32, 2), (32, 128, 4)):
+    VARIANTS["mxfp8_quantize_x_%dx%dx%d" % _t] = (
+        lambda t=_t: KM.quantize(p, offs, R, D, rows_fake=p, cols=(p, p), tile=t))
+    JIT["mxfp8_quantize_x_%dx%dx%d" % _t] = (KM, "_quant_kernel")
+
+import argparse  # noqa: E402
+ap = argparse.ArgumentParser(description="compile kernel variants for sm_90")
+ap.add_argument("--ptx-dir", default=None, help="write each variant's PTX here")
+ap.add_argument("names", nargs="*", help="variants (default: all)")
+cli = ap.parse_args()
+ptx_dir = cli.ptx_dir
+if ptx_dir is not None:
     import os
     os.makedirs(ptx_dir, exist_ok=True)
-names = args or list(VARIANTS)
+names = cli.names or list(VARIANTS)
 for name in names:
     t0 = time.time()
     res = {"name": name}
