@@ -74,10 +74,10 @@ def once(fn):
 
 @dataclass
 class Case:
-    """One quantizer call: run(group_rows or None, tile or None), check() -> bool against the
-    twin, the bytes it reads and writes, its outputs (poisoned before every checked run, so
-    that tiles a launch order skips cannot pass on an earlier order's results), and whether it
-    takes a launch order and a tile."""
+    """One quantizer call: run(group_rows or None), or run(group_rows or None, tile or None)
+    where it takes a tile; check() -> bool against the twin, the bytes it reads and writes, its
+    outputs (poisoned before every checked run, so that tiles a launch order skips cannot pass
+    on an earlier order's results), and whether it takes a launch order and a tile."""
 
     run: Callable
     check: Callable
@@ -155,7 +155,7 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
     want_h1q = once(lambda: QM.quantize_rows(h1))
     want_h2 = once(lambda: QM.fake_rows(act.forward(h1.float()).to(BF)))
     out[("mxfp8", "swiglu_quant")] = Case(
-        lambda gr, tile=None: KM.swiglu_quant(h1, nr, R, F, h2_fake=h2f, h1q=h1q, **order(gr)),
+        lambda gr: KM.swiglu_quant(h1, nr, R, F, h2_fake=h2f, h1q=h1q, **order(gr)),
         lambda: (same(h1q[0], want_h1q()[0]) and same(h1q[1], want_h1q()[1])
                  # h2: the activation's last fp32 bit may differ from torch's, which can flip
                  # a rounding (the kernel check bounds such flips the same way)
@@ -165,13 +165,13 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
     deq = torch.empty(R, 2 * F, dtype=BF, device=dev)
     want_deq = once(lambda: QM.dequantize_rows(q, e).to(BF))
     out[("mxfp8", "dequantize_rows")] = Case(
-        lambda gr, tile=None: KM.dequantize_rows(q, e, nr, R, 2 * F, out=deq, **order(gr)),
+        lambda gr: KM.dequantize_rows(q, e, nr, R, 2 * F, out=deq, **order(gr)),
         lambda: same(deq, want_deq()), R * 2 * F * (1 + 1 / 32 + 2), f"{R}x{2 * F}", [deq])
     qc, ec = (t.to(dev) for t in QM.quantize_cols(x.cpu(), offs_c, Rp))
     dqc = torch.empty(R, D, dtype=BF, device=dev)
     want_dqc = once(lambda: QM.fake_cols(x.cpu(), offs_c))
     out[("mxfp8", "dequantize_cols")] = Case(
-        lambda gr, tile=None: KM.dequantize_cols(qc, ec, offs, R, D, out=dqc, **order(gr)),
+        lambda gr: KM.dequantize_cols(qc, ec, offs, R, D, out=dqc, **order(gr)),
         lambda: same(dqc.cpu(), want_dqc()), used * D * (1 + 1 / 32) + R * D * 2, f"{R}x{D}",
         [dqc])
 
@@ -181,7 +181,7 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
         cb = (torch.empty(K, Rp, dtype=F8, device=dev),
               torch.empty(Rp // 128, K, device=dev)) if cols else None
 
-        def run(gr, tile=None):
+        def run(gr):
             KF.quantize_rows_cols(src, offs, R, K, rows=rb, cols=cb, **order(gr))
 
         want_rb = once(lambda: QF.quantize_rows(src))
@@ -210,7 +210,7 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
     want_f1 = once(lambda: QF.quantize_rows(h1))
     want_f2 = once(lambda: QF.quantize_rows(act.forward(h1.float()).to(BF)))
     out[("fp8_block", "swiglu_quant")] = Case(
-        lambda gr, tile=None: KF.swiglu_quant(h1, nr, R, F, h2q=f2, h1q=f1),
+        lambda gr: KF.swiglu_quant(h1, nr, R, F, h2q=f2, h1q=f1),
         lambda: (same(f1[0], want_f1()[0]) and same(f1[1], want_f1()[1])
                  # h2 as in mxfp8's swiglu_quant above
                  and rate_differing(f2[0], want_f2()[0]) < 1e-3
@@ -226,7 +226,10 @@ def parse_tiles(text: str) -> list:
         return [None]
     if text == "all":
         return list(KM.QUANT_TILES)
-    tiles = [tuple(int(v) for v in t.split("x")) for t in text.split(",") if t]
+    try:
+        tiles = [tuple(int(v) for v in t.split("x")) for t in text.split(",") if t]
+    except ValueError:
+        raise SystemExit(f"--tiles {text!r}: expected 'all' or RxCxW[,RxCxW...]") from None
     bad = [t for t in tiles if t not in KM.QUANT_TILES]
     if bad:
         raise SystemExit(f"--tiles: {bad} not among quant_mxfp8.QUANT_TILES {KM.QUANT_TILES}")
@@ -276,7 +279,8 @@ def main() -> int:
             tile_text = "default" if tile is None else "x".join(map(str, tile))
             for t in case.outputs:
                 poison(t)
-            run(kw, tile)
+            timed = (lambda: run(kw, tile)) if case.takes_tile else (lambda: run(kw))
+            timed()
             torch.cuda.synchronize()
             ok = bool(check())
             if not ok:
@@ -284,7 +288,7 @@ def main() -> int:
                 print(f"| {prec} | {name} | {shape} | {gr} | {tile_text} | - | - | - | False |",
                       flush=True)
                 continue
-            t = time_windows(lambda: run(kw, tile), graph=True)
+            t = time_windows(timed, graph=True)
             tbs = nbytes / t.median_ms / 1e9
             rows.append(dict(commit=commit, gpu=gpu, precision=prec, kernel=name, shape=shape,
                              group_rows=gr or "default", tile=tile_text,
