@@ -147,11 +147,13 @@ def _quant_kernel(x_addr, offsets_ptr, rf_addr, cq_addr, ce_addr, cf_addr, K, E,
         tl.store(rf_base + rows * K + j3, f, mask=ok)
 
 
-# (rows, columns, warps) of quantize's tiles: 128 x 32 at 4 warps was the fastest of a sweep of
-# 128-row tiles at the guide's shapes on one H200 for every output set (x, grad_y, grad_h1, h2:
-# 1.4 -> 1.85-2.15 TB/s; docs/decisions.md); a 128 x 128 tile spills registers with all three
-# outputs
-QUANT_TILE = (128, 32, 4)
+# (rows, columns, warps) of quantize's tiles. The kernel is bound by instruction issue, not by
+# HBM: at 128 x 32 x 4 (the fastest 128-row tile measured on one H200) it issues 2.24 warp
+# instructions per value (sm_90 SASS), ~190 us at the guide's x against 220 measured. A
+# 32-row tile at one warp keeps both directions' block amaxes inside the warp (no
+# shared-memory reduction, fewer shuffles per value); with the trimmed NaN handling it issues
+# 0.90 per value, which should put it below the HBM time (PREDICTED, not yet timed on a GPU)
+QUANT_TILE = (32, 64, 1)
 # the tiles `quantize` accepts: candidates bench_quant.py times against the default (a 32-row
 # tile at one warp keeps each column block's amax inside the warp: no shared-memory reduction)
 QUANT_TILES = ((128, 32, 4), (128, 32, 8), (64, 32, 2), (64, 32, 4), (32, 32, 1), (32, 32, 2),
@@ -170,7 +172,8 @@ def quantize(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows_fake=None,
                nothing reads, are not written)
     cols_fake  bf16 [>= R, K]: quant/mxfp8.fake_cols(x, offsets)
     max_rows: host bound on R (the grid). tile: (rows, columns, warps) of a program, one of
-    QUANT_TILES (for benchmarks/bench_quant.py); None: QUANT_TILE, the measured fastest."""
+    QUANT_TILES (for benchmarks/bench_quant.py); None: QUANT_TILE (the predicted fastest,
+    not yet timed on a GPU)."""
     assert rows_fake is not None or cols is not None or cols_fake is not None
     assert K % 128 == 0, f"K={K} must be a multiple of 128"
     assert tile is None or tuple(tile) in QUANT_TILES, (
@@ -185,7 +188,7 @@ def quantize(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows_fake=None,
         dummy, dummy)
     cf = as_device_ptr(cols_fake, "cols_fake", torch.bfloat16) if cols_fake is not None else dummy
     if interpreting() and tile is None:
-        block_c = 64    # the interpreter's cost is per program
+        block_r, block_c = 128, 64    # the interpreter's cost is per program
     n_rb = max(1, Rp // block_r)
     _quant_kernel[grouped_grid(n_rb, K // block_c, group_rows)](
         as_device_ptr(x, "x", torch.bfloat16), offsets, rf, cq, ce, cf, K, E, n_rb,
