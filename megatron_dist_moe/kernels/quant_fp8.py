@@ -23,7 +23,7 @@ from .common import as_device_ptr, grouped_grid, grouped_tile, interpreting, loa
 from .rows import _act_fwd
 
 __all__ = ["quantize_rows_cols", "swiglu_quant", "quantize_weight", "block_scales", "to_e4m3",
-           "padded_block", "abs_nan0", "block_amax", "round_bf16"]
+           "padded_block", "block_amax", "round_bf16"]
 
 _BF16_MAX = tl.constexpr(BF16_MAX)
 # The launch order of quantize_rows_cols' tiles (common.grouped_tile): one 128-row block at a
@@ -52,21 +52,14 @@ def block_scales(amax, POW2: tl.constexpr, EPS: tl.constexpr):
 
 
 @triton.jit
-def abs_nan0(x):
-    """|x| with NaN -> 0 (TE's amax ignores NaN)."""
-    return tl.where(x != x, 0.0, tl.abs(x))
-
-
-@triton.jit
-def block_amax(x, axis: tl.constexpr, HW: tl.constexpr):
-    """max |x| along axis with NaN ignored, 0 for an all-NaN block (TE's amax). On the GPU
-    max.f32 ignores a NaN operand by itself (one FMNMX with |x| per value), so only the result
-    is checked; the interpreter's max propagates NaN, so each value is checked first. (The
-    mxfp8 quantizer is bound by instruction issue: every instruction per value counts.)"""
-    if HW:
-        m = tl.max(tl.abs(x), axis)
-        return tl.where(m != m, 0.0, m)
-    return tl.max(abs_nan0(x), axis)
+def block_amax(x, axis: tl.constexpr):
+    """max |x| along axis with NaN ignored, 0 for an all-NaN block (TE's amax). tl.max ignores
+    NaN operands by itself (maxnum: PTX max.f32 on the GPU, numpy nanmax in the interpreter of
+    Triton >= 3.8; an interpreter whose max propagated NaN would fail the kernel checks), so
+    only the block's result is checked: one FMNMX with |x| per value, where checking each value
+    first costs two more (the mxfp8 quantizer is bound by instruction issue)."""
+    m = tl.max(tl.abs(x), axis)
+    return tl.where(m != m, 0.0, m)
 
 
 @triton.jit
@@ -156,12 +149,12 @@ def _quant_rows_cols_kernel(x_addr, offsets_ptr, q_addr, s_addr, qc_addr, sc_add
         cols = cb * 128 + c * CHUNK + tl.arange(0, CHUNK)
         x = tl.load(x_rows + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         if ROWS:
-            amax_r = tl.maximum(amax_r, block_amax(x, 1, HW))
+            amax_r = tl.maximum(amax_r, block_amax(x, 1))
         if COLS:
             qc_base = load_ptr(qc_addr, tl.float8e4nv)
             prow = p0 + i
             sc_base = load_ptr(sc_addr, tl.float32)
-            scale, s_inv = block_scales(block_amax(x, 0, HW), POW2, EPS)
+            scale, s_inv = block_scales(block_amax(x, 0), POW2, EPS)
             q = to_e4m3(x * scale[None, :], HW)
             tl.store(qc_base + cols[None, :].to(tl.int64) * Rp + prow[:, None], q)
             tl.store(sc_base + pb.to(tl.int64) * K + cols, s_inv)
@@ -231,15 +224,15 @@ def _swiglu_quant_kernel(h1_addr, num_rows_ptr, h1q_addr, h1s_addr, h2q_addr, h2
     if SAVE_H1:
         q_base = load_ptr(h1q_addr, tl.float8e4nv)
         s_base = load_ptr(h1s_addr, tl.float32)
-        sg, ig = block_scales(block_amax(g, 1, HW), POW2, EPS)
-        su, iu = block_scales(block_amax(u, 1, HW), POW2, EPS)
+        sg, ig = block_scales(block_amax(g, 1), POW2, EPS)
+        su, iu = block_scales(block_amax(u, 1), POW2, EPS)
         qp = q_base + rows[:, None] * (2 * F) + c[None, :]
         tl.store(qp, to_e4m3(g * sg[:, None], HW), mask=ok[:, None])
         tl.store(qp + F, to_e4m3(u * su[:, None], HW), mask=ok[:, None])
         tl.store(s_base + rows * nb + cb, ig, mask=ok)
         tl.store(s_base + rows * nb + F // 128 + cb, iu, mask=ok)
     h2 = round_bf16(_act_fwd(g, u, CLAMPED, alpha, limit), HW)
-    s2, i2 = block_scales(block_amax(h2, 1, HW), POW2, EPS)
+    s2, i2 = block_scales(block_amax(h2, 1), POW2, EPS)
     q2 = load_ptr(h2q_addr, tl.float8e4nv)
     tl.store(q2 + rows[:, None] * F + c[None, :], to_e4m3(h2 * s2[:, None], HW), mask=ok[:, None])
     tl.store(load_ptr(h2s_addr, tl.float32) + rows * (F // 128) + cb, i2, mask=ok)
@@ -274,7 +267,7 @@ def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, POW2: tl.con
     c = kb * 128 + tl.arange(0, 128)
     base = e * N * K
     w = tl.load(w_ptr + base + r[:, None].to(tl.int64) * K + c[None, :]).to(tl.float32)
-    amax = tl.max(block_amax(w, 1, HW), 0)
+    amax = tl.max(block_amax(w, 1), 0)
     scale, s_inv = block_scales(amax, POW2, EPS)
     q = to_e4m3(w * scale, HW)
     tl.store(q_ptr + base + r[:, None].to(tl.int64) * K + c[None, :], q)

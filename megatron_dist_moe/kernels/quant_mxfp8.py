@@ -117,7 +117,7 @@ def _quant_kernel(x_addr, offsets_ptr, rf_addr, cq_addr, ce_addr, cf_addr, K, E,
         rows3 = start + local3
         c3 = (cb * BLOCK_C + tl.arange(0, BLOCK_C))[None, None, :]                  # [1, 1, BC]
         xc = tl.load(x_base + rows3 * K + c3, mask=ok3, other=0.0).to(tl.float32)  # [NRB, 32, BC]
-        ec = e8m0(block_amax(xc, 1, HW))                                          # [NRB, BC]
+        ec = e8m0(block_amax(xc, 1))                                          # [NRB, BC]
         ec3 = tl.broadcast_to(ec[:, None, :], (NRB, 32, BLOCK_C))
         if COLS:
             q = to_e4m3(xc * e8m0_reciprocal(ec3), HW)
@@ -141,7 +141,7 @@ def _quant_kernel(x_addr, offsets_ptr, rf_addr, cq_addr, ce_addr, cf_addr, K, E,
         j3 = (cb * BLOCK_C + tl.arange(0, BLOCK_C // 32)[None, :, None] * 32
               + tl.arange(0, 32)[None, None, :])                                    # [1, BC/32, 32]
         xr = tl.load(x_base + rows * K + j3, mask=ok, other=0.0).to(tl.float32)
-        er = e8m0(block_amax(xr, 2, HW))                                          # [BR, BC/32]
+        er = e8m0(block_amax(xr, 2))                                          # [BR, BC/32]
         f = _fake(xr, tl.broadcast_to(er[:, :, None], (BLOCK_R, BLOCK_C // 32, 32)), HW)
         rf_base = load_ptr(rf_addr, tl.bfloat16)
         tl.store(rf_base + rows * K + j3, f, mask=ok)
@@ -199,10 +199,10 @@ def quantize(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows_fake=None,
 
 
 @triton.jit
-def _row_blocks(x, BLOCK_R: tl.constexpr, HW: tl.constexpr):
+def _row_blocks(x, BLOCK_R: tl.constexpr):
     """[BLOCK_R, 128] -> ([BLOCK_R, 4, 32] view, its int32 block exponents [BLOCK_R, 4])."""
     x3 = tl.reshape(x, (BLOCK_R, 4, 32))
-    return x3, e8m0(block_amax(x3, 2, HW))
+    return x3, e8m0(block_amax(x3, 2))
 
 
 @triton.jit
@@ -226,16 +226,16 @@ def _swiglu_quant_kernel(h1_addr, num_rows_ptr, h1q_addr, h1e_addr, h2_addr, F, 
         e_base = load_ptr(h1e_addr, tl.uint8)
         qp = q_base + rows[:, None] * (2 * F) + c[None, :]
         ep = e_base + rows[:, None] * (2 * F // 32) + cb * 4 + eb[None, :]
-        g3, eg = _row_blocks(g, BLOCK_R, HW)
+        g3, eg = _row_blocks(g, BLOCK_R)
         qg = to_e4m3(g3 * e8m0_reciprocal(eg)[:, :, None], HW)
         tl.store(qp, tl.reshape(qg, (BLOCK_R, 128)), mask=ok[:, None])
         tl.store(ep, eg.to(tl.uint8), mask=ok[:, None])
-        u3, eu = _row_blocks(u, BLOCK_R, HW)
+        u3, eu = _row_blocks(u, BLOCK_R)
         qu = to_e4m3(u3 * e8m0_reciprocal(eu)[:, :, None], HW)
         tl.store(qp + F, tl.reshape(qu, (BLOCK_R, 128)), mask=ok[:, None])
         tl.store(ep + F // 32, eu.to(tl.uint8), mask=ok[:, None])
     h2 = round_bf16(_act_fwd(g, u, CLAMPED, alpha, limit), HW)
-    h3, e2 = _row_blocks(h2, BLOCK_R, HW)
+    h3, e2 = _row_blocks(h2, BLOCK_R)
     f = tl.reshape(_fake(h3, tl.broadcast_to(e2[:, :, None], (BLOCK_R, 4, 32)), HW),
                    (BLOCK_R, 128))
     tl.store(load_ptr(h2_addr, tl.bfloat16) + rows[:, None] * F + c[None, :], f,
@@ -341,7 +341,7 @@ def _fake_weight_kernel(w_ptr, out_ptr, N, K, HW: tl.constexpr):
     off = e * N * K + r[:, None].to(tl.int64) * K + c[None, :]
     w = tl.load(w_ptr + off).to(tl.float32)
     w3 = tl.reshape(w, (32, 4, 32))
-    ex = e8m0(tl.max(block_amax(w3, 2, HW), 0))              # [4]: one per 32 x 32 tile
+    ex = e8m0(tl.max(block_amax(w3, 2), 0))              # [4]: one per 32 x 32 tile
     f = _fake(w3, tl.broadcast_to(ex[None, :, None], (32, 4, 32)), HW)
     tl.store(out_ptr + off, tl.reshape(f, (32, 128)))
 
