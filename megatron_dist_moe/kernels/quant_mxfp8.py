@@ -117,7 +117,7 @@ def _quant_kernel(x_addr, offsets_ptr, rf_addr, cq_addr, ce_addr, cf_addr, K, E,
         rows3 = start + local3
         c3 = (cb * BLOCK_C + tl.arange(0, BLOCK_C))[None, None, :]                  # [1, 1, BC]
         xc = tl.load(x_base + rows3 * K + c3, mask=ok3, other=0.0).to(tl.float32)  # [NRB, 32, BC]
-        ec = e8m0(block_amax(xc, 1))                                          # [NRB, BC]
+        ec = e8m0(block_amax(xc, 1))                                                # [NRB, BC]
         ec3 = tl.broadcast_to(ec[:, None, :], (NRB, 32, BLOCK_C))
         if COLS:
             q = to_e4m3(xc * e8m0_reciprocal(ec3), HW)
@@ -141,7 +141,7 @@ def _quant_kernel(x_addr, offsets_ptr, rf_addr, cq_addr, ce_addr, cf_addr, K, E,
         j3 = (cb * BLOCK_C + tl.arange(0, BLOCK_C // 32)[None, :, None] * 32
               + tl.arange(0, 32)[None, None, :])                                    # [1, BC/32, 32]
         xr = tl.load(x_base + rows * K + j3, mask=ok, other=0.0).to(tl.float32)
-        er = e8m0(block_amax(xr, 2))                                          # [BR, BC/32]
+        er = e8m0(block_amax(xr, 2))                                                # [BR, BC/32]
         f = _fake(xr, tl.broadcast_to(er[:, :, None], (BLOCK_R, BLOCK_C // 32, 32)), HW)
         rf_base = load_ptr(rf_addr, tl.bfloat16)
         tl.store(rf_base + rows * K + j3, f, mask=ok)
