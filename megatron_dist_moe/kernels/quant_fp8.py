@@ -23,7 +23,7 @@ from .common import as_device_ptr, grouped_grid, grouped_tile, interpreting, loa
 from .rows import _act_fwd
 
 __all__ = ["quantize_rows_cols", "swiglu_quant", "quantize_weight", "block_scales", "to_e4m3",
-           "padded_block", "abs_nan0", "round_bf16"]
+           "padded_block", "block_amax", "round_bf16"]
 
 _BF16_MAX = tl.constexpr(BF16_MAX)
 # The launch order of quantize_rows_cols' tiles (common.grouped_tile): one 128-row block at a
@@ -52,19 +52,25 @@ def block_scales(amax, POW2: tl.constexpr, EPS: tl.constexpr):
 
 
 @triton.jit
-def abs_nan0(x):
-    """|x| with NaN -> 0 (TE's amax ignores NaN)."""
-    return tl.where(x != x, 0.0, tl.abs(x))
+def block_amax(x, axis: tl.constexpr):
+    """max |x| along axis with NaN ignored, 0 for an all-NaN block (TE's amax). tl.max ignores
+    NaN operands by itself (maxnum: PTX max.f32 on the GPU, numpy nanmax in the interpreter of
+    Triton >= 3.8; an interpreter whose max propagated NaN would fail the kernel checks), so
+    only the block's result is checked: one FMNMX with |x| per value, where checking each value
+    first costs two more (the mxfp8 quantizer is bound by instruction issue)."""
+    m = tl.max(tl.abs(x), axis)
+    return tl.where(m != m, 0.0, m)
 
 
 @triton.jit
 def to_e4m3(v, HW: tl.constexpr):
     """clamp to +-448 (NaN kept), round to nearest even: the hardware conversion (HW, on the
-    GPU: cvt.rn.satfinite) or the same rounding in integer arithmetic (the interpreter, whose
-    fp8 conversion does not round to nearest even)."""
-    v = tl.where(v != v, v, tl.minimum(tl.maximum(v, -448.0), 448.0))
+    GPU: cvt.rn.satfinite, which clamps finite and infinite values to +-448 and keeps NaN by
+    itself) or the same in integer arithmetic (the interpreter, whose fp8 conversion neither
+    rounds to nearest even nor saturates)."""
     if HW:
         return v.to(tl.float8e4nv)
+    v = tl.where(v != v, v, tl.minimum(tl.maximum(v, -448.0), 448.0))
     bits = v.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     mag = bits & 0x7FFFFFFF
@@ -142,14 +148,13 @@ def _quant_rows_cols_kernel(x_addr, offsets_ptr, q_addr, s_addr, qc_addr, sc_add
     for c in tl.static_range(128 // CHUNK):
         cols = cb * 128 + c * CHUNK + tl.arange(0, CHUNK)
         x = tl.load(x_rows + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        ax = abs_nan0(x)
         if ROWS:
-            amax_r = tl.maximum(amax_r, tl.max(ax, 1))
+            amax_r = tl.maximum(amax_r, block_amax(x, 1))
         if COLS:
             qc_base = load_ptr(qc_addr, tl.float8e4nv)
             prow = p0 + i
             sc_base = load_ptr(sc_addr, tl.float32)
-            scale, s_inv = block_scales(tl.max(ax, 0), POW2, EPS)
+            scale, s_inv = block_scales(block_amax(x, 0), POW2, EPS)
             q = to_e4m3(x * scale[None, :], HW)
             tl.store(qc_base + cols[None, :].to(tl.int64) * Rp + prow[:, None], q)
             tl.store(sc_base + pb.to(tl.int64) * K + cols, s_inv)
@@ -219,15 +224,15 @@ def _swiglu_quant_kernel(h1_addr, num_rows_ptr, h1q_addr, h1s_addr, h2q_addr, h2
     if SAVE_H1:
         q_base = load_ptr(h1q_addr, tl.float8e4nv)
         s_base = load_ptr(h1s_addr, tl.float32)
-        sg, ig = block_scales(tl.max(abs_nan0(g), 1), POW2, EPS)
-        su, iu = block_scales(tl.max(abs_nan0(u), 1), POW2, EPS)
+        sg, ig = block_scales(block_amax(g, 1), POW2, EPS)
+        su, iu = block_scales(block_amax(u, 1), POW2, EPS)
         qp = q_base + rows[:, None] * (2 * F) + c[None, :]
         tl.store(qp, to_e4m3(g * sg[:, None], HW), mask=ok[:, None])
         tl.store(qp + F, to_e4m3(u * su[:, None], HW), mask=ok[:, None])
         tl.store(s_base + rows * nb + cb, ig, mask=ok)
         tl.store(s_base + rows * nb + F // 128 + cb, iu, mask=ok)
     h2 = round_bf16(_act_fwd(g, u, CLAMPED, alpha, limit), HW)
-    s2, i2 = block_scales(tl.max(abs_nan0(h2), 1), POW2, EPS)
+    s2, i2 = block_scales(block_amax(h2, 1), POW2, EPS)
     q2 = load_ptr(h2q_addr, tl.float8e4nv)
     tl.store(q2 + rows[:, None] * F + c[None, :], to_e4m3(h2 * s2[:, None], HW), mask=ok[:, None])
     tl.store(load_ptr(h2s_addr, tl.float32) + rows * (F // 128) + cb, i2, mask=ok)
@@ -262,7 +267,7 @@ def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, POW2: tl.con
     c = kb * 128 + tl.arange(0, 128)
     base = e * N * K
     w = tl.load(w_ptr + base + r[:, None].to(tl.int64) * K + c[None, :]).to(tl.float32)
-    amax = tl.max(tl.max(abs_nan0(w), 1), 0)
+    amax = tl.max(block_amax(w, 1), 0)
     scale, s_inv = block_scales(amax, POW2, EPS)
     q = to_e4m3(w * scale, HW)
     tl.store(q_ptr + base + r[:, None].to(tl.int64) * K + c[None, :], q)

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ..quant.mxfp8 import BLOCK
 from .common import as_device_ptr, grouped_grid, grouped_tile, interpreting, load_ptr
-from .quant_fp8 import _hw, abs_nan0, padded_block, round_bf16, to_e4m3
+from .quant_fp8 import _hw, block_amax, padded_block, round_bf16, to_e4m3
 from .rows import _act_fwd
 
 __all__ = ["quantize", "swiglu_quant", "dequantize_rows", "dequantize_cols", "fake_weight",
@@ -75,8 +75,9 @@ def e8m0_value(e):
 def _fake(x, e, HW: tl.constexpr):
     """fp32 x with its block exponents e (broadcast to x) -> bf16 of deq(e4m3(x * r))."""
     s = x * e8m0_reciprocal(e)                     # NaN for NaN x, and for inf x (times 0)
-    q = to_e4m3(s, HW).to(tl.float32)
-    v = tl.where(s != s, s, q * e8m0_value(e))     # the interpreter widens E4M3 NaN wrongly
+    v = to_e4m3(s, HW).to(tl.float32) * e8m0_value(e)
+    if not HW:
+        v = tl.where(s != s, s, v)                 # the interpreter widens E4M3 NaN wrongly
     return round_bf16(v, HW).to(tl.bfloat16)
 
 
@@ -116,7 +117,7 @@ def _quant_kernel(x_addr, offsets_ptr, rf_addr, cq_addr, ce_addr, cf_addr, K, E,
         rows3 = start + local3
         c3 = (cb * BLOCK_C + tl.arange(0, BLOCK_C))[None, None, :]                  # [1, 1, BC]
         xc = tl.load(x_base + rows3 * K + c3, mask=ok3, other=0.0).to(tl.float32)  # [NRB, 32, BC]
-        ec = e8m0(tl.max(abs_nan0(xc), 1))                                          # [NRB, BC]
+        ec = e8m0(block_amax(xc, 1))                                                # [NRB, BC]
         ec3 = tl.broadcast_to(ec[:, None, :], (NRB, 32, BLOCK_C))
         if COLS:
             q = to_e4m3(xc * e8m0_reciprocal(ec3), HW)
@@ -140,17 +141,19 @@ def _quant_kernel(x_addr, offsets_ptr, rf_addr, cq_addr, ce_addr, cf_addr, K, E,
         j3 = (cb * BLOCK_C + tl.arange(0, BLOCK_C // 32)[None, :, None] * 32
               + tl.arange(0, 32)[None, None, :])                                    # [1, BC/32, 32]
         xr = tl.load(x_base + rows * K + j3, mask=ok, other=0.0).to(tl.float32)
-        er = e8m0(tl.max(abs_nan0(xr), 2))                                          # [BR, BC/32]
+        er = e8m0(block_amax(xr, 2))                                                # [BR, BC/32]
         f = _fake(xr, tl.broadcast_to(er[:, :, None], (BLOCK_R, BLOCK_C // 32, 32)), HW)
         rf_base = load_ptr(rf_addr, tl.bfloat16)
         tl.store(rf_base + rows * K + j3, f, mask=ok)
 
 
-# (rows, columns, warps) of quantize's tiles: 128 x 32 at 4 warps was the fastest of a sweep of
-# 128-row tiles at the guide's shapes on one H200 for every output set (x, grad_y, grad_h1, h2:
-# 1.4 -> 1.85-2.15 TB/s; docs/decisions.md); a 128 x 128 tile spills registers with all three
-# outputs
-QUANT_TILE = (128, 32, 4)
+# (rows, columns, warps) of quantize's tiles. The kernel is bound by instruction issue, not by
+# HBM: at 128 x 32 x 4 (the fastest 128-row tile measured on one H200) it issues 2.24 warp
+# instructions per value (sm_90 SASS), ~190 us at the guide's x against 220 measured. A
+# 32-row tile at one warp keeps both directions' block amaxes inside the warp (no
+# shared-memory reduction, fewer shuffles per value); with the trimmed NaN handling it issues
+# 0.90 per value, which should put it below the HBM time (PREDICTED, not yet timed on a GPU)
+QUANT_TILE = (32, 64, 1)
 # the tiles `quantize` accepts: candidates bench_quant.py times against the default (a 32-row
 # tile at one warp keeps each column block's amax inside the warp: no shared-memory reduction)
 QUANT_TILES = ((128, 32, 4), (128, 32, 8), (64, 32, 2), (64, 32, 4), (32, 32, 1), (32, 32, 2),
@@ -169,7 +172,8 @@ def quantize(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows_fake=None,
                nothing reads, are not written)
     cols_fake  bf16 [>= R, K]: quant/mxfp8.fake_cols(x, offsets)
     max_rows: host bound on R (the grid). tile: (rows, columns, warps) of a program, one of
-    QUANT_TILES (for benchmarks/bench_quant.py); None: QUANT_TILE, the measured fastest."""
+    QUANT_TILES (for benchmarks/bench_quant.py); None: QUANT_TILE (the predicted fastest,
+    not yet timed on a GPU)."""
     assert rows_fake is not None or cols is not None or cols_fake is not None
     assert K % 128 == 0, f"K={K} must be a multiple of 128"
     assert tile is None or tuple(tile) in QUANT_TILES, (
@@ -184,7 +188,7 @@ def quantize(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows_fake=None,
         dummy, dummy)
     cf = as_device_ptr(cols_fake, "cols_fake", torch.bfloat16) if cols_fake is not None else dummy
     if interpreting() and tile is None:
-        block_c = 64    # the interpreter's cost is per program
+        block_r, block_c = 128, 64    # the interpreter's cost is per program
     n_rb = max(1, Rp // block_r)
     _quant_kernel[grouped_grid(n_rb, K // block_c, group_rows)](
         as_device_ptr(x, "x", torch.bfloat16), offsets, rf, cq, ce, cf, K, E, n_rb,
@@ -198,7 +202,7 @@ def quantize(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows_fake=None,
 def _row_blocks(x, BLOCK_R: tl.constexpr):
     """[BLOCK_R, 128] -> ([BLOCK_R, 4, 32] view, its int32 block exponents [BLOCK_R, 4])."""
     x3 = tl.reshape(x, (BLOCK_R, 4, 32))
-    return x3, e8m0(tl.max(abs_nan0(x3), 2))
+    return x3, e8m0(block_amax(x3, 2))
 
 
 @triton.jit
@@ -337,7 +341,7 @@ def _fake_weight_kernel(w_ptr, out_ptr, N, K, HW: tl.constexpr):
     off = e * N * K + r[:, None].to(tl.int64) * K + c[None, :]
     w = tl.load(w_ptr + off).to(tl.float32)
     w3 = tl.reshape(w, (32, 4, 32))
-    ex = e8m0(tl.max(tl.max(abs_nan0(w3), 2), 0))              # [4]: one per 32 x 32 tile
+    ex = e8m0(tl.max(block_amax(w3, 2), 0))              # [4]: one per 32 x 32 tile
     f = _fake(w3, tl.broadcast_to(ex[None, :, None], (32, 4, 32)), HW)
     tl.store(out_ptr + off, tl.reshape(f, (32, 128)))
 

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ..layout import nvfp4_row_bytes
 from .common import as_device_ptr, load_ptr
-from .quant_fp8 import _hw, abs_nan0, round_bf16, to_e4m3
+from .quant_fp8 import _hw, block_amax, round_bf16, to_e4m3
 from .rows import _act_fwd, check_publish_ids, publish_ids
 
 __all__ = ["quantize_rows", "publish_quantized", "swiglu_quant", "fanout_dequantize",
@@ -82,7 +82,7 @@ def _quant_row(src, r, out, a16, K, alpha, limit, ACT: tl.constexpr, CLAMPED: tl
     amax = tl.zeros((), tl.float32)
     for k0 in range(0, K, CHUNK):
         v = _load_values(src, r, k0 + tl.arange(0, CHUNK), K, F, ACT, CLAMPED, alpha, limit, HW)
-        amax = tl.maximum(amax, tl.max(abs_nan0(v), 0))
+        amax = tl.maximum(amax, block_amax(v, 0))
     # S_enc = fminf(2688 / amax, FLT_MAX), 1 for amax 0 or inf; S_dec = fp32(1.0 / S_enc) in
     # double (quant/nvfp4.global_scale / global_decode_scale)
     s_enc = tl.minimum(tl.math.div_rn(tl.full((), 2688.0, tl.float32), amax), _FLT_MAX)
@@ -93,7 +93,7 @@ def _quant_row(src, r, out, a16, K, alpha, limit, ACT: tl.constexpr, CLAMPED: tl
     for k0 in range(0, K, CHUNK):
         v = _load_values(src, r, k0 + tl.arange(0, CHUNK), K, F, ACT, CLAMPED, alpha, limit, HW)
         v2 = tl.reshape(v, (NB, 16))
-        s = tl.minimum(tl.max(abs_nan0(v2), 1) * mult, _FLT_MAX)
+        s = tl.minimum(block_amax(v2, 1) * mult, _FLT_MAX)
         s8 = to_e4m3(s, HW)                                           # satfinite, RNE
         rcp = tl.minimum(tl.math.div_rn(tl.full((NB,), 1.0, tl.float32),
                                         s8.to(tl.float32) * s_dec), _FLT_MAX)
