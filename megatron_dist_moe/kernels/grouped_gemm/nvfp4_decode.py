@@ -46,7 +46,8 @@ def default_variant(max_rows: int, E: int, K: int) -> Optional[int]:
     """The variant by rows per expert on average (max_rows / E) and the contraction length K,
     None above the decode regime: the fastest of bench_nvfp4_gemm --cuda-sweep on one H200 at
     1, 8, 16 and 32 rows per expert (guide shapes; docs/decisions.md). Splitting K over 4 warps
-    pays where each keeps 14+ chunks (W13, K=7168), not at K=3072 (W2)."""
+    pays where each keeps 14+ chunks (W13, K=7168), not at K=3072 (W2); there, at 17-32 rows
+    per expert, 48-row warps with no register ring (232 registers) beat 64-row ones."""
     per_expert = -(-max_rows // E)
     if per_expert > MAX_ROWS_PER_EXPERT:
         return None
@@ -55,7 +56,7 @@ def default_variant(max_rows: int, E: int, K: int) -> Optional[int]:
         return 332142 if long_k else 32142
     if per_expert <= 16:
         return 32242
-    return 364441 if long_k else 64421
+    return 364441 if long_k else 48441
 
 
 # the library's units: this decode GEMM and the wgmma one (nvfp4_wgmma.py), one shared header
