@@ -87,6 +87,11 @@ class Case:
     takes_order: bool = True
     takes_tile: bool = False
 
+    def launch(self, group_rows, tile) -> None:
+        """run() with the tile where the case takes one (tile is then None or a QUANT_TILES
+        entry; elsewhere it is ignored)."""
+        self.run(group_rows, tile) if self.takes_tile else self.run(group_rows)
+
 
 def poison(t: torch.Tensor) -> None:
     """Fill an output with bytes no twin produces on these inputs (NaN for bf16 / fp32 / e4m3,
@@ -271,7 +276,7 @@ def main() -> int:
         if wanted and f"{prec}:{name}" not in wanted:
             continue
         orders = args.group_rows.split(",") if case.takes_order else ["0"]
-        run, check, nbytes, shape = case.run, case.check, case.nbytes, case.shape
+        check, nbytes, shape = case.check, case.nbytes, case.shape
         for gr_text, tile in [(o, t) for o in orders for t in (tiles if case.takes_tile
                                                                  else [None])]:
             gr = int(gr_text)
@@ -279,7 +284,8 @@ def main() -> int:
             tile_text = "default" if tile is None else "x".join(map(str, tile))
             for t in case.outputs:
                 poison(t)
-            timed = (lambda: run(kw, tile)) if case.takes_tile else (lambda: run(kw))
+            def timed():
+                case.launch(kw, tile)
             timed()
             torch.cuda.synchronize()
             ok = bool(check())

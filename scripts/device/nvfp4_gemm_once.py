@@ -4,9 +4,9 @@
     ncu -k regex:nvfp4_wgmma --launch-skip 2 --launch-count 1 --section WarpStateStats \
         python3 scripts/device/nvfp4_gemm_once.py --rows 12288 --gemm w13 --variant 5012824
 
-The variant picks the GEMM: a decode GEMM's code (nvfp4_decode.variants(), the regime of up to
-32 rows per expert; ncu -k regex:nvfp4_decode) or the wgmma GEMM's; by default the CUDA
-engine's choice for the rows (nvfp4_wgmma.cuda_variant).
+The variant picks the GEMM (nvfp4_wgmma.run): a decode GEMM's code (nvfp4_decode.variants(), the
+regime of up to 32 rows per expert; ncu -k regex:nvfp4_decode) or the wgmma GEMM's; by default
+the CUDA engine's choice for the rows (nvfp4_wgmma.cuda_variant).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from megatron_dist_moe.kernels.grouped_gemm import nvfp4_decode, nvfp4_wgmma  # noqa: E402
+from megatron_dist_moe.kernels.grouped_gemm import nvfp4_wgmma  # noqa: E402
 from megatron_dist_moe.kernels.quant_nvfp4 import dequantize_rows  # noqa: E402
 from megatron_dist_moe.prepared import PreparedWeight  # noqa: E402
 from megatron_dist_moe.quant import nvfp4 as NV  # noqa: E402
@@ -42,17 +42,14 @@ def main() -> None:
                        (E, N, K))
     a = NV.quantize_row_bytes(torch.randn(R, K, device=dev).to(torch.bfloat16))
     variant = args.variant or nvfp4_wgmma.cuda_variant(R, E, K)
-    wgmma = nvfp4_wgmma.is_variant(variant)
-    gemm, mod = ((nvfp4_wgmma.nvfp4_wgmma_mm, nvfp4_wgmma) if wgmma
-                 else (nvfp4_decode.nvfp4_decode_mm, nvfp4_decode))
     a16 = torch.empty(R, K, dtype=torch.float16, device=dev)
-    # the wgmma GEMM reads each 128-wide chunk of a16 in its fragment order, the decode GEMM in k
-    dequantize_rows(a, offs[-1:], R, K, out=a16, order="fragment" if wgmma else "k")
+    dequantize_rows(a, offs[-1:], R, K, out=a16, order=nvfp4_wgmma.a16_order(variant))
     out = torch.empty(R, N, dtype=torch.bfloat16, device=dev)
     for _ in range(args.iters):
-        gemm(a=a, a16=a16, weight=W, expert_offsets=offs, max_rows=R, out=out, variant=variant)
+        nvfp4_wgmma.run(variant, a=a, a16=a16, weight=W, expert_offsets=offs, max_rows=R,
+                        out=out)
     torch.cuda.synchronize()
-    print(f"{args.gemm} R={R} {mod.describe(variant)}: ran {args.iters} times")
+    print(f"{args.gemm} R={R} {nvfp4_wgmma.cuda_describe(variant)}: ran {args.iters} times")
 
 
 if __name__ == "__main__":
