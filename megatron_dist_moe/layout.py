@@ -6,8 +6,13 @@ laid out per call for the actual R and anchored at the arena END: the layout of 
 [end - total(R), end), so a call whose rows fit the device tier touches device pages only even
 when a VMM arena backs lower addresses with host memory (guide §03).
 
-Every region is a table row (`RegionSpec`): bytes = align128(per_row * R + per_padded_row * Rp),
-Rp = `padded_rows(R, E_local)` (column bundles pad each expert's rows to a multiple of 128).
+Every region is a table row (`RegionSpec`): bytes = align128(per_row * R + per_padded_row * Rp +
+tail), Rp = `padded_rows(R, E_local)` (column bundles pad each expert's rows to a multiple of
+128). An inference call's bf16 GEMM A operands (below: "+ tail") keep GEMM_A_TAIL_ROWS rows past
+R, so that the GEMMs' TMA descriptors can span them: a tile's box that reaches past R then reads
+rows whose results are never stored, instead of taking TMA's out-of-bounds path, which costs
+more the more of a box lies outside (one H200, guide experts, W13 + W2 at 1 row per expert:
+264 -> 215 µs; docs/decisions.md).
 
     call_layout(mode, R, D, F, precision, E_local) -> CallLayout: every region's offset (bytes
         from the layout's base, end - total) and size
@@ -17,7 +22,7 @@ Rp = `padded_rows(R, E_local)` (column bundles pad each expert's rows to a multi
 bf16 (2 bytes per element):
 
     saved           x_g [R, D] | h1 [R, 2F]
-    inference       x_g | h1 | h2 [R, F]
+    inference       x_g + tail | h1 | h2 [R, F] + tail
     train_forward   x_g | h1 | h2          x_g and h1 go to the activation slot instead when the
                                            planner keeps the full state (the scratch copies are
                                            then unused)
@@ -43,7 +48,8 @@ operands are bf16 regions holding quantized-then-dequantized values ("fake" belo
 place of the bf16 rows they quantize, the WGRAD operands (columns) token-major (`*_wg`):
 
     saved           x_c (column bundle) | h1q (row bundle), as fp8_block
-    inference       x_g (fake rows after the quantization) | h1 | h2q (h2's fake rows, bf16)
+    inference       x_g (fake rows after the quantization) + tail | h1 | h2q (h2's fake rows,
+                    bf16) + tail
     train_forward   x_g | x_c | h1 | h1q | h2q
     backward        g3 (fake rows) | g3_wg | gh1 (h1 from h1q, then grad_h1, then its fake rows)
                     | gh1_wg | h2 | h2_wg | x_wg (from x_c)
@@ -59,7 +65,8 @@ inverse global scale), the form the source rank publishes and the experts read:
 
 Within one mode every region is live at the same time, so regions never overlap. Who uses it:
 `memory_plan.plan_memory` sizes the scratch as the largest layout over the modes a context
-runs at its row bound (`scratch_bytes`) and the full state from `saved_regions`; the reference
+runs at its row bound (a training context also runs inference forwards: under no_grad and in
+checkpoint recomputation) (`scratch_bytes`) and the full state from `saved_regions`; the reference
 backend takes its views from it; the CUDA backend's bookkeeping kernel (kernels/bookkeeping.py)
 receives these tables (`region_table`) and computes the same addresses on the device.
 tests/cpu/test_layout.py holds them equal.
@@ -76,28 +83,37 @@ from typing import Any
 __all__ = ["MODES", "TRAINING_MODES", "INFERENCE_MODES", "RegionSpec", "Region", "CallLayout",
            "call_layout", "scratch_bytes", "modes_of", "region_specs", "saved_regions",
            "saved_offsets", "saved_bytes", "padded_rows", "nvfp4_row_bytes", "precision_modes",
-           "PRECISIONS_WITH_LAYOUT"]
+           "tail_rows", "GEMM_A_TAIL_ROWS", "PRECISIONS_WITH_LAYOUT"]
 
 MODES = ("inference", "train_forward", "backward", "replay")
 TRAINING_MODES = ("train_forward", "backward", "replay")
 INFERENCE_MODES = ("inference",)
 BLOCK = 128   # rows per column-bundle block (quant/fp8_block.py)
+# rows an inference call's bf16 GEMM A regions keep past R: the largest block_m of the grouped
+# GEMMs' tiles (kernels/grouped_gemm/config.py), so no tile's TMA box leaves its region
+GEMM_A_TAIL_ROWS = 128
 
 
 @dataclass(frozen=True)
 class RegionSpec:
-    """One region: align128(per_row * R + per_padded_row * Rp) bytes."""
+    """One region: align128(per_row * R + per_padded_row * Rp + tail) bytes."""
 
     name: str
     per_row: int
     per_padded_row: int = 0
+    tail: int = 0
 
     def nbytes(self, R, Rp):
-        return _align128(self.per_row * R + self.per_padded_row * Rp)
+        return _align128(self.per_row * R + self.per_padded_row * Rp + self.tail)
 
 
-def _bf16(name: str, width: int) -> tuple[RegionSpec, ...]:
-    return (RegionSpec(name, 2 * width),)
+def _bf16(name: str, width: int, tail_rows: int = 0) -> tuple[RegionSpec, ...]:
+    return (RegionSpec(name, 2 * width, 0, 2 * width * tail_rows),)
+
+
+def _gemm_a(name: str, width: int) -> tuple[RegionSpec, ...]:
+    """A bf16 GEMM A operand of an inference call: GEMM_A_TAIL_ROWS rows of tail."""
+    return _bf16(name, width, GEMM_A_TAIL_ROWS)
 
 
 def _rows(name: str, width: int) -> tuple[RegionSpec, ...]:
@@ -113,7 +129,8 @@ def _cols(name: str, width: int) -> tuple[RegionSpec, ...]:
 def _bf16_specs(D: int, F: int) -> dict:
     x_g, h1, h2, g3 = _bf16("x_g", D), _bf16("h1", 2 * F), _bf16("h2", F), _bf16("g3", D)
     return dict(saved=x_g + h1, modes=dict(
-        inference=x_g + h1 + h2, train_forward=x_g + h1 + h2, backward=h2 + g3,
+        inference=_gemm_a("x_g", D) + h1 + _gemm_a("h2", F), train_forward=x_g + h1 + h2,
+        backward=h2 + g3,
         replay=x_g + h1 + h2 + g3))
 
 
@@ -135,7 +152,7 @@ def _mxfp8_specs(D: int, F: int) -> dict:
     bwd = (_bf16("g3", D) + _bf16("g3_wg", D) + _bf16("gh1", 2 * F) + _bf16("gh1_wg", 2 * F)
            + _bf16("h2", F) + _bf16("h2_wg", F) + _bf16("x_wg", D))
     return dict(saved=_cols("x_c", D) + _rows("h1q", 2 * F), modes=dict(
-        inference=_bf16("x_g", D) + _bf16("h1", 2 * F) + _bf16("h2q", F), train_forward=fwd,
+        inference=_gemm_a("x_g", D) + _bf16("h1", 2 * F) + _gemm_a("h2q", F), train_forward=fwd,
         backward=bwd, replay=fwd + bwd))
 
 
@@ -167,8 +184,9 @@ def padded_rows(R, num_experts: int):
 
 
 def modes_of(training: bool) -> tuple[str, ...]:
-    """The modes a training (or an inference) context runs."""
-    return TRAINING_MODES if training else INFERENCE_MODES
+    """The modes a training (or an inference) context runs: a training context runs inference
+    forwards too (under no_grad, and in checkpoint recomputation)."""
+    return TRAINING_MODES + INFERENCE_MODES if training else INFERENCE_MODES
 
 
 def _specs(precision: str, D: int, F: int) -> dict:
@@ -190,6 +208,12 @@ def region_specs(mode: str, D: int, F: int, precision: str = "bf16") -> tuple[Re
         raise ValueError(f"no layout mode {mode!r} for precision {precision!r}; it has "
                          f"{tuple(modes)} (all modes: {MODES})")
     return modes[mode]
+
+
+def tail_rows(mode: str, D: int, F: int, precision: str = "bf16") -> dict:
+    """{region name: rows past R} of `mode`'s regions that keep a tail (a GEMM may read those
+    rows and never uses what it computes from them)."""
+    return {s.name: s.tail // s.per_row for s in region_specs(mode, D, F, precision) if s.tail}
 
 
 def saved_regions(D: int, F: int, precision: str = "bf16") -> tuple[RegionSpec, ...]:

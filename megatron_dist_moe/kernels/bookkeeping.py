@@ -8,9 +8,9 @@ bit-equal to it in the interpreter (tests/cpu/test_kernels_bookkeeping_interp.py
 
 The layout is not written here: the kernels receive the tables of layout.py (`region_table`):
 one row per region, (bytes per row, bytes per padded row, index of the same region among the
-saved ones or -1, index among the backward layout's or -1), so every precision's layout runs
-through the same code. A region's bytes are align128(per_row * R + per_padded_row * Rp), Rp =
-layout.padded_rows(R, E_local).
+saved ones or -1, index among the backward layout's or -1, tail bytes), so every precision's
+layout runs through the same code. A region's bytes are align128(per_row * R + per_padded_row *
+Rp + tail), Rp = layout.padded_rows(R, E_local).
 
 Outputs, one int64 vector `addr` and one int32 vector `i32` per call (kernel arguments of the
 downstream kernels are views of single entries):
@@ -49,7 +49,8 @@ ADDR_FIXED = 2     # region i of the call's layout is addr[ADDR_FIXED + i]
 I32 = dict(SAVE=0, XROWS=1, NROWS=2)
 I32_LEN = 4
 REC_FIXED = 4      # slot, start, need, position; then saved_before[EP]
-TAB_COLS = 4       # per_row, per_padded_row, saved index, backward index
+TAB_COLS = 5       # per_row, per_padded_row, saved index, backward index, tail
+_COLS = tl.constexpr(TAB_COLS)
 
 
 def region_table(specs, saved_names=(), backward_names=(), device=None) -> torch.Tensor:
@@ -57,8 +58,9 @@ def region_table(specs, saved_names=(), backward_names=(), device=None) -> torch
     saved_names, backward_names = list(saved_names), list(backward_names)
     rows = [[s.per_row, s.per_padded_row,
              saved_names.index(s.name) if s.name in saved_names else -1,
-             backward_names.index(s.name) if s.name in backward_names else -1] for s in specs]
-    return torch.tensor(rows or [[0, 0, -1, -1]], dtype=torch.int64, device=device)
+             backward_names.index(s.name) if s.name in backward_names else -1, s.tail]
+            for s in specs]
+    return torch.tensor(rows or [[0, 0, -1, -1, 0]], dtype=torch.int64, device=device)
 
 
 @triton.jit
@@ -74,7 +76,8 @@ def _padded(R, E):
 
 @triton.jit
 def _region_bytes(tab_ptr, i, R, Rp):
-    return _align128(tl.load(tab_ptr + i * 4) * R + tl.load(tab_ptr + i * 4 + 1) * Rp)
+    return _align128(tl.load(tab_ptr + i * _COLS) * R + tl.load(tab_ptr + i * _COLS + 1) * Rp
+                     + tl.load(tab_ptr + i * _COLS + 4))
 
 
 @triton.jit
@@ -162,7 +165,7 @@ def plan_forward_kernel(offsets_ptr, saved_ptr, position_ptr, selected_ptr, rows
         slot_base = act_base + start
         off = R * 0
         for i in range(n_regions):
-            j = tl.load(tab_ptr + i * 4 + 2)
+            j = tl.load(tab_ptr + i * _COLS + 2)
             at = base + off
             if j >= 0:
                 at = tl.where(need, at, slot_base + _offset_of(saved_tab_ptr, j, R, Rp))
@@ -208,8 +211,8 @@ def plan_backward_kernel(offsets_ptr, saved_ptr, position_ptr, rec_ptr, num_rows
     slot_base = tl.load(act_base_ptr) + start
     off = R * 0
     for i in range(n_replay):
-        js = tl.load(rp_tab_ptr + i * 4 + 2)
-        jb = tl.load(rp_tab_ptr + i * 4 + 3)
+        js = tl.load(rp_tab_ptr + i * _COLS + 2)
+        jb = tl.load(rp_tab_ptr + i * _COLS + 3)
         other = r_base + off   # a forward temporary: read only when replayed
         if js >= 0:
             other = slot_base + _offset_of(saved_tab_ptr, js, R, Rp)

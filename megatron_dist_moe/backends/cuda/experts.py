@@ -34,6 +34,7 @@ import torch
 from ...config import Config
 from ...execution import Execution
 from ...kernels import rows as K_rows
+from ...layout import tail_rows
 from .routing import RoutingTables
 
 __all__ = ["Bf16Kernels", "Fp8BlockKernels", "Mxfp8Kernels", "StandardPipeline",
@@ -88,20 +89,24 @@ class Bf16Kernels:
         else:
             K_rows.gather_rows(row_ptrs, dst, nrows, D, torch.bfloat16, self.max_rows)
 
-    def w13_swiglu(self, w13, offs, xg, h1, h2, claim=None, row_ptrs=None, config=None):
+    def w13_swiglu(self, w13, offs, xg, h1, h2, claim=None, row_ptrs=None, config=None,
+                   xg_tail: int = 0):
         """h1 = x_g W13^T, h2 = act(h1); with `claim`, x_g is first copied from row_ptrs;
-        config: the tiles (default: the launcher's choice for this shape)."""
+        config: the tiles (default: the launcher's choice for this shape); xg_tail: rows of
+        x_g's region past R (layout.tail_rows)."""
         from ...kernels.grouped_gemm import grouped_mm_fwd
         a = dict(a=xg) if claim is None else dict(a_row_ptrs=row_ptrs, a_copy_out=xg,
                                                   claim_flags=claim)
         grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=self.max_rows, epilogue="swiglu",
-                       h1=h1, h2=h2, config=config, **a, **self.act, **self.timeout)
+                       h1=h1, h2=h2, config=config, a_tail_rows=xg_tail, **a, **self.act,
+                       **self.timeout)
 
-    def w2_scatter(self, w2, offs, h2, out_rows):
-        """h3 = h2 W2^T, row i stored at out_rows[i] (the owners' combine rows)."""
+    def w2_scatter(self, w2, offs, h2, out_rows, h2_tail: int = 0):
+        """h3 = h2 W2^T, row i stored at out_rows[i] (the owners' combine rows); h2_tail: rows
+        of h2's region past R."""
         from ...kernels.grouped_gemm import grouped_mm_fwd
         grouped_mm_fwd(w=w2, expert_offsets=offs, max_rows=self.max_rows, a=h2,
-                       epilogue="scatter", out_row_ptrs=out_rows)
+                       epilogue="scatter", out_row_ptrs=out_rows, a_tail_rows=h2_tail)
 
     def w2_dgrad_swiglu_bwd(self, w2, offs, g3, h1, h2, score, claim=None, row_ptrs=None):
         """grad_h2 = g3 W2 inside the kernel; grad_h1 over h1, h2 rebuilt; with `score` =
@@ -147,6 +152,9 @@ class StandardPipeline:
         self.k = Bf16Kernels(cfg, num_local_experts, max_rows, execution.wait_timeout_s, rank)
         # score-gradient parts per route the backward writes (rows.sum_score_parts sums them)
         self.score_parts = self.k.score_parts(torch.device(device))
+        # rows past R that the inference layout keeps at the GEMMs' A regions
+        self.inference_tails = tail_rows("inference", cfg.hidden_dim, cfg.intermediate_dim,
+                                         cfg.precision)
 
     @property
     def uses_fanout(self) -> bool:
@@ -158,9 +166,9 @@ class StandardPipeline:
         """The W13 launch's tiles (None: the launcher's choice for this shape)."""
         return None
 
-    def _w13(self, tabs, w13, offs, nrows, xg, h1, h2):
+    def _w13(self, tabs, w13, offs, nrows, xg, h1, h2, xg_tail=0):
         self.k.gather(tabs, tabs.fwd_gather_ptrs, xg, nrows, "dispatch")
-        self.k.w13_swiglu(w13, offs, xg, h1, h2, config=self._w13_tiles(w13))
+        self.k.w13_swiglu(w13, offs, xg, h1, h2, config=self._w13_tiles(w13), xg_tail=xg_tail)
 
     def _w2_dgrad(self, tabs, w2, offs, nrows, gather_ptrs, g3, h1, h2, score):
         # grad_y is published once per token without saved route outputs (score)
@@ -181,9 +189,11 @@ class StandardPipeline:
         backward replay without saved route outputs does). A replay passes its predicated
         (expert offsets, row count) as `rows`: zeros when nothing is replayed."""
         offs, nrows = rows if rows is not None else (tabs.expert_offsets, tabs.num_rows)
-        self._w13(tabs, w13_E2FD, offs, nrows, at["x_g"], at["h1"], at["h2"])
+        tails = {} if training else self.inference_tails
+        self._w13(tabs, w13_E2FD, offs, nrows, at["x_g"], at["h1"], at["h2"],
+                  tails.get("x_g", 0))
         if scatter_ptrs is not None:
-            self.k.w2_scatter(w2_EDF, offs, at["h2"], scatter_ptrs)
+            self.k.w2_scatter(w2_EDF, offs, at["h2"], scatter_ptrs, tails.get("h2", 0))
 
     def backward(self, tabs: RoutingTables, w13_E2FD, w2_EDF, gather_ptrs, scatter_ptrs, ba,
                  wgrad_dtype: str, score_ptrs=None, score_grad_delta: int = 0,
@@ -229,8 +239,9 @@ class StagedPipeline(StandardPipeline):
     def uses_fanout(self) -> bool:
         return False
 
-    def _w13(self, tabs, w13, offs, nrows, xg, h1, h2):
-        self.k.w13_swiglu(w13, offs, xg, h1, h2, claim=self.claim, row_ptrs=tabs.fwd_gather_ptrs)
+    def _w13(self, tabs, w13, offs, nrows, xg, h1, h2, xg_tail=0):
+        self.k.w13_swiglu(w13, offs, xg, h1, h2, claim=self.claim, row_ptrs=tabs.fwd_gather_ptrs,
+                          xg_tail=xg_tail)
 
     def _w2_dgrad(self, tabs, w2, offs, nrows, gather_ptrs, g3, h1, h2, score):
         self.k.w2_dgrad_swiglu_bwd(w2, offs, g3, h1, h2, score, claim=self.claim,
@@ -267,7 +278,8 @@ class MegaPipeline(StandardPipeline):
         self.k.gather(tabs, tabs.fwd_gather_ptrs, at["x_g"], nrows, "dispatch")
         mega_fwd(xg=at["x_g"], w13=w13_E2FD, w2=w2_EDF, expert_offsets=offs,
                  max_rows=self.max_rows, h2=at["h2"], h1=at["h1"], out_row_ptrs=scatter_ptrs,
-                 flags=self.flags, **self.k.act, **self.timeout)
+                 flags=self.flags, **self.k.act, **self.timeout,
+                 xg_tail_rows=0 if training else self.inference_tails.get("x_g", 0))
 
 
 class TorchPipeline:
@@ -559,12 +571,13 @@ class Mxfp8Pipeline(StandardPipeline):
         self.k.gather(tabs, tabs.fwd_gather_ptrs, at["x_g"], nrows, "dispatch")
         self.mx.quantize(at["x_g"], offs, D, rows_fake=at["x_g"],
                          cols=(at["x_c"], at["x_c_s"]) if training else None)
+        tails = {} if training else self.inference_tails
         grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=self.max_rows, a=at["x_g"],
-                       epilogue="store", out=at["h1"])
+                       epilogue="store", out=at["h1"], a_tail_rows=tails.get("x_g", 0))
         self.mx.swiglu_quant(at["h1"], nrows, at["h2q"],
                              (at["h1q"], at["h1q_s"]) if training else None)
         if scatter_ptrs is not None:
-            self.k.w2_scatter(w2, offs, at["h2q"], scatter_ptrs)
+            self.k.w2_scatter(w2, offs, at["h2q"], scatter_ptrs, tails.get("h2q", 0))
 
     def backward(self, tabs: RoutingTables, w13_E2FD, w2_EDF, gather_ptrs, scatter_ptrs, ba,
                  wgrad_dtype: str, score_ptrs=None, score_grad_delta: int = 0,

@@ -84,7 +84,7 @@ def mega_config(F2: int, D: int, device: torch.device, max_rows: int | None = No
 @triton.jit
 def _mega_fwd_kernel(xg_addr, w13_ptr, w2_ptr, offsets_ptr, h1_addr, h2_addr, out_rows_ptr,
                      queue_ptr, ready_ptr, epoch_ptr, status_ptr, D, F, alpha, limit,
-                     polls_max, rank, E: tl.constexpr, E_PAD: tl.constexpr,
+                     polls_max, rank, xg_tail, E: tl.constexpr, E_PAD: tl.constexpr,
                      BLOCK_M: tl.constexpr, BN13: tl.constexpr, BN2: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, ACT: tl.constexpr,
                      STORE_H1: tl.constexpr, IEEE: tl.constexpr, SLEEP: tl.constexpr,
@@ -102,7 +102,8 @@ def _mega_fwd_kernel(xg_addr, w13_ptr, w2_ptr, offsets_ptr, h1_addr, h2_addr, ou
     h2 = load_ptr(h2_addr, DT)
     offs_k = tl.arange(0, BLOCK_K)
     if USE_TMA:   # x_g and the weights through TMA; h2 never (see the ordering note above)
-        num_rows = tl.maximum(tl.load(offsets_ptr + E), 1)
+        # xg_tail rows past R are readable: boxes stay off TMA's out-of-bounds path (mm.py)
+        num_rows = tl.maximum(tl.load(offsets_ptr + E), 1) + xg_tail
         xg_desc = tl.make_tensor_descriptor(xg, shape=[num_rows, D], strides=[D, 1],
                                             block_shape=[BLOCK_M, BLOCK_K])
         w13_desc = tl.make_tensor_descriptor(w13_ptr, shape=[E * 2 * F, D], strides=[D, 1],
@@ -189,7 +190,7 @@ def mega_fwd(*, xg, w13: torch.Tensor, w2: torch.Tensor, expert_offsets: torch.T
              max_rows: int, h2, out_row_ptrs: torch.Tensor, flags: MegaFlags, h1=None,
              activation: str = "swiglu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
              config: Optional[GroupedGemmConfig] = None, num_programs: Optional[int] = None,
-             timeout_s: float = 600.0, rank: int = 0) -> None:
+             timeout_s: float = 600.0, rank: int = 0, xg_tail_rows: int = 0) -> None:
     """The routed experts' forward on gathered rows in one launch (see the module docstring).
 
     xg              bf16 [R, D] gathered rows (tensor or device pointer), expert-major
@@ -198,6 +199,7 @@ def mega_fwd(*, xg, w13: torch.Tensor, w2: torch.Tensor, expert_offsets: torch.T
     h2              [R, F] scratch (device pointer or tensor); h1 [R, 2F] stored when given
     out_row_ptrs    int64 [>= max_rows]: each row's destination (0: skip)
     flags           a MegaFlags built for max_rows and E (its epoch advances here)
+    xg_tail_rows    rows readable past R at xg (grouped_mm_fwd's a_tail_rows)
     """
     E, F2, D = w13.shape
     F = F2 // 2
@@ -205,6 +207,12 @@ def mega_fwd(*, xg, w13: torch.Tensor, w2: torch.Tensor, expert_offsets: torch.T
     assert activation in ("swiglu", "swiglu_clamped")
     dev = w13.device
     check_offsets(expert_offsets, E, dev)
+    assert isinstance(xg_tail_rows, int) and xg_tail_rows >= 0, (
+        f"xg_tail_rows={xg_tail_rows!r}: rows readable past R at xg, an int >= 0")
+    if xg_tail_rows and not (xg.dtype == torch.int64 and xg.numel() == 1):
+        assert xg.dim() == 2 and xg.shape[0] >= max_rows + xg_tail_rows, (
+            f"xg_tail_rows={xg_tail_rows}: xg {tuple(xg.shape)} must hold max_rows + "
+            f"xg_tail_rows = {max_rows + xg_tail_rows} rows")
     check_rows(out_row_ptrs, "out_row_ptrs", max_rows, dev)
     assert flags.capacity >= triton.cdiv(max_rows, MIN_BLOCK_M) + E, "MegaFlags too small"
     cfg = config or mega_config(F2, D, dev, max_rows, E)
@@ -226,7 +234,7 @@ def mega_fwd(*, xg, w13: torch.Tensor, w2: torch.Tensor, expert_offsets: torch.T
         as_device_ptr(xg, "xg", w13.dtype), w13, w2, expert_offsets, h1_addr,
         as_device_ptr(h2, "h2", w13.dtype), out_row_ptrs, flags.queue, flags.ready,
         flags.epoch, flags.status, D, F, float(swiglu_alpha), float(swiglu_limit),
-        max_polls(timeout_s), rank, E=E, E_PAD=max(2, triton.next_power_of_2(E)),
+        max_polls(timeout_s), rank, xg_tail_rows, E=E, E_PAD=max(2, triton.next_power_of_2(E)),
         BLOCK_M=cfg.block_m, BN13=bn13, BN2=bn2, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         ACT=0 if activation == "swiglu" else 1, STORE_H1=h1 is not None,
         IEEE=w13.dtype == torch.float32 or not on_gpu, SLEEP=on_gpu, USE_TMA=use_tma,

@@ -78,11 +78,13 @@ class _MMArgs:
     score_grads: bool = False  # swiglu_bwd: expert-side score gradients (out_rows = score ptrs)
     score_grad_delta: int = 0  # bytes from a route's score to its first score-gradient part
     part_stride: int = 0       # bytes between consecutive parts of one route
+    a_tail: int = 0            # rows readable past R at A (its TMA descriptor spans them)
 
 
 def _prepare(*, w_kn, w, expert_offsets, max_rows, a, a_row_ptrs, a_copy_out, epilogue, out,
              out_row_ptrs, h1, h2, activation, swiglu_alpha, swiglu_limit,
-             claim_flags=None, score_ptrs=None, score_grad_delta=0, part_stride=0) -> _MMArgs:
+             claim_flags=None, score_ptrs=None, score_grad_delta=0, part_stride=0,
+             a_tail_rows=0) -> _MMArgs:
     assert w.dim() == 3 and w.is_contiguous(), "w must be a contiguous [E, *, *] tensor"
     dev, dt = w.device, w.dtype
     num_experts = w.shape[0]
@@ -99,6 +101,14 @@ def _prepare(*, w_kn, w, expert_offsets, max_rows, a, a_row_ptrs, a_copy_out, ep
     else:
         kd, n = w.shape[2], w.shape[1]
     assert kd % 16 == 0 and n % 8 == 0, f"Kd={kd} must be a multiple of 16 and N={n} of 8"
+    assert isinstance(a_tail_rows, int) and a_tail_rows >= 0, (
+        f"a_tail_rows={a_tail_rows!r}: rows readable past R at A, an int >= 0")
+    dense_a = a if claim_flags is None else a_copy_out
+    if a_tail_rows and dense_a is not None and not (dense_a.dtype == torch.int64
+                                                     and dense_a.numel() == 1):
+        assert dense_a.dim() == 2 and dense_a.shape[0] >= max_rows + a_tail_rows, (
+            f"a_tail_rows={a_tail_rows}: A {tuple(dense_a.shape)} must hold max_rows + "
+            f"a_tail_rows = {max_rows + a_tail_rows} rows")
 
     dummy = expert_offsets  # never dereferenced when its constexpr path is off
     a_rows = dummy
@@ -147,7 +157,8 @@ def _prepare(*, w_kn, w, expert_offsets, max_rows, a, a_row_ptrs, a_copy_out, ep
         epilogue=EPILOGUES.index(epilogue), store_aux=store_aux,
         activation=ACTIVATIONS.index(activation), alpha=float(swiglu_alpha),
         limit=float(swiglu_limit), score_grads=score_ptrs is not None,
-        score_grad_delta=int(score_grad_delta), part_stride=int(part_stride))
+        score_grad_delta=int(score_grad_delta), part_stride=int(part_stride),
+        a_tail=a_tail_rows)
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,7 +227,7 @@ def _quarters(x, BLOCK_M: tl.constexpr, Q: tl.constexpr):
 def _grouped_mm_kernel(
     a_addr_ptr, a_rows_ptr, w_ptr, offsets_ptr,
     out_addr_ptr, out2_addr_ptr, out_rows_ptr, claimed_ptr, copied_ptr, epoch_ptr, status_ptr,
-    N, Kd, alpha, limit, score_grad_delta, part_stride, polls_max, rank,
+    N, Kd, alpha, limit, score_grad_delta, part_stride, polls_max, rank, a_tail,
     E: tl.constexpr, E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     W_KN: tl.constexpr, EPILOGUE: tl.constexpr, STORE_AUX: tl.constexpr, ACT: tl.constexpr,
@@ -243,7 +254,10 @@ def _grouped_mm_kernel(
 
     a_base = load_ptr(a_addr_ptr, DT)
     if USE_TMA:
-        num_rows = tl.maximum(tl.load(offsets_ptr + E), 1)
+        # a_tail rows past R are readable (the caller's promise, e.g. the per-call layout's
+        # GEMM_A_TAIL_ROWS): a box over them reads rows never stored instead of taking the
+        # out-of-bounds path, which is slower the more of the box lies outside
+        num_rows = tl.maximum(tl.load(offsets_ptr + E), 1) + a_tail
         a_desc = tl.make_tensor_descriptor(a_base, shape=[num_rows, Kd], strides=[Kd, 1],
                                            block_shape=[BLOCK_M, BLOCK_K])
         if W_KN:
@@ -441,7 +455,7 @@ def _launch_mm(args: _MMArgs, config: GroupedGemmConfig, num_programs: Optional[
         claimed_ptr=claimed, copied_ptr=copied, epoch_ptr=epoch, status_ptr=status,
         N=args.n, Kd=args.kd, alpha=args.alpha, limit=args.limit,
         score_grad_delta=args.score_grad_delta, part_stride=args.part_stride,
-        polls_max=max_polls(timeout_s), rank=rank,
+        polls_max=max_polls(timeout_s), rank=rank, a_tail=args.a_tail,
         E=args.num_experts, E_PAD=max(2, triton.next_power_of_2(args.num_experts)),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, W_KN=args.w_kn, EPILOGUE=args.epilogue,
@@ -477,6 +491,7 @@ def grouped_mm_fwd(
     claim_flags: Optional[ClaimFlags] = None,
     timeout_s: float = 600.0,
     rank: int = 0,
+    a_tail_rows: int = 0,
 ) -> None:
     """FPROP grouped GEMM: row r of expert e gets a[r] @ w[e].T (fp32 accumulation).
 
@@ -502,12 +517,17 @@ def grouped_mm_fwd(
     num_programs    persistent grid size; default the SM count.
     timeout_s, rank claim mode: a wait for another program's slice copy gives up after
                     timeout_s and traps naming the m-tile and `rank` (checks.py).
+    a_tail_rows     rows readable past R at A (a, or a_copy_out in claim mode; a dense tensor
+                    must then hold max_rows + a_tail_rows rows): TMA loads span them, so a
+                    tile past R reads rows whose results are never stored instead of taking
+                    TMA's slower out-of-bounds path (the per-call layout keeps
+                    layout.GEMM_A_TAIL_ROWS rows there for an inference call's A operands).
     """
     args = _prepare(w_kn=False, w=w, expert_offsets=expert_offsets, max_rows=max_rows, a=a,
                     a_row_ptrs=a_row_ptrs, a_copy_out=a_copy_out, epilogue=epilogue, out=out,
                     out_row_ptrs=out_row_ptrs, h1=h1, h2=h2, activation=activation,
                     swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
-                    claim_flags=claim_flags)
+                    claim_flags=claim_flags, a_tail_rows=a_tail_rows)
     width = 2 * args.n if epilogue == "swiglu" else args.n
     # the claimed (staged) FPROP keeps the training tiles its claim schedule was measured with
     rows = None if claim_flags is not None else -(-max_rows // w.shape[0])
