@@ -89,8 +89,9 @@ MODES = ("inference", "train_forward", "backward", "replay")
 TRAINING_MODES = ("train_forward", "backward", "replay")
 INFERENCE_MODES = ("inference",)
 BLOCK = 128   # rows per column-bundle block (quant/fp8_block.py)
-# rows an inference call's bf16 GEMM A regions keep past R: the largest block_m of the grouped
-# GEMMs' tiles (kernels/grouped_gemm/config.py), so no tile's TMA box leaves its region
+# rows an inference call's bf16 GEMM A regions keep past R. What is safe is set by the GEMMs'
+# descriptors (R + these rows, all inside the region); with block_m <= 128 (every tile of
+# kernels/grouped_gemm/config.py) no box also needs TMA's out-of-bounds path
 GEMM_A_TAIL_ROWS = 128
 
 

@@ -9,12 +9,16 @@ tensor. The BF16 formulas follow the design guide §03-§04:
 
     scratch                  the largest per-call layout (layout.py) over the modes a context
                              runs, at the row bound:
-                               inference / training forward  x_g[R,D] + h1[R,2F] + h2[R,F]
+                               training forward              x_g[R,D] + h1[R,2F] + h2[R,F]
                                                              = 2R(D + 3F)
+                               inference forward             the same + 128 rows of tail at x_g
+                                                             and h2 (layout.GEMM_A_TAIL_ROWS)
+                                                             = 2R(D + 3F) + 256(D + F)
                                backward replay               x_g + h1 + h2 + g3[R,D]
                                                              = 2R(2D + 3F)
                              (g3 = gathered output gradients; the SwiGLU backward writes grad_h1
-                             over h1 in place)
+                             over h1 in place; a training context runs inference forwards too,
+                             under no_grad, so its scratch holds every one of the three)
     full saved state         align(R·D·2) + align(R·2F·2) + align(T·K·D·2)    (x_g, h1, h3 routes)
                              (without the routes term when Config.save_route_outputs is False)
     mandatory saved input    align(T·D·2)                                      (x, for replay)
@@ -113,6 +117,12 @@ class LayerBytes:
         """Scratch of one forward call (layout.py: inference / train_forward)."""
         mode = "train_forward" if self.training else "inference"
         return call_layout(mode, R, self.D, self.F, self.precision, self.num_local_experts).total
+
+    def inference_scratch(self, R: int) -> int:
+        """Scratch of one inference forward (layout.py: inference), which a training context
+        also runs under no_grad."""
+        return call_layout("inference", R, self.D, self.F, self.precision,
+                           self.num_local_experts).total
 
     def backward_peak(self, R: int) -> int:
         """Scratch of one backward call, the replayed forward included (layout.py)."""
@@ -225,6 +235,8 @@ class MemoryPlan:
         out.append(f"  forward scratch at device R   {self.layer.forward_scratch(self.device_scratch_rows):>16,} B")
         if not c.inference:
             out.append(f"  backward peak at device R     {self.layer.backward_peak(self.device_scratch_rows):>16,} B")
+            nograd = self.layer.inference_scratch(self.device_scratch_rows)
+            out.append(f"  no_grad forward at device R   {nograd:>16,} B")
         if self.weight_cache_bytes_per_layer:
             b = self.weight_cache_bytes_per_layer
             out.append(f"  weight cache entry            {b:>16,} B  ({_fmt(b)}; with "

@@ -1,8 +1,9 @@
 """The decode-tile FPROPs (W13 + SwiGLU, then W2) at 1 / 8 / 32 rows per expert at the guide's
 expert shapes, with A's TMA descriptor over R rows (a tile's box past R takes TMA's
 out-of-bounds path) or over R + 128 readable rows (`a_tail_rows=128`, what an inference call's
-layout provides). Prints µs per W13 + W2 pair (CUDA graph of 10 pairs, 5 replays) and whether
-y is bitwise the same both ways:
+layout provides). The tail rows hold NaN, so a tail row that reached a stored row would show.
+Prints µs per W13 + W2 pair (CUDA graph of 10 pairs, 5 replays) and whether y is bitwise the
+same both ways:
 
     python3 scripts/device/gemm_a_tail.py [--rows-per-expert 1,8,32]
 """
@@ -53,7 +54,8 @@ def main() -> None:
         R = E * rpe
         offs = torch.arange(0, R + 1, rpe, dtype=torch.int32, device=dev)
         x = torch.randn(R + TAIL, D, device=dev, dtype=torch.bfloat16)
-        h2 = torch.zeros(R + TAIL, F, device=dev, dtype=torch.bfloat16)
+        x[R:] = float("nan")
+        h2 = torch.full((R + TAIL, F), float("nan"), device=dev, dtype=torch.bfloat16)
         y = torch.zeros(R, D, device=dev, dtype=torch.bfloat16)
         xp, h2p, yp = device_ptr(x), device_ptr(h2), device_ptr(y)
         c13 = select_config("fwd", n=2 * F, kd=D, device=dev, rows_per_expert=rpe)

@@ -4,7 +4,10 @@ who passes them on: the pipelines to the GEMM launchers, the launchers to their 
 Why they exist: a grouped GEMM tile whose TMA box reaches past R takes TMA's out-of-bounds path,
 slower the more of the box lies outside (decode: 1 row per expert in a 64-row box). With the
 tail the descriptor spans readable rows instead; what the GEMM computes from them is never
-stored. The GPU side (same bits, the time) runs in tests/gpu and bench_decode.
+stored. On the GPU: inference_check (its arena starts NaN-filled, so a tail row that reached a
+stored output would fail its oracle), scripts/device/gemm_a_tail.py (NaN tails, y bitwise
+against no tail; the time) and bench_decode. The interpreter does not use TMA, so the CPU tests
+stop at what the launchers receive.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ def _pipeline(precision: str, pipeline: str, monkeypatch):
     cfg = dm.Config(num_local_input_tokens=4, hidden_dim=128, intermediate_dim=F, top_k=2,
                     num_experts=2, precision=precision, pipeline=pipeline)
     cls = {("bf16", "standard"): X.StandardPipeline, ("bf16", "mega"): X.MegaPipeline,
+           ("bf16", "staged"): X.StagedPipeline,
            ("mxfp8", "standard"): X.Mxfp8Pipeline}[(precision, pipeline)]
     pipe = cls(cfg, SimpleNamespace(wait_timeout_s=10.0), 2, 8, torch.device("cpu"), 0)
     rec = _Recorder()
@@ -80,6 +84,7 @@ def _pipeline(precision: str, pipeline: str, monkeypatch):
     ("bf16", "standard", [("grouped_mm_fwd", "a_tail_rows", 128)] * 2),
     ("mxfp8", "standard", [("grouped_mm_fwd", "a_tail_rows", 128)] * 2),
     ("bf16", "mega", [("mega_fwd", "xg_tail_rows", 128)]),
+    ("bf16", "staged", [("grouped_mm_fwd", "a_tail_rows", 128)] * 2),   # W13 in claim mode
 ])
 def test_inference_forwards_pass_the_tails_and_training_forwards_none(monkeypatch, precision,
                                                                         pipeline, want):
@@ -114,6 +119,16 @@ def test_launchers_check_the_tail_against_a_dense_a(monkeypatch):
     with pytest.raises(AssertionError, match="a_tail_rows=5.*max_rows \\+ a_tail_rows = 13"):
         grouped_mm_fwd(w=w, expert_offsets=offs, max_rows=R, a=torch.zeros(R + 4, 16),
                        out=out, a_tail_rows=5)
+    # claim mode: the copy the GEMM reads (a_copy_out) must hold the tail
+    from megatron_dist_moe.kernels.grouped_gemm import ClaimFlags
+    claim = dict(a_row_ptrs=torch.zeros(R, dtype=torch.int64),
+                 claim_flags=ClaimFlags(R, None, E, "cpu"), out=out)
+    grouped_mm_fwd(w=w, expert_offsets=offs, max_rows=R, a_copy_out=torch.zeros(R + 4, 16),
+                   a_tail_rows=4, **claim)
+    assert seen[-1] == 4
+    with pytest.raises(AssertionError, match="a_tail_rows=8.*= 16 rows"):
+        grouped_mm_fwd(w=w, expert_offsets=offs, max_rows=R, a_copy_out=torch.zeros(R + 4, 16),
+                       a_tail_rows=8, **claim)
     with pytest.raises(AssertionError, match="a_tail_rows=-1"):
         grouped_mm_fwd(w=w, expert_offsets=offs, max_rows=R, a=torch.zeros(R, 16), out=out,
                        a_tail_rows=-1)
@@ -130,3 +145,13 @@ def test_mega_checks_the_tail_against_a_dense_xg():
         mega_fwd(xg=torch.zeros(R + 4, 32), xg_tail_rows=8, **args)
     with pytest.raises(AssertionError, match="xg_tail_rows=-2"):
         mega_fwd(xg=torch.zeros(R, 32), xg_tail_rows=-2, **args)
+
+
+def test_explain_shows_the_no_grad_forward_of_a_training_context():
+    c = dm.Config(num_local_input_tokens=4, hidden_dim=D, intermediate_dim=F, top_k=2,
+                  num_experts=4)
+    p = dm.plan_memory(c, ep_size=2)
+    R = p.device_scratch_rows
+    assert f"no_grad forward at device R   {p.layer.inference_scratch(R):>16,} B" in p.explain()
+    assert p.layer.inference_scratch(R) == L.call_layout("inference", R, D, F).total
+    assert p.device_scratch_bytes >= p.layer.inference_scratch(R)

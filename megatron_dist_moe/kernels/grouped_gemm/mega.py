@@ -103,7 +103,7 @@ def _mega_fwd_kernel(xg_addr, w13_ptr, w2_ptr, offsets_ptr, h1_addr, h2_addr, ou
     offs_k = tl.arange(0, BLOCK_K)
     if USE_TMA:   # x_g and the weights through TMA; h2 never (see the ordering note above)
         # xg_tail rows past R are readable: boxes stay off TMA's out-of-bounds path (mm.py)
-        num_rows = tl.maximum(tl.load(offsets_ptr + E), 1) + xg_tail
+        num_rows = tl.maximum(tl.load(offsets_ptr + E) + xg_tail, 1)
         xg_desc = tl.make_tensor_descriptor(xg, shape=[num_rows, D], strides=[D, 1],
                                             block_shape=[BLOCK_M, BLOCK_K])
         w13_desc = tl.make_tensor_descriptor(w13_ptr, shape=[E * 2 * F, D], strides=[D, 1],

@@ -257,7 +257,7 @@ def _grouped_mm_kernel(
         # a_tail rows past R are readable (the caller's promise, e.g. the per-call layout's
         # GEMM_A_TAIL_ROWS): a box over them reads rows never stored instead of taking the
         # out-of-bounds path, which is slower the more of the box lies outside
-        num_rows = tl.maximum(tl.load(offsets_ptr + E), 1) + a_tail
+        num_rows = tl.maximum(tl.load(offsets_ptr + E) + a_tail, 1)
         a_desc = tl.make_tensor_descriptor(a_base, shape=[num_rows, Kd], strides=[Kd, 1],
                                            block_shape=[BLOCK_M, BLOCK_K])
         if W_KN:
