@@ -12,11 +12,12 @@ operands; exit 1 on a mismatch), then timed as a CUDA graph with the guide's met
     w2_dgrad      u = g3 W2 with the SwiGLU backward and score parts in the epilogue
     w13_dgrad     grad_x = grad_h1 W13, scattered
     w13_wgrad / w2_wgrad   the two weight gradients (bf16 out)
-    w13_wgrad cutlass_<config> / w2_wgrad cutlass_<config>   the same WGRADs on CUTLASS's sm_90a
-                  blockwise-scaled FP8 grouped GEMM (kernels/grouped_gemm_sm90.GroupedFp8WgradSm90,
-                  config "coop"), right after our Triton row; note: x over Triton.
-                  Skipped where the library cannot be built (nvcc, CUTLASS headers) or with
-                  --no-cutlass; the first run builds it (minutes)
+    w13_fprop cutlass_<config>, w13_wgrad cutlass_<config>, w2_wgrad cutlass_<config>   the same
+                  GEMMs on CUTLASS's sm_90a blockwise-scaled FP8 grouped kernels
+                  (kernels/grouped_gemm_sm90: GroupedFp8FpropSm90, configs "coop" and
+                  "coop_2x1"; GroupedFp8WgradSm90, "coop"), right after our Triton row; note: x
+                  over Triton. Skipped where the library cannot be built (nvcc, CUTLASS
+                  headers) or with --no-cutlass; the first run builds it (minutes)
     scaled_mm     torch._scaled_mm on ONE dense [R, D] x [D, 2F] product with the same 1x128 /
                   128x128 scales: the vendor block-scaled rate at this size (not grouped)
   Quantization (GB/s of bytes read + written)
@@ -54,15 +55,16 @@ def rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def cutlass_wgrads(E: int, dev: torch.device) -> dict:
-    """{config: GroupedFp8WgradSm90} of CUTLASS's FP8 WGRAD, or {} (with the reason printed)
-    where the library cannot be built or run here."""
+def cutlass_gemms(E: int, dev: torch.device) -> dict:
+    """{"fprop" | "wgrad": {config: GroupedFp8FpropSm90 | GroupedFp8WgradSm90}} of CUTLASS's FP8
+    units, or {} (with the reason printed) where the library cannot be built or run here."""
     from megatron_dist_moe.kernels import grouped_gemm_sm90 as sm90
     if not sm90.available():
         print("cutlass: skipped (nvcc, the CUTLASS headers or csrc/ missing)", flush=True)
         return {}
     try:
-        return {c: sm90.GroupedFp8WgradSm90(E, dev, c) for c in sm90.FP8_WGRAD_CONFIGS}
+        return {"fprop": {c: sm90.GroupedFp8FpropSm90(E, dev, c) for c in sm90.FP8_FPROP_CONFIGS},
+                "wgrad": {c: sm90.GroupedFp8WgradSm90(E, dev, c) for c in sm90.FP8_WGRAD_CONFIGS}}
     except (RuntimeError, ValueError) as e:   # not a Hopper GPU, or the build failed
         print(f"cutlass: skipped ({type(e).__name__}: {str(e)[:300]})", flush=True)
         return {}
@@ -75,7 +77,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true",
                     help="also time pipeline-depth and grouping candidates of the fp8 GEMMs")
     ap.add_argument("--no-cutlass", dest="cutlass", action="store_false",
-                    help="skip the CUTLASS FP8 WGRAD rows (they build the csrc/ library first)")
+                    help="skip the CUTLASS FP8 rows (they build the csrc/ library first)")
     args = ap.parse_args(argv)
     E, n, D, F = map(int, args.shape.split("x"))
     R = E * n
@@ -172,20 +174,30 @@ def main(argv=None) -> int:
             buf.fill_(float("nan"))
         sbuf[:, 1:].zero_()
 
-    # the CUTLASS FP8 WGRADs: (a, b, out) of each, checked like the Triton w13_wgrad row
-    wgrad_ops = {"w13_wgrad": (cols["gh1"], cols["x"], wg13),
-                 "w2_wgrad": (cols["g3"], cols["h2"], wg2)}
-    cutlass = cutlass_wgrads(E, dev) if args.cutlass else {}
+    # the CUTLASS FP8 GEMMs: a call of each configuration's unit and its check (the Triton
+    # row's twin; the WGRADs against expert 0's product, as the w13_wgrad row)
+    cutlass = cutlass_gemms(E, dev) if args.cutlass else {}
+
+    def wgrad_case(a, b, out):
+        return (lambda gemm: (lambda: gemm(a, b, offs, out)),
+                lambda: rel(out[0].float(), Q.dequantize_cols(*a)[:n].T
+                            @ Q.dequantize_cols(*b)[:n]))
+    cutlass_cases = {
+        "w13_fprop": ("fprop", lambda gemm: (lambda: gemm(xq, W.w13, W.w13_s, offs, out_h1)),
+                      fp8["w13_fprop"][2]),
+        "w13_wgrad": ("wgrad", *wgrad_case(cols["gh1"], cols["x"], wg13)),
+        "w2_wgrad": ("wgrad", *wgrad_case(cols["g3"], cols["h2"], wg2)),
+    }
 
     def cutlass_rows(k, flops, tb, t8):
         nonlocal failed
-        a, b, out = wgrad_ops[k]
-        for cfg, gemm in cutlass.items():
-            fn = lambda gemm=gemm: gemm(a, b, offs, out)  # noqa: E731
+        kind, call, check = cutlass_cases[k]
+        for cfg, gemm in cutlass.get(kind, {}).items():
+            fn = call(gemm)
             poison()
             fn()
             torch.cuda.synchronize()
-            err = rel(out[0].float(), Q.dequantize_cols(*a)[:n].T @ Q.dequantize_cols(*b)[:n])
+            err = check()
             if not err < 2e-2:
                 print(f"MISMATCH {k} cutlass_{cfg}: rel err {err:.2e} vs its torch twin",
                       flush=True)
@@ -210,7 +222,7 @@ def main(argv=None) -> int:
         tb = time_windows(bf16[k], graph=True)
         row("bf16", k, tb, flops)
         row("fp8_block", k, t8, flops, ratio=round(tb.median_ms / t8.median_ms, 3))
-        if k in wgrad_ops:
+        if k in cutlass_cases:
             cutlass_rows(k, flops, tb, t8)
     if args.sweep:
         # candidates around the default (one warpgroup, 64 x 128, two programs per SM):

@@ -1,6 +1,23 @@
-// FP8 block-scaled grouped WGRAD for Hopper (sm_90a) on CUTLASS 3's ptr-array warp-specialized
-// FP8 blockwise kernels: the CUTLASS twin of kernels/grouped_gemm/fp8.py's fp8_grouped_wgrad.
+// FP8 block-scaled grouped GEMMs for Hopper (sm_90a) on CUTLASS 3's ptr-array warp-specialized
+// FP8 blockwise kernels: the CUTLASS twins of two contracts of kernels/grouped_gemm/fp8.py.
 //
+// FPROP (fp8_grouped_mm, epilogue "store"; the W13 FPROP):
+//
+//   out[r, :] = dequant(qa)[r, :] @ dequant(w[e])^T   for the rows r of expert e
+//
+//   qa   e4m3 [R, K] at *qa_addr, sa fp32 [R, K/128] at *sa_addr (the A row bundle: one scale
+//        per row per 128 of K, K-major)
+//   w    e4m3 [E, N, K] contiguous, sw fp32 [E, N/128, K/128] (128 x 128 tile scales, K-major)
+//   out  bf16 [R, N] row-major at *out_addr
+//
+// Each group is an M_e x N x K GEMM over the rows [offsets[e], offsets[e+1]): A_e row-major at
+// qa + start * K, B_e "column-major" (w[e] is [N, K], K contiguous), scales
+// Sm90BlockwiseScaleConfig<1, 128, 128> K-major on both sides, so group e's A scales start at
+// sa + start * K/128 and its B scales at sw + e * N/128 * K/128. A group without rows has no
+// tiles. The mainloop promotes every 128 of K: a block's wgmma partial sum times sa[m] * sw[n/128]
+// is added to the fp32 accumulator (DeepSeek-V3's recipe, as the Triton kernel computes it).
+//
+// WGRAD (fp8_grouped_wgrad):
 //   out[e] (+)= A_e @ B_e^T,   A_e = dequant(qa)[:, segment e],  B_e = dequant(qb)[:, segment e]
 //
 //   qa   e4m3 [M, Rp] at *qa_addr, sa fp32 [Rp/128, M] at *sa_addr  ("column bundles": tokens
@@ -37,14 +54,18 @@ namespace dm_sm90 {
 using ElementFp8 = cutlass::float_e4m3_t;
 constexpr int kFp8Alignment = 16;   // elements per 16-byte TMA access
 constexpr int kScaleBlock = 128;    // K of one scaling block
-using Fp8ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 1, kScaleBlock>;
-using LayoutSFA = decltype(Fp8ScaleConfig::deduce_layoutSFA());
-using LayoutSFB = decltype(Fp8ScaleConfig::deduce_layoutSFB());
+// WGRAD: one scale per row of A (of B) per 128 tokens, MN-major ([Rp/128, M] / [Rp/128, N]).
+using Fp8WgradScales = cutlass::detail::Sm90BlockwiseScaleConfig<1, 1, kScaleBlock>;
+// FPROP: one scale per row of A per 128 of K ([R, K/128]), one per 128 x 128 tile of B
+// ([N/128, K/128]), both K-major.
+using Fp8FpropScales = cutlass::detail::Sm90BlockwiseScaleConfig<
+    1, kScaleBlock, kScaleBlock, cute::GMMA::Major::K, cute::GMMA::Major::K>;
 
 // The device argument block of a call: E pointers each for A, B, SFA, SFB, C, D, then E strides
 // each for A, B and C/D, E scale layouts each for SFA and SFB, then E problem shapes (each array
 // 16-byte aligned).
-template <class StrideA, class StrideB, class StrideD, class Shape3>
+template <class StrideA, class StrideB, class StrideD, class LayoutSFA, class LayoutSFB,
+          class Shape3>
 struct Fp8ArgsLayout {
   size_t ptr_a, ptr_b, ptr_sfa, ptr_sfb, ptr_c, ptr_d, stride_a, stride_b, stride_d, layout_sfa,
       layout_sfb, shapes, bytes;
@@ -66,11 +87,16 @@ struct Fp8ArgsLayout {
   }
 };
 
-// One configuration: ElementD out (bf16 or fp32), with a source operand C = D when kSource (the
-// accumulating fp32 units), on the given tile, cluster and kernel / epilogue schedules.
-template <class ElementD_, bool kSource, class TileShape_, class ClusterShape_,
+// One configuration: the scale layout (Fp8WgradScales or Fp8FpropScales), ElementD out (bf16 or
+// fp32), with a source operand C = D when kSource (the accumulating fp32 units), on the given
+// tile, cluster and kernel / epilogue schedules. A is row-major M x K, B "column-major" K x N
+// (both K contiguous), D row-major.
+template <class Scales, class ElementD_, bool kSource, class TileShape_, class ClusterShape_,
           class KernelSchedule_, class EpilogueSchedule_>
-struct Fp8WgradGemm {
+struct Fp8Gemm {
+  using ScaleConfig = Scales;
+  using LayoutSFA = decltype(Scales::deduce_layoutSFA());
+  using LayoutSFB = decltype(Scales::deduce_layoutSFB());
   using ElementD = ElementD_;
   using ElementC = cute::conditional_t<kSource, ElementD, void>;
   static constexpr bool kHasSource = kSource;
@@ -102,7 +128,7 @@ struct Fp8WgradGemm {
   static_assert(cute::is_same_v<StrideC, StrideD>, "C and D share their stride array");
   using ElementCArg = typename CollectiveEpilogue::ElementC;   // void without a source
   using Shape3 = typename ProblemShape::UnderlyingProblemShape;
-  using Layout = Fp8ArgsLayout<StrideA, StrideB, StrideD, Shape3>;
+  using Layout = Fp8ArgsLayout<StrideA, StrideB, StrideD, LayoutSFA, LayoutSFB, Shape3>;
 
   // beta = 1: out += result (kSource only); 0: out = result.
   static typename Gemm::Arguments arguments(int E, char* args, int device, int sm_count,
@@ -131,6 +157,16 @@ struct Fp8WgradGemm {
     return arguments;
   }
 };
+
+template <class ElementD, bool kSource, class TileShape, class ClusterShape, class KernelSchedule,
+          class EpilogueSchedule>
+using Fp8WgradGemm = Fp8Gemm<Fp8WgradScales, ElementD, kSource, TileShape, ClusterShape,
+                             KernelSchedule, EpilogueSchedule>;
+
+// The FPROP units store bf16 and have no source operand.
+template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
+using Fp8FpropGemm = Fp8Gemm<Fp8FpropScales, cutlass::bfloat16_t, false, TileShape, ClusterShape,
+                             KernelSchedule, EpilogueSchedule>;
 
 // Rp of this call, layout.padded_rows(R, E) with R = offsets[E]: the column bundles' row stride.
 __device__ inline int64_t padded_rows(const int32_t* offsets, int E) {
@@ -199,10 +235,10 @@ __global__ void fill_fp8_wgrad_args(int E, int M, int N, int64_t rp_cap, const i
   // k-block strides M and N: the bundles' [Rp/128, M] / [Rp/128, N] scales, m (n) contiguous.
   // The grouped mainloop rebuilds these from the problem shape (same values); kept for the
   // arguments' contract.
-  reinterpret_cast<LayoutSFA*>(args + L.layout_sfa)[e] =
-      Fp8ScaleConfig::tile_atom_to_shape_SFA(make_shape(M, N, K, 1));
-  reinterpret_cast<LayoutSFB*>(args + L.layout_sfb)[e] =
-      Fp8ScaleConfig::tile_atom_to_shape_SFB(make_shape(M, N, K, 1));
+  reinterpret_cast<typename G::LayoutSFA*>(args + L.layout_sfa)[e] =
+      G::ScaleConfig::tile_atom_to_shape_SFA(make_shape(M, N, K, 1));
+  reinterpret_cast<typename G::LayoutSFB*>(args + L.layout_sfb)[e] =
+      G::ScaleConfig::tile_atom_to_shape_SFB(make_shape(M, N, K, 1));
   reinterpret_cast<typename G::Shape3*>(args + L.shapes)[e] = typename G::Shape3(M, N, K);
 }
 
@@ -216,6 +252,72 @@ int64_t fp8_workspace_bytes(int E, int sm_count) {
 // read the block's first max(M, N) fp32 words, zeros as well).
 inline int64_t fp8_zero_bytes(int M, int N) {
   return int64_t(M > N ? M : N) * kScaleBlock;
+}
+
+// FPROP: one thread per expert, its group's shape, pointers, strides and scale layouts over its
+// rows (see the FPROP contract at the top). Traps on offsets that are not cumulative row ends
+// or that end past the row bound (r_cap: the rows the A bundle and out were allocated for, a
+// host value; 0 when unknown).
+template <class G>
+__global__ void fill_fp8_fprop_args(int E, int N, int K, int64_t r_cap, const int32_t* offsets,
+                                    const int64_t* qa_addr, const int64_t* sa_addr,
+                                    const ElementFp8* w, const float* sw,
+                                    const int64_t* out_addr, char* args) {
+  typename G::Layout L(E);
+  int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= E) return;
+  int start = offsets[e], end = offsets[e + 1];
+  if (start < 0 || end < start) {
+    printf("grouped_fp8_fprop_sm90: expert_offsets[%d]=%d, expert_offsets[%d]=%d are not "
+           "cumulative row ends\n", e, start, e + 1, end);
+    __trap();
+  }
+  if (r_cap > 0 && end > r_cap) {
+    printf("grouped_fp8_fprop_sm90: expert_offsets[%d]=%d exceeds the %lld rows of a and out\n",
+           e + 1, end, static_cast<long long>(r_cap));
+    __trap();
+  }
+  int M = end - start;
+  int64_t kb = K / kScaleBlock;
+  auto const* qa = reinterpret_cast<ElementFp8 const*>(*qa_addr) + int64_t(start) * K;
+  auto const* sa = reinterpret_cast<float const*>(*sa_addr) + int64_t(start) * kb;
+  using ElementD = typename G::ElementD;
+  ElementD* d = reinterpret_cast<ElementD*>(*out_addr) + int64_t(start) * N;
+  reinterpret_cast<ElementFp8 const**>(args + L.ptr_a)[e] = qa;
+  reinterpret_cast<ElementFp8 const**>(args + L.ptr_b)[e] = w + int64_t(e) * N * K;
+  reinterpret_cast<float const**>(args + L.ptr_sfa)[e] = sa;
+  reinterpret_cast<float const**>(args + L.ptr_sfb)[e] = sw + int64_t(e) * (N / kScaleBlock) * kb;
+  reinterpret_cast<ElementD const**>(args + L.ptr_c)[e] = d;
+  reinterpret_cast<ElementD**>(args + L.ptr_d)[e] = d;
+  reinterpret_cast<typename G::StrideA*>(args + L.stride_a)[e] =
+      cutlass::make_cute_packed_stride(typename G::StrideA{}, make_shape(M, K, 1));
+  reinterpret_cast<typename G::StrideB*>(args + L.stride_b)[e] =
+      cutlass::make_cute_packed_stride(typename G::StrideB{}, make_shape(N, K, 1));
+  reinterpret_cast<typename G::StrideD*>(args + L.stride_d)[e] =
+      cutlass::make_cute_packed_stride(typename G::StrideD{}, make_shape(M, N, 1));
+  // K-major scales: row m of A has its K/128 scales at sa + m * K/128, the n-block of B its
+  // K/128 at sw_e + (n / 128) * K/128 (the mainloop rebuilds these from the shape; same values)
+  reinterpret_cast<typename G::LayoutSFA*>(args + L.layout_sfa)[e] =
+      G::ScaleConfig::tile_atom_to_shape_SFA(make_shape(M, N, K, 1));
+  reinterpret_cast<typename G::LayoutSFB*>(args + L.layout_sfb)[e] =
+      G::ScaleConfig::tile_atom_to_shape_SFB(make_shape(M, N, K, 1));
+  reinterpret_cast<typename G::Shape3*>(args + L.shapes)[e] = typename G::Shape3(M, N, K);
+}
+
+// out[r] = a[r] @ w[e]^T with block scales (the FPROP contract).
+template <class G>
+int run_fp8_fprop(int E, int N, int K, int64_t r_cap, const int32_t* offsets,
+                  const int64_t* qa_addr, const int64_t* sa_addr, const void* w, const void* sw,
+                  const int64_t* out_addr, void* args, void* workspace, int64_t workspace_size,
+                  int device, int sm_count, cudaStream_t stream) {
+  if (E < 1 || N % kScaleBlock != 0 || K % kScaleBlock != 0 || r_cap < 0) return kBadShape;
+  auto arguments = G::arguments(E, static_cast<char*>(args), device, sm_count);
+  if (static_cast<int64_t>(G::Gemm::get_workspace_size(arguments)) > workspace_size)
+    return kWorkspaceSmall;
+  fill_fp8_fprop_args<G><<<(E + 127) / 128, 128, 0, stream>>>(
+      E, N, K, r_cap, offsets, qa_addr, sa_addr, static_cast<ElementFp8 const*>(w),
+      static_cast<float const*>(sw), out_addr, static_cast<char*>(args));
+  return launch_gemm<G>(arguments, workspace, stream);
 }
 
 // out[e] (+)= A_e @ B_e^T. accumulate needs a source operand (the fp32 units).
@@ -261,4 +363,22 @@ int run_fp8_wgrad(int E, int M, int N, int64_t rp_cap, const int32_t* offsets,
                                      sb_addr, out, out_table, accumulate, zeros, args,          \
                                      workspace, workspace_size, device, sm_count,               \
                                      static_cast<cudaStream_t>(stream));                        \
+  }
+
+// extern "C" entry points of one FP8 FPROP configuration, named dm_sm90_fp8_fprop_<name>_*.
+#define DM_SM90_FP8_FPROP_ENTRY_POINTS(name, G)                                                 \
+  extern "C" int64_t dm_sm90_fp8_fprop_##name##_args_bytes(int E) {                             \
+    return static_cast<int64_t>(G::Layout(E).bytes);                                            \
+  }                                                                                             \
+  extern "C" int64_t dm_sm90_fp8_fprop_##name##_workspace_bytes(int E, int sm_count) {          \
+    return dm_sm90::fp8_workspace_bytes<G>(E, sm_count);                                        \
+  }                                                                                             \
+  extern "C" int dm_sm90_fp8_fprop_##name##_run(                                                \
+      int E, int N, int K, int64_t r_cap, const int32_t* offsets, const int64_t* qa_addr,       \
+      const int64_t* sa_addr, const void* w, const void* sw, const int64_t* out_addr,           \
+      void* args, void* workspace, int64_t workspace_size, int device, int sm_count,            \
+      void* stream) {                                                                           \
+    return dm_sm90::run_fp8_fprop<G>(E, N, K, r_cap, offsets, qa_addr, sa_addr, w, sw,         \
+                                     out_addr, args, workspace, workspace_size, device,         \
+                                     sm_count, static_cast<cudaStream_t>(stream));              \
   }

@@ -271,9 +271,9 @@ def create_context(group=None, config: Config | None = None,
         check_same_config(config, group)
     plan = plan_memory(config, ep_size=ep)
     from .kernels.grouped_gemm import nvfp4_decode
-    from .kernels.grouped_gemm_sm90 import fp8_wgrad_loads
+    from .kernels.grouped_gemm_sm90 import fp8_gemm_loads
     execution = Execution.resolve(config, device, execution_overrides,
-                                  cutlass_loads=fp8_wgrad_loads, nvfp4_loads=nvfp4_decode.loads)
+                                  cutlass_loads=fp8_gemm_loads, nvfp4_loads=nvfp4_decode.loads)
     if ep > 1:
         from .execution import agree_engines
         execution = agree_engines(execution, group)

@@ -17,10 +17,12 @@ Development overrides select the plain-torch twins that the tests and baselines 
                   gather / SwiGLU / scatter kernels: the GEMM oracle and a baseline)
     routing       "triton" (one or two launches) | "torch" (sort / scatter ops: the routing oracle)
     bookkeeping   "triton" (one launch) | "torch" (the shared planner functions: its oracle)
-    fp8_wgrad     fp8_block training's two WGRADs: "cutlass" (CUTLASS's sm_90a blockwise-scaled
-                  grouped kernel, csrc/; the default on a Hopper GPU where its library loads:
-                  built on first use, cached) | "triton" (our kernel, the default elsewhere,
-                  and on every rank of a group where some rank cannot load the library)
+    fp8_gemm      fp8_block's GEMMs with a CUTLASS unit, the W13 FPROP and (training) the two
+                  WGRADs: "cutlass" (CUTLASS's sm_90a blockwise-scaled grouped kernels, csrc/;
+                  the default on a Hopper GPU where their library loads: built on first use,
+                  cached) | "triton" (our kernels, the default elsewhere, and on every rank of
+                  a group where some rank cannot load the library). The W2 FPROP and the DGRADs
+                  are Triton either way (their scatter and SwiGLU-backward epilogues)
     nvfp4_gemm    nvfp4 inference's GEMMs: "cuda" (our CUDA C++ GEMMs: the decode GEMM up to
                   32 rows per expert, csrc/nvfp4_decode_mm.cu, and the wgmma GEMM above,
                   csrc/nvfp4_wgmma_mm.cu; the default on a Hopper GPU where their library
@@ -57,7 +59,7 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "gemm_engine": ("triton", "torch"),
     "routing": ("triton", "torch"),
     "bookkeeping": ("triton", "torch"),
-    "fp8_wgrad": ("cutlass", "triton"),
+    "fp8_gemm": ("cutlass", "triton"),
     "nvfp4_gemm": ("cuda", "triton"),
 }
 ENV_OVERRIDES = "DIST_MOE_EXECUTION"
@@ -106,7 +108,7 @@ def check_overrides(overrides: Mapping[str, Any], source: str) -> dict[str, str]
 
 # the engines a context picks by whether a csrc/ library loads: field -> (the library's
 # engine, the fallback); each applies to one precision and mode (Execution.__post_init__)
-_LIBRARY_ENGINES = {"fp8_wgrad": ("cutlass", "triton"), "nvfp4_gemm": ("cuda", "triton")}
+_LIBRARY_ENGINES = {"fp8_gemm": ("cutlass", "triton"), "nvfp4_gemm": ("cuda", "triton")}
 
 
 def agree_engines(execution: "Execution", group) -> "Execution":
@@ -142,7 +144,7 @@ class Execution:
     gemm_engine: str = "triton"  # cuda backend only; see the module docstring
     routing: str = "triton"
     bookkeeping: str = "triton"
-    fp8_wgrad: str = "triton"    # fp8_block training on the cuda backend; see the docstring
+    fp8_gemm: str = "triton"     # fp8_block on the cuda backend; see the module docstring
     nvfp4_gemm: str = "triton"   # nvfp4 inference on the cuda backend; see the docstring
 
     @classmethod
@@ -153,7 +155,7 @@ class Execution:
         """The execution of `config` on `device`. overrides: see the module docstring; the
         DIST_MOE_EXECUTION variable applies first, explicit overrides on top. cutlass_loads /
         nvfp4_loads: whether a csrc/ library loads on `device` (create_context passes
-        grouped_gemm_sm90.fp8_wgrad_loads and grouped_gemm.nvfp4_decode.loads; without them
+        grouped_gemm_sm90.fp8_gemm_loads and grouped_gemm.nvfp4_decode.loads; without them
         the engines default to Triton)."""
         from .errors import ConfigError
 
@@ -173,10 +175,9 @@ class Execution:
         if backend == "reference" and chosen:
             raise ValueError(f"execution overrides {sorted(chosen)} select CUDA-backend twins; "
                              "this context runs the reference backend")
-        if (backend == "cuda" and config.precision == "fp8_block" and not config.inference
-                and "fp8_wgrad" not in chosen):
+        if backend == "cuda" and config.precision == "fp8_block" and "fp8_gemm" not in chosen:
             cutlass = cutlass_loads is not None and cutlass_loads(device)
-            chosen["fp8_wgrad"] = "cutlass" if cutlass else "triton"
+            chosen["fp8_gemm"] = "cutlass" if cutlass else "triton"
         if backend == "cuda" and config.precision == "nvfp4" and "nvfp4_gemm" not in chosen:
             cuda = nvfp4_loads is not None and nvfp4_loads(device)
             chosen["nvfp4_gemm"] = "cuda" if cuda else "triton"
@@ -185,11 +186,10 @@ class Execution:
                    wait_timeout_s=float(config.wait_timeout_s), **chosen)
 
     def __post_init__(self):
-        if self.fp8_wgrad == "cutlass" and (self.backend != "cuda" or self.inference
-                                            or self.precision != "fp8_block"):
-            raise ValueError(f"fp8_wgrad='cutlass' is fp8_block's CUDA-backend WGRAD; this "
-                             f"context runs precision={self.precision!r} on {self.backend!r}"
-                             f"{' (inference)' if self.inference else ''}")
+        if self.fp8_gemm == "cutlass" and (self.backend != "cuda"
+                                           or self.precision != "fp8_block"):
+            raise ValueError(f"fp8_gemm='cutlass' is fp8_block's CUDA-backend GEMMs; this "
+                             f"context runs precision={self.precision!r} on {self.backend!r}")
         if self.nvfp4_gemm == "cuda" and (self.backend != "cuda" or self.precision != "nvfp4"):
             raise ValueError(f"nvfp4_gemm='cuda' is nvfp4's CUDA-backend GEMMs; this "
                              f"context runs precision={self.precision!r} on {self.backend!r}")
@@ -229,9 +229,13 @@ class Execution:
                 ("mode", "inference" if self.inference else "training")]
         if self.backend == "cuda":
             if self.precision == "fp8_block":
-                gemms = ("Triton FP8 block-scaled persistent grouped GEMMs (E4M3, 1x128 "
-                         "activation / 128x128 weight scales, fp32 promotion every 128 of K); "
-                         "scatter to the owners in the W2 epilogue")
+                gemms = ("FP8 block-scaled grouped GEMMs (E4M3, 1x128 activation / 128x128 "
+                         "weight scales, fp32 promotion every 128 of K): ")
+                gemms += ("the W13 FPROP on CUTLASS's sm_90a blockwise-scaled ptr-array kernel "
+                          "(csrc/, 128x128x128 cooperative tiles), the W2 FPROP on our Triton "
+                          "kernel with the scatter to the owners in its epilogue"
+                          if self.fp8_gemm == "cutlass" else
+                          "Triton persistent kernels; scatter to the owners in the W2 epilogue")
             elif self.precision == "mxfp8":
                 gemms = ("Triton persistent bf16 grouped GEMMs on the MXFP8 operands' bf16 "
                          "copies (exact: Hopper has no MXFP8 instruction); scatter to the "
@@ -289,7 +293,7 @@ class Execution:
                           if self.gemm_engine == "triton" else "torch._grouped_mm")]
                 if self.precision == "fp8_block":
                     rows += [("WGRADs", "CUTLASS sm_90a FP8 blockwise-scaled grouped GEMM "
-                              "(csrc/, 128x128x128 cooperative tiles)" if self.fp8_wgrad ==
+                              "(csrc/, 128x128x128 cooperative tiles)" if self.fp8_gemm ==
                               "cutlass" else "Triton FP8 block-scaled grouped WGRAD")]
             rows += [("device waits", f"give up after {self.wait_timeout_s:g} s")]
         else:

@@ -201,6 +201,21 @@ def check_fp8_mm_store_and_scatter(device, big=False):
     assert torch.isnan(dst[perm[3]].float()).all(), "row with address 0 was written"
 
 
+def check_fp8_fprop_cutlass(device, big=False):
+    """The W13 FPROP on CUTLASS's FP8 blockwise-scaled unit (GPU only: csrc/): the Triton
+    check's bound against the twin, every configuration, rows past offsets[E] untouched."""
+    from megatron_dist_moe.kernels import grouped_gemm_sm90 as sm90
+    lens, offs, R, E, D, F, x, w13, w2, W = _gemm_problem(device, big)
+    xq = Q.quantize_rows(x)
+    xd, w13d = Q.dequantize_rows(*xq), Q.dequantize_weight(W.w13, W.w13_s)
+    ref = _per_expert(offs, lambda e, a, b: xd[a:b] @ w13d[e].T)
+    for config in sm90.FP8_FPROP_CONFIGS:
+        h1 = torch.full((R + 7, 2 * F), float("nan"), dtype=torch.bfloat16, device=device)
+        sm90.GroupedFp8FpropSm90(E, device, config)(xq, W.w13, W.w13_s, offs, h1)
+        _close(f"W13 store (CUTLASS {config})", h1[:R].float(), ref, 4e-3)
+        assert torch.isnan(h1[R:].float()).all(), f"{config}: rows past offsets[E] written"
+
+
 def check_fp8_mm_swiglu_bwd(device, big=False):
     from megatron_dist_moe.kernels.grouped_gemm.fp8 import fp8_config, fp8_grouped_mm
     lens, offs, R, E, D, F, x, w13, w2, W = _gemm_problem(device, big)
@@ -261,3 +276,4 @@ def check_fp8_wgrad(device, big=False):
 
 
 CHECKS = {n[len("check_"):]: f for n, f in sorted(globals().items()) if n.startswith("check_")}
+GPU_ONLY = ("fp8_fprop_cutlass",)   # a CUDA C++ kernel: not in the interpreter's list

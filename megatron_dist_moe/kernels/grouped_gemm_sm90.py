@@ -2,9 +2,12 @@
 
     FPROP  out[r] = a[r] @ w[e]^T    for the rows r of expert e, [offsets[e], offsets[e+1])
     WGRAD  out[e] = a_e^T @ b_e      over the same rows (K = the expert's row count)
+    FP8 FPROP  out[r] = A[r] @ W[e]^T from an FP8 row bundle (1 x 128 scales) and FP8 weights
+           (128 x 128 tile scales), bf16 out (`GroupedFp8FpropSm90`: the contract of
+           grouped_gemm.fp8.fp8_grouped_mm with epilogue "store", the W13 FPROP)
     FP8 WGRAD  out[e] (+)= A_e B_e^T over expert e's padded token blocks, from the FP8 column
-           bundles (`GroupedFp8WgradSm90`: the contract of grouped_gemm.fp8.fp8_grouped_wgrad,
-           on CUTLASS's blockwise-scaled FP8 kernels)
+           bundles (`GroupedFp8WgradSm90`: the contract of grouped_gemm.fp8.fp8_grouped_wgrad)
+    Both FP8 GEMMs run CUTLASS's blockwise-scaled FP8 kernels.
 
 The same contracts as `grouped_gemm.grouped_mm_fwd(epilogue="store")` and
 `grouped_gemm.grouped_mm_wgrad` (torch twins: `grouped_gemm_ref.grouped_mm_fwd_ref` and
@@ -36,9 +39,9 @@ import torch
 
 from . import csrc_build
 
-__all__ = ["CONFIGS", "WGRAD_CONFIGS", "FP8_WGRAD_CONFIGS", "fp8_wgrad_loads", "GroupedFpropSm90",
-           "GroupedWgradSm90", "GroupedFp8WgradSm90", "available", "load_library",
-           "build_library"]
+__all__ = ["CONFIGS", "WGRAD_CONFIGS", "FP8_FPROP_CONFIGS", "FP8_WGRAD_CONFIGS", "fp8_gemm_loads",
+           "GroupedFpropSm90", "GroupedWgradSm90", "GroupedFp8FpropSm90", "GroupedFp8WgradSm90",
+           "available", "load_library", "build_library"]
 
 # Tile configurations, one translation unit each: FPROP csrc/grouped_gemm_sm90_<name>.cu, WGRAD
 # csrc/grouped_gemm_sm90_wgrad_<name>_<bf16|f32>.cu (one per stored weight-gradient dtype).
@@ -49,11 +52,16 @@ _WGRAD_DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # tiles, 1x2 clusters; the f32 unit can also accumulate (C = D). A ping-pong unit (64x128x128)
 # ran even with our Triton WGRAD on one H200 and was dropped (docs/decisions.md)
 FP8_WGRAD_CONFIGS = ("coop",)
+# FP8 block-scaled FPROP (bf16 out), csrc/grouped_gemm_sm90_fp8_fprop_<name>.cu: "coop" 128x128x128
+# tiles, 1x2 clusters (the token-row tile multicast); "coop_2x1" the same with 2x1 clusters (the
+# weight tile multicast)
+FP8_FPROP_CONFIGS = ("coop", "coop_2x1")
 _UNITS = ([f"grouped_gemm_sm90_{c}" for c in CONFIGS]
           + [f"grouped_gemm_sm90_wgrad_{c}_{d}" for c in WGRAD_CONFIGS
              for d in _WGRAD_DTYPES.values()]
           + [f"grouped_gemm_sm90_fp8_wgrad_{c}_{d}" for c in FP8_WGRAD_CONFIGS
-             for d in _WGRAD_DTYPES.values()])
+             for d in _WGRAD_DTYPES.values()]
+          + [f"grouped_gemm_sm90_fp8_fprop_{c}" for c in FP8_FPROP_CONFIGS])
 _HEADER = "grouped_gemm_sm90.cuh"
 _HEADERS = (_HEADER, "grouped_gemm_sm90_fp8.cuh")
 _NVCC_FLAGS = csrc_build.NVCC_FLAGS
@@ -68,6 +76,7 @@ _STATUS = {
 _FP8_STATUS = {**_STATUS,
                1: "bad shape: E < 1, M or N not a multiple of 16, Rp not a multiple of 128, or "
                   "accumulate on a unit without a source operand"}
+_FP8_FPROP_STATUS = {**_STATUS, 1: "bad shape: E < 1, or N or K not a multiple of 128"}
 
 
 def csrc_dir() -> Path:
@@ -150,6 +159,12 @@ class _Lib:
             [i32, i32, i32, i64, vp, vp, vp, vp, vp, vp, vp, i32, vp, vp, vp, i64, i32, i32, vp],
             zero_bytes=True)
             for cfg in FP8_WGRAD_CONFIGS for dt in _WGRAD_DTYPES.values()}
+        # run: E, N, K, r_cap, offsets, qa, sa (device pointers), w, sw, out (device pointer),
+        # args, workspace, workspace_size, device, sm_count, stream
+        self.fp8_fprop_fns = {cfg: self._entry_points(
+            f"dm_sm90_fp8_fprop_{cfg}",
+            [i32, i32, i32, i64, vp, vp, vp, vp, vp, vp, vp, vp, i64, i32, i32, vp])
+            for cfg in FP8_FPROP_CONFIGS}
 
     def _entry_points(self, name: str, run_argtypes: list, zero_bytes: bool = False) -> tuple:
         """(args_bytes, workspace_bytes[, zero_bytes], run) of one unit's extern "C" API."""
@@ -170,11 +185,11 @@ def load_library() -> _Lib:
     return _Lib(build_library())
 
 
-# whether fp8_block's WGRADs run on CUTLASS here (fp8_wgrad_loads(device)): a Hopper GPU where
-# the library can be built (minutes, once, at context creation rather than at the first
-# backward) or loaded from its cache
-fp8_wgrad_loads = csrc_build.LoadProbe(
-    lambda: load_library(), "fp8_block's WGRADs run on our Triton kernel: the CUTLASS library "
+# whether fp8_block's CUTLASS GEMMs run here (fp8_gemm_loads(device)): a Hopper GPU where the
+# library can be built (minutes, once, at context creation rather than at the first call) or
+# loaded from its cache
+fp8_gemm_loads = csrc_build.LoadProbe(
+    lambda: load_library(), "fp8_block's GEMMs run on our Triton kernels: the CUTLASS library "
     "(csrc/) could not be built or loaded here", precondition=lambda: available())
 
 
@@ -361,6 +376,99 @@ def _fp8_bundle(pair, name: str, mn_name: str, device: torch.device):
             raise ValueError(f"{what}: address {x.data_ptr():#x} is not 16-byte aligned")
     from .rows import device_ptr
     return device_ptr(q), device_ptr(s), mn, rp
+
+
+def _fp8_rows(pair, name: str, K: int, device: torch.device):
+    """(data, scales) of an FP8 row bundle as device pointers (int64 [1]) and its row count
+    (0 when given as pointers). Tensors are checked: data e4m3 [R, K], scales fp32 [R, K/128],
+    both contiguous and 16-byte aligned on `device`."""
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+        raise ValueError(f"{name}: expected a row bundle (data, scales), tensors or device "
+                         f"pointers, got {type(pair).__name__}")
+    q, s = pair
+    ptrs = [x for x in (q, s) if x.dtype == torch.int64 and x.numel() == 1]
+    if len(ptrs) == 2:
+        for x, what in ((q, name), (s, f"{name} scales")):
+            if x.device != device:
+                raise ValueError(f"{what} is on {x.device}, expected {device}")
+        return q, s, 0
+    if ptrs:
+        raise ValueError(f"{name}: data and scales must both be tensors or both device pointers")
+    if q.dim() != 2 or q.dtype != _F8 or not q.is_contiguous() or q.shape[1] != K:
+        raise ValueError(f"{name}: expected contiguous float8_e4m3fn data [R, {K}], got "
+                         f"{q.dtype} {tuple(q.shape)}")
+    rows = q.shape[0]
+    if s.dtype != torch.float32 or s.dim() != 2 or s.shape[1] != K // 128 or not s.is_contiguous():
+        raise ValueError(f"{name} scales: expected contiguous float32 [R, {K // 128}], got "
+                         f"{s.dtype} {tuple(s.shape)}")
+    if s.shape[0] != rows:
+        raise ValueError(f"{name}: {rows} data rows but {s.shape[0]} scale rows")
+    for x, what in ((q, name), (s, f"{name} scales")):
+        if x.device != device:
+            raise ValueError(f"{what} is on {x.device}, expected {device}")
+        if x.data_ptr() % 16:
+            raise ValueError(f"{what}: address {x.data_ptr():#x} is not 16-byte aligned")
+    from .rows import device_ptr
+    return device_ptr(q), device_ptr(s), rows
+
+
+class GroupedFp8FpropSm90(_GroupedCallSm90):
+    """out[r] = A[r] @ W[e]^T for the rows r of expert e, from an FP8 row bundle (1 x 128 scales
+    along K) and FP8 weights (128 x 128 tile scales), bf16 out, on CUTLASS's ptr-array
+    blockwise-scaled FP8 kernel (sm_90a): the contract of
+    `grouped_gemm.fp8.fp8_grouped_mm(epilogue="store")`, fp32 accumulation promoted every 128
+    of K.
+
+    config "coop": 128x128x128 tiles, two warpgroups on each tile, 1x2 clusters. One instance
+    per (device, number of experts): it owns the device argument block and workspace, so its
+    calls must be ordered on one stream. Nothing is read on the host; a call can be captured in
+    a CUDA graph.
+    """
+
+    def __init__(self, num_experts: int, device, config: str = "coop"):
+        if config not in FP8_FPROP_CONFIGS:
+            raise ValueError(f"config={config!r}: expected one of {FP8_FPROP_CONFIGS}")
+        self.config = config
+        super().__init__(num_experts, device, lambda lib: lib.fp8_fprop_fns[config])
+
+    def __call__(self, a, w: torch.Tensor, w_scales: torch.Tensor, expert_offsets: torch.Tensor,
+                 out) -> None:
+        """a: the A row bundle (q [R, K] e4m3, s [R, K/128] fp32), tensors or device pointers
+        (int64 [1]); w [E, N, K] e4m3 contiguous, w_scales [E, N/128, K/128] fp32 contiguous;
+        expert_offsets int32 [E+1] on the device (rows past offsets[E] are not touched); out
+        bf16 [R, N] contiguous, or a device pointer to it."""
+        if w.dim() != 3 or w.dtype != _F8 or not w.is_contiguous():
+            raise ValueError(f"w: expected a contiguous float8_e4m3fn [E, N, K] tensor, got "
+                             f"{w.dtype} {tuple(w.shape)}")
+        E, N, K = w.shape
+        _check_built_for(self, "w", E, w.device)
+        if N % 128 or K % 128:
+            raise ValueError(f"w: N={N} and K={K} must be multiples of 128 (the scaling blocks)")
+        if (w_scales.dtype != torch.float32 or w_scales.shape != (E, N // 128, K // 128)
+                or not w_scales.is_contiguous() or w_scales.device != self.device):
+            raise ValueError(f"w_scales: expected contiguous float32 [{E}, {N // 128}, "
+                             f"{K // 128}] on {self.device}, got {w_scales.dtype} "
+                             f"{tuple(w_scales.shape)} on {w_scales.device}")
+        _check_offsets(expert_offsets, E, self.device)
+        qa, sa, a_rows = _fp8_rows(a, "a", K, self.device)
+        out_rows = 0
+        if isinstance(out, torch.Tensor) and not (out.dtype == torch.int64 and out.numel() == 1):
+            if out.dim() != 2 or out.shape[1] != N or out.dtype != torch.bfloat16:
+                raise ValueError(f"out: expected bf16 [R, {N}], got {out.dtype} "
+                                 f"{tuple(out.shape)}")
+            out_rows = out.shape[0]
+        out_ptr = _addr_tensor(out, "out", self.device)
+        r_cap = min([r for r in (a_rows, out_rows) if r] or [0])
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        with torch.cuda.device(self.dev_index):    # CUTLASS sets its kernel attributes there
+            status = self._run(E, N, K, r_cap, expert_offsets.data_ptr(), qa.data_ptr(),
+                               sa.data_ptr(), w.data_ptr(), w_scales.data_ptr(),
+                               out_ptr.data_ptr(), self.args.data_ptr(),
+                               self.workspace.data_ptr(), self.workspace.numel(), self.dev_index,
+                               self.sm_count, stream)
+        if status != 0:
+            raise RuntimeError(f"grouped_fp8_fprop_sm90[{self.config}] E={E} N={N} K={K}: "
+                               f"{_FP8_FPROP_STATUS.get(status, f'status {status}')}")
 
 
 class GroupedFp8WgradSm90:

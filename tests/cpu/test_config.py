@@ -263,28 +263,44 @@ def test_context_explain_passes_its_row_bound_to_the_tiles(monkeypatch):
     assert seen == [(40, 2, 256, 128, torch.device("cpu"))]
 
 
-def test_fp8_wgrad_engine_is_chosen_at_creation(monkeypatch):
-    """fp8_block training's WGRADs: CUTLASS where the csrc/ library can be built on a Hopper GPU,
-    Triton elsewhere (here: no GPU), shown by explain(); the override forces either, and is
-    refused where it means nothing."""
+def test_fp8_gemm_engine_is_chosen_at_creation(monkeypatch):
+    """fp8_block's CUTLASS GEMMs (the W13 FPROP; training: the WGRADs): CUTLASS where the csrc/
+    library can be built on a Hopper GPU, Triton elsewhere (here: no GPU), shown by explain();
+    the override forces either, and is refused where it means nothing."""
     import torch
     from megatron_dist_moe import execution as X
     from megatron_dist_moe.kernels import grouped_gemm_sm90
 
     monkeypatch.setattr(grouped_gemm_sm90, "available", lambda: True)
     # a CPU device (the interpreter's CUDA backend) never takes the CUTLASS units
-    assert not grouped_gemm_sm90.fp8_wgrad_loads(torch.device("cpu"))
+    assert not grouped_gemm_sm90.fp8_gemm_loads(torch.device("cpu"))
     ex = X.Execution(backend="cuda", precision="fp8_block", pipeline="standard",
                      inference=False, save_route_outputs=False, wait_timeout_s=600.0,
-                     fp8_wgrad="cutlass")
-    assert "CUTLASS sm_90a FP8 blockwise-scaled grouped GEMM" in ex.explain()
-    assert "Triton FP8 block-scaled grouped WGRAD" in ex.replace(fp8_wgrad="triton").explain()
-    assert "WGRADs" not in ex.replace(fp8_wgrad="triton", inference=True).explain()
-    with pytest.raises(ValueError, match="fp8_wgrad='cutlass' is fp8_block's"):
+                     fp8_gemm="cutlass")
+    text = ex.explain()
+    assert "CUTLASS sm_90a FP8 blockwise-scaled grouped GEMM" in text
+    assert "the W13 FPROP on CUTLASS's sm_90a blockwise-scaled" in text
+    triton = ex.replace(fp8_gemm="triton").explain()
+    assert "Triton FP8 block-scaled grouped WGRAD" in triton and "CUTLASS" not in triton
+    assert "WGRADs" not in ex.replace(fp8_gemm="triton", inference=True).explain()
+    # inference runs the CUTLASS FPROP too (no WGRADs)
+    inf = ex.replace(inference=True).explain()
+    assert "the W13 FPROP on CUTLASS's" in inf and "WGRADs" not in inf
+    with pytest.raises(ValueError, match="fp8_gemm='cutlass' is fp8_block's"):
         ex.replace(precision="bf16")
-    assert X.parse_overrides("fp8_wgrad=triton") == {"fp8_wgrad": "triton"}
-    with pytest.raises(ValueError, match="fp8_wgrad='torch'"):
-        X.parse_overrides("fp8_wgrad=torch")
+    assert X.parse_overrides("fp8_gemm=triton") == {"fp8_gemm": "triton"}
+    with pytest.raises(ValueError, match="fp8_gemm='torch'"):
+        X.parse_overrides("fp8_gemm=torch")
+    # resolve: CUTLASS in both modes where the library loads, Triton where it does not
+    from megatron_dist_moe.config import Config
+    for inference in (False, True):
+        cfg = Config(num_local_input_tokens=16, hidden_dim=256, intermediate_dim=128,
+                     num_experts=4, top_k=2, precision="fp8_block", backend="cuda",
+                     inference=inference)
+        for loads, engine in ((True, "cutlass"), (False, "triton")):
+            got = X.Execution.resolve(cfg, torch.device("cuda", 0),
+                                     cutlass_loads=lambda d: loads)
+            assert got.fp8_gemm == engine, (inference, loads)
 
 
 def test_nvfp4_gemm_engine_is_chosen_at_creation(monkeypatch):
@@ -374,7 +390,7 @@ def test_nvfp4_decode_gemm_refuses_what_its_kernel_cannot_read():
         nvfp4_wgmma_mm(**{**kw, "a16": torch.zeros(R, 128, dtype=torch.float16)})
 
 
-def test_fp8_wgrad_falls_back_to_triton(monkeypatch):
+def test_fp8_gemm_falls_back_to_triton(monkeypatch):
     """A library that cannot be built or loaded leaves Triton with one warning and one attempt
     per process; ranks that disagree all run Triton."""
     import torch
@@ -387,27 +403,27 @@ def test_fp8_wgrad_falls_back_to_triton(monkeypatch):
     def failing_load():
         calls.append(1)
         raise RuntimeError("nvcc failed on grouped_gemm_sm90_fp8_wgrad_coop_f32.cu")
-    monkeypatch.setattr(grouped_gemm_sm90.fp8_wgrad_loads, "error", None)
+    monkeypatch.setattr(grouped_gemm_sm90.fp8_gemm_loads, "error", None)
     monkeypatch.setattr(common, "interpreting", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     monkeypatch.setattr(grouped_gemm_sm90, "available", lambda: True)
     monkeypatch.setattr(grouped_gemm_sm90, "load_library", failing_load)
     with pytest.warns(UserWarning, match="could not be built or loaded here: nvcc failed"):
-        assert not grouped_gemm_sm90.fp8_wgrad_loads(torch.device("cuda", 0))
-    assert not grouped_gemm_sm90.fp8_wgrad_loads(torch.device("cuda", 0)) and len(calls) == 1
+        assert not grouped_gemm_sm90.fp8_gemm_loads(torch.device("cuda", 0))
+    assert not grouped_gemm_sm90.fp8_gemm_loads(torch.device("cuda", 0)) and len(calls) == 1
 
     ex = X.Execution(backend="cuda", precision="fp8_block", pipeline="standard",
                      inference=False, save_route_outputs=False, wait_timeout_s=600.0,
-                     fp8_wgrad="cutlass")
+                     fp8_gemm="cutlass")
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 3)
 
     def gather(out, obj, group=None):
-        out[:] = [obj, {**obj, "fp8_wgrad": "triton"}, obj]
+        out[:] = [obj, {**obj, "fp8_gemm": "triton"}, obj]
     monkeypatch.setattr(dist, "all_gather_object", gather)
-    with pytest.warns(UserWarning, match=r"fp8_wgrad: every rank runs 'triton': ranks \[1\]"):
-        assert X.agree_engines(ex, None).fp8_wgrad == "triton"
+    with pytest.warns(UserWarning, match=r"fp8_gemm: every rank runs 'triton': ranks \[1\]"):
+        assert X.agree_engines(ex, None).fp8_gemm == "triton"
     monkeypatch.setattr(dist, "all_gather_object",
                         lambda out, obj, group=None: out.__setitem__(slice(None), [obj] * 3))
     assert X.agree_engines(ex, None) is ex
-    with pytest.raises(ValueError, match=r"\(inference\)"):
-        ex.replace(inference=True)
+    with pytest.raises(ValueError, match="fp8_gemm='cutlass' is fp8_block's"):
+        ex.replace(backend="reference")

@@ -1,8 +1,8 @@
 """csrc/: the CUTLASS grouped GEMM library builds for sm_90a here (no GPU needed) and exports
 its entry points; its Python wrapper rejects what it cannot run, with the argument named.
 
-The build compiles every tile configuration (bf16 FPROP / WGRAD and the FP8 WGRAD units; about
-8-15 minutes on 2 cores) into a temporary
+The build compiles every tile configuration (bf16 FPROP / WGRAD, the FP8 WGRAD and FP8 FPROP
+units; about 10-17 minutes on 2 cores) into a temporary
 cache folder, then calls the library's host-only functions (argument-block and workspace
 sizes). Skipped where nvcc or the CUTLASS headers (`pip install nvidia-cutlass`, in the dev
 extra) are missing. The kernels themselves run in tests/gpu/test_grouped_gemm_sm90_gpu.py.
@@ -24,7 +24,7 @@ needs_build = pytest.mark.skipif(not sm90.available(),
 
 
 @needs_build
-@pytest.mark.timeout(2400)   # eight nvcc units: 8-15 min on 2 cores, near the 900 s default
+@pytest.mark.timeout(2400)   # eight nvcc units (four FP8): 10-17 min on 2 cores, past the 900 s default
 def test_library_builds_and_exports_every_configuration(tmp_path, monkeypatch):
     monkeypatch.setenv("DIST_MOE_CSRC_CACHE", str(tmp_path))
     lib_path = sm90.build_library()
@@ -76,6 +76,23 @@ def test_library_builds_and_exports_every_configuration(tmp_path, monkeypatch):
         # checks and then find the workspace (0 bytes here) too small
         assert fp8_run(6, 128, 128, 1024, accumulate=1) == (1 if dt == "bf16" else 2)
         assert fp8_run(6, 128, 128, 1024) == 2
+    assert sorted(lib.fp8_fprop_fns) == sorted(sm90.FP8_FPROP_CONFIGS)
+    for cfg, (args_bytes, ws_bytes, run) in lib.fp8_fprop_fns.items():
+        assert args_bytes(6) >= 6 * (6 * 8 + 3 * 8 + 3 * 4) and args_bytes(6) % 16 == 0
+        assert args_bytes(12) > args_bytes(6)
+        assert ws_bytes(6, 132) > 0 and ws_bytes(6, 132) >= ws_bytes(6, 66)
+        null = ctypes.c_void_p(0)
+
+        def fprop_run(E, N, K, r_cap=0, run=run):
+            return run(E, N, K, r_cap, null, null, null, null, null, null, null, null, 0, 0,
+                       132, null)
+        # refused before anything is launched: N or K not a multiple of 128, E < 1, r_cap < 0
+        assert fprop_run(6, 6144, 7100) == 1
+        assert fprop_run(6, 6100, 7168) == 1
+        assert fprop_run(0, 6144, 7168) == 1
+        assert fprop_run(6, 6144, 7168, r_cap=-1) == 1
+        # valid shapes pass the checks and then find the workspace (0 bytes here) too small
+        assert fprop_run(6, 6144, 7168) == 2
 
 
 def test_cache_key_follows_the_sources(tmp_path, monkeypatch):
@@ -108,6 +125,10 @@ def test_wrapper_names_what_it_cannot_run(monkeypatch, tmp_path):
         sm90.GroupedFp8WgradSm90(2, "cpu", "fastest")
     with pytest.raises(ValueError, match="device=cpu"):
         sm90.GroupedFp8WgradSm90(2, "cpu", "coop")
+    with pytest.raises(ValueError, match="config='fastest'"):
+        sm90.GroupedFp8FpropSm90(2, "cpu", "fastest")
+    with pytest.raises(ValueError, match="device=cpu"):
+        sm90.GroupedFp8FpropSm90(2, "cpu", "coop")
     monkeypatch.setenv("DIST_MOE_CSRC_DIR", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="DIST_MOE_CSRC_DIR"):
         sm90.csrc_dir()
@@ -143,6 +164,39 @@ def test_wrappers_check_the_experts_and_device_they_were_built_for():
     fp8.device = torch.device("meta")
     with pytest.raises(ValueError, match="out is on cpu, expected meta"):
         fp8._out(w[:2].contiguous(), accumulate=False)
+
+
+def test_fp8_fprop_wrapper_names_the_bad_argument():
+    """GroupedFp8FpropSm90 checks every operand against the contract of
+    fp8_grouped_mm(epilogue="store") before anything reaches the library."""
+    f8 = torch.float8_e4m3fn
+    E, N, K, R = 2, 256, 384, 40
+    fprop = _built(sm90.GroupedFp8FpropSm90, E, config="coop")
+    w = torch.zeros(E, N, K, dtype=f8)
+    ws = torch.zeros(E, N // 128, K // 128)
+    offs = torch.tensor([0, 16, R], dtype=torch.int32)
+    a = (torch.zeros(R, K, dtype=f8), torch.zeros(R, K // 128))
+    out = torch.zeros(R, N, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="w: expected a contiguous float8_e4m3fn"):
+        fprop(a, w.float(), ws, offs, out)
+    with pytest.raises(ValueError, match="w has 3 experts; this GEMM was built for 2"):
+        fprop(a, torch.zeros(3, N, K, dtype=f8), ws, offs, out)
+    with pytest.raises(ValueError, match="N=200 and K=384 must be multiples of 128"):
+        fprop(a, torch.zeros(E, 200, K, dtype=f8), ws, offs, out)
+    with pytest.raises(ValueError, match=r"w_scales: expected contiguous float32 \[2, 2, 3\]"):
+        fprop(a, w, ws[:, :1], offs, out)
+    with pytest.raises(ValueError, match=r"expert_offsets: expected int32 \[3\]"):
+        fprop(a, w, ws, offs[:2], out)
+    with pytest.raises(ValueError, match=r"a: expected contiguous float8_e4m3fn data \[R, 384\]"):
+        fprop((a[0][:, :128].contiguous(), a[1]), w, ws, offs, out)
+    with pytest.raises(ValueError, match=r"a scales: expected contiguous float32 \[R, 3\]"):
+        fprop((a[0], a[1][:, :2].contiguous()), w, ws, offs, out)
+    with pytest.raises(ValueError, match="a: 40 data rows but 39 scale rows"):
+        fprop((a[0], a[1][:39]), w, ws, offs, out)
+    with pytest.raises(ValueError, match="a: data and scales must both be tensors or both"):
+        fprop((a[0], torch.zeros(1, dtype=torch.int64)), w, ws, offs, out)
+    with pytest.raises(ValueError, match=r"out: expected bf16 \[R, 256\]"):
+        fprop(a, w, ws, offs, out.float())
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None and not os.environ.get("CUDACXX"),

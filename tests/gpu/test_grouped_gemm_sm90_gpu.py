@@ -15,6 +15,12 @@ fp64, with that check's bounds (tests/fp8_kernel_checks.py: norm-wise 1e-3 for f
 for bf16). Its fp32 outputs are poisoned with NaN too, so a store that read its source operand
 (beta = 0 must skip C) would fail.
 
+The FP8 block-scaled FPROP (`GroupedFp8FpropSm90`) is checked against the torch twin of
+`fp8_grouped_mm(epilogue="store")` (the dequantized row bundle times the dequantized weights, in
+fp64; max error <= 4e-3 x max|ref|, tests/fp8_kernel_checks.py's bound for that kernel: one
+bf16 unit and the FP8 tensor cores' block sums) and against our Triton kernel on the same
+operands; rows past offsets[E] stay NaN.
+
     pytest -m gpu tests/gpu/test_grouped_gemm_sm90_gpu.py -v
 """
 
@@ -418,3 +424,118 @@ def test_fp8_wgrad_rejects_bad_arguments():
         gemm(ac, bc, offs.long(), out)
     with pytest.raises(ValueError, match="config="):
         sm90.GroupedFp8WgradSm90(2, "cuda", "fastest")
+
+
+# -- FP8 block-scaled FPROP ----------------------------------------------------------------------
+def _fp8_fprop_problem(counts, N, K, seed=0, spare=37):
+    """Offsets, the A row bundle of random rows [R + spare, K], FP8 weights [E, N, K] with their
+    tile scales (quant/fp8_block), a NaN-poisoned bf16 out [R + spare, N], and R."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    E, R = len(counts), sum(counts)
+    offs = torch.tensor([0] + list(torch.tensor(counts).cumsum(0)), dtype=torch.int32,
+                        device="cuda")
+    # rows of very different magnitudes: the per-row, per-128 scales must be applied per row
+    x = (torch.randn(R + spare, K, device="cuda", generator=g)
+         * torch.logspace(-2, 2, R + spare, device="cuda")[:, None]).to(BF16)
+    w = (torch.randn(E, N, K, device="cuda", generator=g) * K ** -0.5).to(BF16)
+    wq, ws = Q.quantize_weight(w)
+    out = torch.full((R + spare, N), float("nan"), dtype=BF16, device="cuda")
+    return offs, Q.quantize_rows(x), wq, ws, out, R
+
+
+def _fp8_fprop_twin(a, wq, ws, offs):
+    """out[r] = dequant(a)[r] @ dequant(w[e])^T over each expert's rows, in fp64; [R, N]."""
+    ad = Q.dequantize_rows(*a).double()
+    wd = Q.dequantize_weight(wq, ws).double()
+    o = offs.tolist()
+    return torch.cat([ad[o[e]:o[e + 1]] @ wd[e].T for e in range(len(o) - 1)])
+
+
+def _check_fp8_fprop(out, ref, R):
+    assert not out[:R].isnan().any(), "rows of the experts left unwritten"
+    assert out[R:].isnan().all(), "rows past offsets[E] were written"
+    if R:
+        err = ((out[:R].double() - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
+        assert err <= 4e-3, err
+
+
+@pytest.mark.parametrize("config", sm90.FP8_FPROP_CONFIGS)
+@pytest.mark.parametrize("counts", [
+    [256, 256, 256],                 # whole tiles
+    [300, 0, 77, 1, 513],            # ragged, an empty expert, a single row
+    [0, 0, 0],                       # no rows at all
+    [1000, 3, 0, 0, 129, 64, 7, 2],  # 8 experts, imbalanced
+    [1, 1, 1, 1, 1, 1],              # decode: one row per expert
+])
+def test_fp8_fprop_matches_twin(config, counts):
+    N, K = 512, 384
+    offs, a, wq, ws, out, R = _fp8_fprop_problem(counts, N, K)
+    sm90.GroupedFp8FpropSm90(len(counts), "cuda", config)(a, wq, ws, offs, out)
+    torch.cuda.synchronize()
+    _check_fp8_fprop(out, _fp8_fprop_twin(a, wq, ws, offs), R)
+
+
+@pytest.mark.parametrize("config", sm90.FP8_FPROP_CONFIGS)
+@pytest.mark.parametrize("N, K", [(6144, 7168), (7168, 3072)], ids=["w13", "w2"])
+def test_fp8_fprop_guide_widths_match_triton(config, N, K):
+    """The guide's W13 / W2 FPROP widths, experts ragged and one empty: the twin's bound, and
+    within one bf16 unit of our Triton kernel on the same operands (device pointers work)."""
+    from megatron_dist_moe.kernels.grouped_gemm.fp8 import fp8_grouped_mm
+    counts = [700, 1500, 0, 333, 1029, 3]
+    offs, a, wq, ws, out, R = _fp8_fprop_problem(counts, N, K, seed=4)
+    gemm = sm90.GroupedFp8FpropSm90(6, "cuda", config)
+    gemm((device_ptr(a[0]), device_ptr(a[1])), wq, ws, offs, device_ptr(out))
+    torch.cuda.synchronize()
+    ref = _fp8_fprop_twin(a, wq, ws, offs)
+    _check_fp8_fprop(out, ref, R)
+    tri = torch.full_like(out, float("nan"))
+    fp8_grouped_mm(a=a, w=wq, w_scales=ws, expert_offsets=offs, max_rows=R + 37,
+                   epilogue="store", out=tri)
+    torch.cuda.synchronize()
+    diff = (out[:R].float() - tri[:R].float()).abs()
+    unit = tri[:R].float().abs().clamp(min=1e-30) * 2.0 ** -7
+    assert (diff <= unit + 1e-3 * ref.abs().max().item()).all(), diff.max().item()
+
+
+@pytest.mark.parametrize("config", sm90.FP8_FPROP_CONFIGS)
+def test_fp8_fprop_in_cuda_graph_with_new_offsets(config):
+    """Captured once, replayed with new device offsets over capacity buffers: the groups'
+    shapes, pointers and scale pointers are rebuilt on the device."""
+    N, K, E, cap = 384, 512, 4, 2000
+    qa = torch.zeros(cap, K, dtype=torch.float8_e4m3fn, device="cuda")
+    sa = torch.zeros(cap, K // 128, device="cuda")
+    out = torch.empty(cap, N, dtype=BF16, device="cuda")
+    offs = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
+    _, _, wq, ws, _, _ = _fp8_fprop_problem([1] * E, N, K, seed=9)
+    gemm = sm90.GroupedFp8FpropSm90(E, "cuda", config)
+    gemm((qa, sa), wq, ws, offs, out)   # warm-up (module load) outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemm((qa, sa), wq, ws, offs, out)
+    for seed, counts in enumerate([[100, 0, 900, 17], [0, 1999, 0, 1], [5, 5, 5, 5]]):
+        o, a, _, _, _, R = _fp8_fprop_problem(counts, N, K, seed=seed, spare=0)
+        qa[:R].copy_(a[0])
+        sa[:R].copy_(a[1])
+        offs.copy_(o)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_fp8_fprop(out, _fp8_fprop_twin((qa[:R], sa[:R]), wq, ws, o), R)
+
+
+def test_fp8_fprop_rejects_bad_arguments():
+    gemm = sm90.GroupedFp8FpropSm90(2, "cuda", "coop")
+    offs, a, wq, ws, out, R = _fp8_fprop_problem([100, 60], 256, 384)
+    with pytest.raises(ValueError, match="w has 3 experts"):
+        gemm(a, torch.cat([wq, wq[:1]]), ws, offs, out)
+    with pytest.raises(ValueError, match="w_scales: expected contiguous float32"):
+        gemm(a, wq, ws[:, :1].contiguous(), offs, out)
+    with pytest.raises(ValueError, match=r"a: expected contiguous float8_e4m3fn data \[R, 384\]"):
+        gemm((a[0][:, :256].contiguous(), a[1]), wq, ws, offs, out)
+    with pytest.raises(ValueError, match=r"out: expected bf16 \[R, 256\]"):
+        gemm(a, wq, ws, offs, out.float())
+    with pytest.raises(ValueError, match="expert_offsets"):
+        gemm(a, wq, ws, offs.long(), out)
+    with pytest.raises(ValueError, match="config="):
+        sm90.GroupedFp8FpropSm90(2, "cuda", "fastest")

@@ -359,32 +359,37 @@ class TorchPipeline:
 
 
 class Fp8BlockKernels:
-    """The fp8_block steps (Triton): block quantization of rows and columns, the FP8
-    block-scaled grouped GEMMs with their epilogues, the SwiGLU with the quantization of its
-    input and output (kernels/quant_fp8.py, kernels/grouped_gemm/fp8.py)."""
+    """The fp8_block steps: block quantization of rows and columns, the FP8 block-scaled grouped
+    GEMMs with their epilogues, the SwiGLU with the quantization of its input and output
+    (Triton: kernels/quant_fp8.py, kernels/grouped_gemm/fp8.py; with gemm_engine "cutlass" the
+    W13 FPROP and the WGRADs on CUTLASS: kernels/grouped_gemm_sm90.py)."""
 
     def __init__(self, cfg: Config, num_local_experts: int, max_rows: int,
-                 wgrad_engine: str = "triton", device: torch.device | None = None):
+                 gemm_engine: str = "triton", device: torch.device | None = None,
+                 training: bool = True):
         from ...quant.fp8_block import BlockScaling
         self.cfg, self.E, self.max_rows = cfg, num_local_experts, max_rows
         self.recipe = BlockScaling.of(cfg)
         self.act = dict(activation=cfg.activation, swiglu_alpha=cfg.swiglu_alpha,
                         swiglu_limit=cfg.swiglu_limit)
-        # Execution.fp8_wgrad: CUTLASS's WGRAD owns device argument and zero blocks, made here
-        # (context creation, outside any capture) for the two weight shapes
-        self.cutlass_wgrad = None
-        if wgrad_engine == "cutlass":
-            from ...kernels.grouped_gemm_sm90 import GroupedFp8WgradSm90
+        # Execution.fp8_gemm: the CUTLASS GEMMs own device argument (and zero) blocks, made
+        # here (context creation, outside any capture; the WGRAD's for the two weight shapes)
+        self.cutlass_fprop = self.cutlass_wgrad = None
+        if gemm_engine == "cutlass":
+            from ...kernels.grouped_gemm_sm90 import GroupedFp8FpropSm90, GroupedFp8WgradSm90
             D, F = cfg.hidden_dim, cfg.intermediate_dim
             try:
-                self.cutlass_wgrad = GroupedFp8WgradSm90(num_local_experts, device, "coop")
+                self.cutlass_fprop = GroupedFp8FpropSm90(num_local_experts, device, "coop")
+                if training:
+                    self.cutlass_wgrad = GroupedFp8WgradSm90(num_local_experts, device, "coop")
             except (RuntimeError, OSError) as err:    # nvcc, the link or the load failed
-                raise RuntimeError(f"fp8_block's CUTLASS WGRAD (Execution.fp8_wgrad='cutlass') "
-                                   f"could not be loaded: {err}\nRun our Triton WGRAD instead: "
+                raise RuntimeError(f"fp8_block's CUTLASS GEMMs (Execution.fp8_gemm='cutlass') "
+                                   f"could not be loaded: {err}\nRun our Triton GEMMs instead: "
                                    "create_context(..., execution_overrides="
-                                   "{'fp8_wgrad': 'triton'})") from err
-            for M, N in ((2 * F, D), (D, F)):
-                self.cutlass_wgrad.reserve(M, N)
+                                   "{'fp8_gemm': 'triton'})") from err
+            if training:
+                for M, N in ((2 * F, D), (D, F)):
+                    self.cutlass_wgrad.reserve(M, N)
 
     def quantize(self, x, offs, K: int, rows=None, cols=None):
         from ...kernels.quant_fp8 import quantize_rows_cols
@@ -410,6 +415,9 @@ class Fp8BlockKernels:
         return Fp8Weights(q13, s13, q13t, s13t, q2, s2, q2t, s2t)
 
     def mm(self, a, w, w_s, offs, epilogue, **kw):
+        if epilogue == "store" and self.cutlass_fprop is not None:
+            self.cutlass_fprop(a, w, w_s, offs, kw["out"])
+            return
         from ...kernels.grouped_gemm.fp8 import fp8_grouped_mm
         fp8_grouped_mm(a=a, w=w, w_scales=w_s, expert_offsets=offs, max_rows=self.max_rows,
                        epilogue=epilogue, **kw, **self.act)
@@ -436,8 +444,8 @@ class Fp8BlockPipeline:
     bundle; training: the saved h1 row bundle), W2 FP8 GEMM + scatter to the owners. Backward:
     gather g3, quantize its rows and columns, W2 DGRAD (+ SwiGLU backward from the saved h1
     bundle, + score-gradient parts) -> grad_h1 and h2 (bf16), quantize grad_h1 (rows, columns)
-    and h2 (columns), W2 WGRAD, W13 DGRAD + scatter, W13 WGRAD (the WGRADs on CUTLASS or
-    Triton: Execution.fp8_wgrad).
+    and h2 (columns), W2 WGRAD, W13 DGRAD + scatter, W13 WGRAD (the W13 FPROP and the WGRADs
+    on CUTLASS or Triton: Execution.fp8_gemm).
 
     Weights are quantized by every forward (`prepare`: both orientations, one byte per element
     each); its backward reuses that forward's copies. Across calls only through the caller's
@@ -451,7 +459,8 @@ class Fp8BlockPipeline:
     def __init__(self, cfg: Config, execution: Execution, num_local_experts: int, max_rows: int,
                  device: torch.device, rank: int):
         self.cfg, self.E, self.max_rows, self.device = cfg, num_local_experts, max_rows, device
-        self.k = Fp8BlockKernels(cfg, num_local_experts, max_rows, execution.fp8_wgrad, device)
+        self.k = Fp8BlockKernels(cfg, num_local_experts, max_rows, execution.fp8_gemm, device,
+                                 training=not execution.inference)
         self.bf = Bf16Kernels(cfg, num_local_experts, max_rows, execution.wait_timeout_s, rank)
         self.score_parts = self.k.score_parts(device)
 
