@@ -83,7 +83,7 @@ def _pipeline(precision: str, pipeline: str, monkeypatch):
 @pytest.mark.parametrize("precision,pipeline,want", [
     ("bf16", "standard", [("grouped_mm_fwd", "a_tail_rows", 128)] * 2),
     ("mxfp8", "standard", [("grouped_mm_fwd", "a_tail_rows", 128)] * 2),
-    ("bf16", "mega", [("mega_fwd", "xg_tail_rows", 128)]),
+    ("bf16", "mega", [("mega_fwd", "xg_tail_rows", 128), ("mega_fwd", "h2_tail_rows", 128)]),
     ("bf16", "staged", [("grouped_mm_fwd", "a_tail_rows", 128)] * 2),   # W13 in claim mode
 ])
 def test_inference_forwards_pass_the_tails_and_training_forwards_none(monkeypatch, precision,
@@ -100,7 +100,7 @@ def test_inference_forwards_pass_the_tails_and_training_forwards_none(monkeypatc
         rec.calls.clear()
         pipe.forward(tabs, w13, w2, scatter, at, prepared=prepared, training=training)
         got = [(name, key, kw[key]) for name, kw in rec.calls
-               for key in ("a_tail_rows", "xg_tail_rows") if key in kw]
+               for key in ("a_tail_rows", "xg_tail_rows", "h2_tail_rows") if key in kw]
         assert got == [(n, k, rows) for n, k, _ in want], (training, got)
 
 
@@ -134,7 +134,7 @@ def test_launchers_check_the_tail_against_a_dense_a(monkeypatch):
                        a_tail_rows=-1)
 
 
-def test_mega_checks_the_tail_against_a_dense_xg():
+def test_mega_checks_the_tails_against_dense_xg_and_h2():
     from megatron_dist_moe.kernels.grouped_gemm.mega import MegaFlags, mega_fwd
     E, R = 2, 8
     offs = torch.tensor([0, 3, R], dtype=torch.int32)
@@ -145,6 +145,12 @@ def test_mega_checks_the_tail_against_a_dense_xg():
         mega_fwd(xg=torch.zeros(R + 4, 32), xg_tail_rows=8, **args)
     with pytest.raises(AssertionError, match="xg_tail_rows=-2"):
         mega_fwd(xg=torch.zeros(R, 32), xg_tail_rows=-2, **args)
+    # h2: the W2 items read it through TMA on a GPU, so its tail is checked alike
+    args["xg"] = torch.zeros(R, 32)
+    with pytest.raises(AssertionError, match="h2_tail_rows=4.*max_rows \\+ h2_tail_rows = 12"):
+        mega_fwd(h2_tail_rows=4, **args)
+    with pytest.raises(AssertionError, match="h2_tail_rows=-1"):
+        mega_fwd(h2_tail_rows=-1, **{**args, "h2": torch.zeros(R + 4, 32)})
 
 
 def test_explain_shows_the_no_grad_forward_of_a_training_context():

@@ -20,8 +20,12 @@ one running program claims every W13 item before any W2 item). The waits are bou
 (checks.wait_until_at_least: a verdict in the status word; the launcher traps after the kernel).
 
 NOTE memory ordering as the claim protocol's (claim.py): writer h2 stores (all threads) ->
-bar.sync -> release increment; reader acquire -> plain loads of h2 (cp.async.cg, L2), never TMA
-(the async proxy is not ordered by the acquire).
+[fence.proxy.async.global, all threads] -> bar.sync -> release increment; reader acquire ->
+[fence.proxy.async.global, all threads] -> TMA loads of h2. TMA reads are async-proxy accesses,
+which the release/acquire pair alone does not order: a proxy fence on each side of the generic
+-> async hand-off (on a GPU; the interpreter loads h2 with plain loads and has no inline asm).
+A W2 item's h2 box may overhang its expert's last row into the next expert's rows, which may
+still be being written: those rows feed only accumulator rows that the scatter masks off.
 
 Counters are epoch-based (`MegaFlags`): each launch takes a new base, atomic_max lifts a stale
 counter to it, so CUDA-graph replays need no reset.
@@ -42,6 +46,7 @@ from ..common import (as_device_ptr, check_offsets, check_rows, default_num_prog
                       ensure_tma_allocator, interpreting, load_ptr)
 from ..rows import _act_fwd
 from .config import MIN_BLOCK_M, GroupedGemmConfig, select_config
+from .claim import fence_proxy_async
 from .mm import _dot   # fp32 products in the interpreter
 from .tiles import expert_segments, tile_bound, tile_coords, tile_list
 
@@ -84,7 +89,7 @@ def mega_config(F2: int, D: int, device: torch.device, max_rows: int | None = No
 @triton.jit
 def _mega_fwd_kernel(xg_addr, w13_ptr, w2_ptr, offsets_ptr, h1_addr, h2_addr, out_rows_ptr,
                      queue_ptr, ready_ptr, epoch_ptr, status_ptr, D, F, alpha, limit,
-                     polls_max, rank, xg_tail, E: tl.constexpr, E_PAD: tl.constexpr,
+                     polls_max, rank, xg_tail, h2_tail, E: tl.constexpr, E_PAD: tl.constexpr,
                      BLOCK_M: tl.constexpr, BN13: tl.constexpr, BN2: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, ACT: tl.constexpr,
                      STORE_H1: tl.constexpr, IEEE: tl.constexpr, SLEEP: tl.constexpr,
@@ -101,11 +106,14 @@ def _mega_fwd_kernel(xg_addr, w13_ptr, w2_ptr, offsets_ptr, h1_addr, h2_addr, ou
     xg = load_ptr(xg_addr, DT)
     h2 = load_ptr(h2_addr, DT)
     offs_k = tl.arange(0, BLOCK_K)
-    if USE_TMA:   # x_g and the weights through TMA; h2 never (see the ordering note above)
-        # xg_tail rows past R are readable: boxes stay off TMA's out-of-bounds path (mm.py)
-        num_rows = tl.maximum(tl.load(offsets_ptr + E) + xg_tail, 1)
-        xg_desc = tl.make_tensor_descriptor(xg, shape=[num_rows, D], strides=[D, 1],
-                                            block_shape=[BLOCK_M, BLOCK_K])
+    if USE_TMA:   # every operand through TMA (h2 after proxy fences: the ordering note above)
+        # xg_tail / h2_tail rows past R are readable: boxes stay off TMA's out-of-bounds path
+        # (mm.py)
+        num_rows = tl.load(offsets_ptr + E)
+        xg_desc = tl.make_tensor_descriptor(xg, shape=[tl.maximum(num_rows + xg_tail, 1), D],
+                                            strides=[D, 1], block_shape=[BLOCK_M, BLOCK_K])
+        h2_desc = tl.make_tensor_descriptor(h2, shape=[tl.maximum(num_rows + h2_tail, 1), F],
+                                            strides=[F, 1], block_shape=[BLOCK_M, BLOCK_K])
         w13_desc = tl.make_tensor_descriptor(w13_ptr, shape=[E * 2 * F, D], strides=[D, 1],
                                              block_shape=[BN13, BLOCK_K])
         w2_desc = tl.make_tensor_descriptor(w2_ptr, shape=[E * D, F], strides=[F, 1],
@@ -151,6 +159,8 @@ def _mega_fwd_kernel(xg_addr, w13_ptr, w2_ptr, offsets_ptr, h1_addr, h2_addr, ou
             # the activation reads the rounded h1, as mm.py's
             h = _act_fwd(g.to(tl.float32), u.to(tl.float32), ACT == 1, alpha, limit)
             tl.store(h2 + rows64[:, None] * F + cols[None, :], h.to(DT), mask=mask)
+            if USE_TMA:
+                fence_proxy_async()      # the h2 stores, before W2 items' TMA reads of them
             tl.debug_barrier()           # every thread's h2 stores before the release
             m = m_first + pid_m
             tl.atomic_max(ready_ptr + m, base, sem="relaxed", scope="gpu")
@@ -162,6 +172,8 @@ def _mega_fwd_kernel(xg_addr, w13_ptr, w2_ptr, offsets_ptr, h1_addr, h2_addr, ou
             what = tl.full((), _WAIT_WHAT, tl.int64) + m
             wait_until_at_least(ready_ptr + m, base + n13, polls_max, what, rank, status_ptr,
                                 SLEEP)
+            if USE_TMA:
+                fence_proxy_async()      # the acquire above, before the TMA reads of h2
             # (names apart from the W13 branch's: Triton types a name alike in both branches)
             r2 = row_start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             r2_ok = r2 < row_end
@@ -173,12 +185,15 @@ def _mega_fwd_kernel(xg_addr, w13_ptr, w2_ptr, offsets_ptr, h1_addr, h2_addr, ou
             b_ptrs = w2_ptr + e.to(tl.int64) * D * F + c2_ld[None, :] * F + offs_k[:, None]
             acc3 = tl.zeros((BLOCK_M, BN2), dtype=tl.float32)
             w2row = (e * D + pid_n * BN2).to(tl.int32)
+            h2row = (row_start + pid_m * BLOCK_M).to(tl.int32)
             for k in tl.range(0, F, BLOCK_K):
                 if USE_TMA:
+                    a3 = h2_desc.load([h2row, k])
                     b3 = w2_desc.load([w2row, k]).T
                 else:
+                    a3 = tl.load(h_ptrs + k)
                     b3 = tl.load(b_ptrs + k)
-                acc3 = _dot(tl.load(h_ptrs + k), b3, acc3, IEEE)
+                acc3 = _dot(a3, b3, acc3, IEEE)
             o_addr = tl.load(out_rows_ptr + r2, mask=r2_ok, other=0)
             o_row = tl.multiple_of(o_addr.to(tl.pointer_type(DT)), [16])
             tl.store(o_row[:, None] + c2[None, :], acc3.to(DT),
@@ -190,7 +205,8 @@ def mega_fwd(*, xg, w13: torch.Tensor, w2: torch.Tensor, expert_offsets: torch.T
              max_rows: int, h2, out_row_ptrs: torch.Tensor, flags: MegaFlags, h1=None,
              activation: str = "swiglu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
              config: Optional[GroupedGemmConfig] = None, num_programs: Optional[int] = None,
-             timeout_s: float = 600.0, rank: int = 0, xg_tail_rows: int = 0) -> None:
+             timeout_s: float = 600.0, rank: int = 0, xg_tail_rows: int = 0,
+             h2_tail_rows: int = 0) -> None:
     """The routed experts' forward on gathered rows in one launch (see the module docstring).
 
     xg              bf16 [R, D] gathered rows (tensor or device pointer), expert-major
@@ -200,6 +216,7 @@ def mega_fwd(*, xg, w13: torch.Tensor, w2: torch.Tensor, expert_offsets: torch.T
     out_row_ptrs    int64 [>= max_rows]: each row's destination (0: skip)
     flags           a MegaFlags built for max_rows and E (its epoch advances here)
     xg_tail_rows    rows readable past R at xg (grouped_mm_fwd's a_tail_rows)
+    h2_tail_rows    rows readable past R at h2 (the W2 items' TMA boxes span them)
     """
     E, F2, D = w13.shape
     F = F2 // 2
@@ -207,12 +224,13 @@ def mega_fwd(*, xg, w13: torch.Tensor, w2: torch.Tensor, expert_offsets: torch.T
     assert activation in ("swiglu", "swiglu_clamped")
     dev = w13.device
     check_offsets(expert_offsets, E, dev)
-    assert isinstance(xg_tail_rows, int) and xg_tail_rows >= 0, (
-        f"xg_tail_rows={xg_tail_rows!r}: rows readable past R at xg, an int >= 0")
-    if xg_tail_rows and not (xg.dtype == torch.int64 and xg.numel() == 1):
-        assert xg.dim() == 2 and xg.shape[0] >= max_rows + xg_tail_rows, (
-            f"xg_tail_rows={xg_tail_rows}: xg {tuple(xg.shape)} must hold max_rows + "
-            f"xg_tail_rows = {max_rows + xg_tail_rows} rows")
+    for name, t, tail in (("xg", xg, xg_tail_rows), ("h2", h2, h2_tail_rows)):
+        assert isinstance(tail, int) and tail >= 0, (
+            f"{name}_tail_rows={tail!r}: rows readable past R at {name}, an int >= 0")
+        if tail and not (t.dtype == torch.int64 and t.numel() == 1):
+            assert t.dim() == 2 and t.shape[0] >= max_rows + tail, (
+                f"{name}_tail_rows={tail}: {name} {tuple(t.shape)} must hold max_rows + "
+                f"{name}_tail_rows = {max_rows + tail} rows")
     check_rows(out_row_ptrs, "out_row_ptrs", max_rows, dev)
     assert flags.capacity >= triton.cdiv(max_rows, MIN_BLOCK_M) + E, "MegaFlags too small"
     cfg = config or mega_config(F2, D, dev, max_rows, E)
@@ -234,7 +252,7 @@ def mega_fwd(*, xg, w13: torch.Tensor, w2: torch.Tensor, expert_offsets: torch.T
         as_device_ptr(xg, "xg", w13.dtype), w13, w2, expert_offsets, h1_addr,
         as_device_ptr(h2, "h2", w13.dtype), out_row_ptrs, flags.queue, flags.ready,
         flags.epoch, flags.status, D, F, float(swiglu_alpha), float(swiglu_limit),
-        max_polls(timeout_s), rank, xg_tail_rows, E=E, E_PAD=max(2, triton.next_power_of_2(E)),
+        max_polls(timeout_s), rank, xg_tail_rows, h2_tail_rows, E=E, E_PAD=max(2, triton.next_power_of_2(E)),
         BLOCK_M=cfg.block_m, BN13=bn13, BN2=bn2, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         ACT=0 if activation == "swiglu" else 1, STORE_H1=h1 is not None,
         IEEE=w13.dtype == torch.float32 or not on_gpu, SLEEP=on_gpu, USE_TMA=use_tma,
