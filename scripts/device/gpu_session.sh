@@ -9,7 +9,7 @@
 #   mxkernels  the mxfp8 kernel tests alone (every output bit-exact vs quant/mxfp8.py)
 #   nvkernels  the nvfp4 kernel tests alone (byte rows bit-exact, the NVFP4 GEMMs vs their twin:
 #              the Triton kernel and the CUDA GEMMs of csrc/nvfp4_decode_mm.cu, nvfp4_wgmma_mm.cu)
-#   sm90       the CUTLASS units of csrc/ (bf16 FPROP / WGRAD, FP8 WGRAD) vs their oracles
+#   sm90       the CUTLASS units of csrc/ (bf16 FPROP / WGRAD, FP8 FPROP / WGRAD) vs their oracles
 #   megakernel the Mega forward kernel against the standard two launches
 #   check      dist_check on 1 GPU (and 2 when present): every gradient vs the fp64 oracle,
 #              graph replay, no host sync, bitwise repeats, inference
@@ -39,6 +39,8 @@
 #   packbench  bench_packing (PACK_ARGS)
 #   routing    the routing-table kernels (one launch and two) against the torch tables
 #   decode     bench_decode: the forward at T = 1..2048 next to its weight-read floor (DECODE_ARGS)
+#   decodebase the same bench_decode run on the tree in $BASE_TREE (BASE_DECODE_ARGS instead of
+#              DECODE_ARGS where the old tree takes other arguments)
 #   megatron   tiny GPT, dist_moe vs alltoall (SEEDS, STEPS, MB, MOE_BACKEND, PERTURB,
 #              MEGATRON_ARGS)
 #   lmeval     examples/tiny_lm_nvfp4_eval.py on the CUDA backend: bf16 / fp8_block / mxfp8
@@ -47,8 +49,8 @@
 #   pack       fold everything under $OUT into one archive (the device tool brings back few files)
 # GIT_COMMIT: the commit of the tree that travels (the device copy's git HEAD is the last
 # landed commit, not the working tree's), written into every CSV row; pass it in the command.
-# Knobs: CHECK_ARGS PACKING_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS FP8_ARGS QUANT_ARGS
-# QUANT_BASE_ARGS BASE_LAYER_ARGS (extra arguments), BASE_TREE BASE_COMMIT (the baseline tree and
+# Knobs: CHECK_ARGS PACKING_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS FP8_ARGS QUANT_ARGS DECODE_ARGS
+# QUANT_BASE_ARGS BASE_LAYER_ARGS BASE_DECODE_ARGS (extra arguments), BASE_TREE BASE_COMMIT (the baseline tree and
 # its commit), TMO (seconds per step).
 # megatron-core travels as a wheel in .whl/ (carry it); it is installed into /tmp/site here.
 # Logs go to $OUT (or ./out) so the device tool brings them back.
@@ -121,6 +123,11 @@ for s in $sections; do case $s in
              --workloads dense_mm,gemms_triton,gemms_torch,dist_moe_fwd,dist_moe_fwdbwd ;;
   weights) LIMIT=120 run weights python3 benchmarks/bench_expert_weights.py --out "$OUT/weights" ;;
   decode) LIMIT=300 run decode torchrun --nproc-per-node="$NGPU" benchmarks/bench_decode.py --out "$OUT" ${DECODE_ARGS:-} ;;
+  decodebase) [ -d "${BASE_TREE:-_base}" ] || { echo "decodebase: no tree at ${BASE_TREE:-_base}"; continue; }
+              (cd "${BASE_TREE:-_base}" && GIT_COMMIT=${BASE_COMMIT:-base} \
+               PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} LIMIT=300 \
+               run decode_base torchrun --nproc-per-node="$NGPU" benchmarks/bench_decode.py \
+                   --out "$OUT/decode_base" ${BASE_DECODE_ARGS:-${DECODE_ARGS:-}}) ;;
   packbench) run packbench torchrun --nproc-per-node="$NGPU" benchmarks/bench_packing.py --out "$OUT" ${PACK_ARGS:-} ;;
   megatron) # ~0.3 s per step per model at 2 microbatches; 3 models (alltoall twice: the noise band)
             for seed in ${SEEDS:-1234}; do
