@@ -13,7 +13,9 @@ operands; exit 1 on a mismatch), then timed as a CUDA graph with the guide's met
     w13_dgrad     grad_x = grad_h1 W13, scattered
     w13_wgrad / w2_wgrad   the two weight gradients (bf16 out)
     w13_fprop cutlass_<config>, w13_wgrad cutlass_<config>, w2_wgrad cutlass_<config>   the same
-                  GEMMs on CUTLASS's sm_90a blockwise-scaled FP8 grouped kernels
+                  GEMMs on CUTLASS's sm_90a blockwise-scaled FP8 grouped kernels; w2_dgrad
+                  cutlass_<config>: the FPROP unit storing u = g3 W2 plus the SwiGLU-backward
+                  pass (quant_fp8.swiglu_bwd_rows), what the layer runs on the CUTLASS engine
                   (kernels/grouped_gemm_sm90: GroupedFp8FpropSm90, configs "coop" and
                   "coop_2x1"; GroupedFp8WgradSm90, "coop"), right after our Triton row; note: x
                   over Triton. Skipped where the library cannot be built (nvcc, CUTLASS
@@ -22,7 +24,7 @@ operands; exit 1 on a mismatch), then timed as a CUDA graph with the guide's met
                   128x128 scales: the vendor block-scaled rate at this size (not grouped)
   Quantization (GB/s of bytes read + written)
     quant_x       x_g rows and columns, swiglu_quant (h1 -> h1q, h2q), quant_w13 / quant_w2
-                  (both orientations)
+                  (both orientations), swiglu_bwd_rows (u, h1q -> grad_h1, h2, score parts)
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from megatron_dist_moe.kernels.grouped_gemm import (  # noqa: E402
     grouped_mm_dgrad, grouped_mm_fwd, grouped_mm_wgrad)
 from megatron_dist_moe.kernels.grouped_gemm.fp8 import fp8_grouped_mm, fp8_grouped_wgrad  # noqa: E402
 from megatron_dist_moe.kernels.quant_fp8 import (  # noqa: E402
-    quantize_rows_cols, quantize_weight, swiglu_quant)
+    quantize_rows_cols, quantize_weight, swiglu_bwd_rows, swiglu_quant)
 from megatron_dist_moe.layout import padded_rows  # noqa: E402
 from megatron_dist_moe.quant import fp8_block as Q  # noqa: E402
 
@@ -182,9 +184,18 @@ def main(argv=None) -> int:
         return (lambda gemm: (lambda: gemm(a, b, offs, out)),
                 lambda: rel(out[0].float(), Q.dequantize_cols(*a)[:n].T
                             @ Q.dequantize_cols(*b)[:n]))
+    nrows = offs[-1:].clone()
+
+    def w2_dgrad_split(gemm):
+        def fn():
+            gemm(g3q, W.w2_t, W.w2_t_s, offs, out_h2)       # u into h2's buffer
+            swiglu_bwd_rows(out_h2, h1q, out_h1, nrows, R, F, score_ptrs=sptrs,
+                            score_grad_delta=4, part_stride=4)
+        return fn
     cutlass_cases = {
         "w13_fprop": ("fprop", lambda gemm: (lambda: gemm(xq, W.w13, W.w13_s, offs, out_h1)),
                       fp8["w13_fprop"][2]),
+        "w2_dgrad": ("fprop", w2_dgrad_split, fp8["w2_dgrad"][2]),
         "w13_wgrad": ("wgrad", *wgrad_case(cols["gh1"], cols["x"], wg13)),
         "w2_wgrad": ("wgrad", *wgrad_case(cols["g3"], cols["h2"], wg2)),
     }
@@ -275,6 +286,11 @@ def main(argv=None) -> int:
                          R * 2 * F * 2 + R * 3 * F * 1.03),
         "quant_w13": (lambda: quantize_weight(w13), E * 2 * F * D * (2 + 2)),
         "quant_w2": (lambda: quantize_weight(w2), E * D * F * (2 + 2)),
+        # u in place (read + h2 written) and h1q read, grad_h1 written (the scores' parts: ~0)
+        "swiglu_bwd_rows": (lambda: swiglu_bwd_rows(out_h2, h1q, out_h1, nr, R, F,
+                                                    score_ptrs=sptrs, score_grad_delta=4,
+                                                    part_stride=4),
+                            R * F * (2 + 2) + R * 2 * F * 1.03 + R * 2 * F * 2),
     }
     for k, (fn, nbytes) in quant.items():
         row("fp8_block", k, time_windows(fn, graph=True), nbytes=nbytes)

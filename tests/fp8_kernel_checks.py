@@ -214,6 +214,9 @@ def check_fp8_fprop_cutlass(device, big=False):
         sm90.GroupedFp8FpropSm90(E, device, config)(xq, W.w13, W.w13_s, offs, h1)
         _close(f"W13 store (CUTLASS {config})", h1[:R].float(), ref, 4e-3)
         assert torch.isnan(h1[R:].float()).all(), f"{config}: rows past offsets[E] written"
+    # the W2 DGRAD split: the CUTLASS unit stores u = g3 W2, the Triton pass does the rest
+    gemm = sm90.GroupedFp8FpropSm90(E, device, sm90.FP8_FPROP_CONFIGS[0])
+    _w2_dgrad_split(device, big, lambda g3q, W, offs, u: gemm(g3q, W.w2_t, W.w2_t_s, offs, u))
 
 
 def check_fp8_mm_swiglu_bwd(device, big=False):
@@ -248,6 +251,72 @@ def check_fp8_mm_swiglu_bwd(device, big=False):
         if scored:
             want = (u * h2f.to(torch.bfloat16).float()).sum(-1)
             _close("score-gradient parts", buf[:, 1:].sum(1), want, max(1e-4, _acc_tol(device)))
+
+
+def _w2_dgrad_split(device, big, u_gemm):
+    """The W2 DGRAD as a GEMM that stores u = g3 W2 (u_gemm(g3q, W, offs, u)) and the
+    SwiGLU-backward pass over it (quant_fp8.swiglu_bwd_rows), against the pass's twin on the
+    same u and against the fused epilogue (fp8_grouped_mm "swiglu_bwd"), scored and not."""
+    from megatron_dist_moe.kernels.grouped_gemm.fp8 import fp8_config, fp8_grouped_mm
+    from megatron_dist_moe.kernels.quant_fp8 import swiglu_bwd_rows
+    from megatron_dist_moe.kernels.rows_ref import swiglu_bwd_rows_ref
+    lens, offs, R, E, D, F, x, w13, w2, W = _gemm_problem(device, big)
+    g = torch.Generator().manual_seed(9)
+    h1 = torch.randn(R, 2 * F, generator=g).to(torch.bfloat16).to(device)
+    g3 = torch.randn(R, D, generator=g).to(torch.bfloat16).to(device)
+    h1q, g3q = Q.quantize_rows(h1), Q.quantize_rows(g3)
+    u = torch.full((R + 5, F), float("nan"), dtype=torch.bfloat16, device=device)
+    u_gemm(g3q, W, offs, u)
+    assert torch.isnan(u[R:].float()).all(), "u: rows past offsets[E] written"
+    u = u[:R].contiguous()
+    act = Activation()
+    bn = fp8_config(torch.device(device)).block_n
+    parts = F // bn
+    nrows = offs[-1:].clone()
+    for scored in (False, True):
+        kw, s = {}, None
+        if scored:
+            s = torch.rand(R, generator=g).to(device)
+            s[2] = 0.0
+            buf = torch.zeros(R, 1 + parts, device=device)
+            buf[:, 0] = s
+            kw = dict(score_ptrs=buf.data_ptr() + torch.arange(R, device=device) * (1 + parts) * 4,
+                      score_grad_delta=4, part_stride=4)
+        uh2 = u.clone()
+        gh1 = torch.full((R, 2 * F), float("nan"), dtype=torch.bfloat16, device=device)
+        swiglu_bwd_rows(uh2, h1q, gh1, nrows, R, F, block_n=bn, **kw)
+        want_gh1, want_h2, want_parts = swiglu_bwd_rows_ref(u, h1q, act, s, bn)
+        _close(f"split grad_h1 vs twin scored={scored}", gh1.float(), want_gh1.float(), 8e-3)
+        _close(f"split h2 vs twin scored={scored}", uh2.float(), want_h2.float(), 8e-3)
+        if scored:
+            _close("split parts vs twin", buf[:, 1:], want_parts, 1e-4)
+        # the fused epilogue on the same operands (fp32 u inside): one more bf16 rounding apart
+        fgh1 = torch.full_like(gh1, float("nan"))
+        fh2 = torch.full((R, F), float("nan"), dtype=torch.bfloat16, device=device)
+        fkw = {}
+        if scored:
+            fbuf = buf.clone()
+            fbuf[:, 1:] = 0
+            fkw = dict(score_ptrs=fbuf.data_ptr()
+                       + torch.arange(R, device=device) * (1 + parts) * 4,
+                       score_grad_delta=4, part_stride=4)
+        fp8_grouped_mm(a=g3q, w=W.w2_t, w_scales=W.w2_t_s, expert_offsets=offs, max_rows=R,
+                       epilogue="swiglu_bwd", out=fgh1, h1q=h1q, h2=fh2, **fkw)
+        _close(f"split grad_h1 vs fused scored={scored}", gh1.float(), fgh1.float(), 2e-2)
+        _close(f"split h2 vs fused scored={scored}", uh2.float(), fh2.float(), 8e-3)
+        if scored:
+            _close("split parts vs fused", buf[:, 1:].sum(1), fbuf[:, 1:].sum(1), 3e-2)
+
+
+def check_swiglu_bwd_rows(device, big=False):
+    """The split W2 DGRAD with our Triton GEMM storing u (the pass runs everywhere; on the GPU
+    the CUTLASS unit stores u instead: check_fp8_fprop_cutlass)."""
+    from megatron_dist_moe.kernels.grouped_gemm.fp8 import fp8_grouped_mm
+
+    def triton_u(g3q, W, offs, u):
+        fp8_grouped_mm(a=g3q, w=W.w2_t, w_scales=W.w2_t_s, expert_offsets=offs,
+                       max_rows=u.shape[0], epilogue="store", out=u)
+    _w2_dgrad_split(device, big, triton_u)
 
 
 def check_fp8_wgrad(device, big=False):

@@ -7,6 +7,11 @@
                         row bundle of h2 = round(act(h1)) (the W2 FPROP operand)
     quantize_weight     w [E, N, K] bf16 -> q [E, N, K] and q_t [E, K, N] with their 128 x 128
                         tile scales (both orientations of one quantization)
+    swiglu_bwd_rows     the SwiGLU backward after a W2 DGRAD that stored u = g3 W2 (bf16 [R, F])
+                        instead of fusing it: from u and the saved h1 row bundle, grad_h1 and h2
+                        (u's region, in place) and the score-gradient parts, as the fused
+                        epilogue of grouped_gemm/fp8.py computes them (twin:
+                        quant/fp8_block.swiglu_bwd_rows)
 
 R and the expert offsets are device values: grids are host bounds and programs past the rows
 return. Every kernel reads the recipe (power-of-two scales, amax epsilon) as constexprs.
@@ -19,11 +24,12 @@ import triton
 import triton.language as tl
 
 from ..quant.fp8_block import BF16_MAX, BLOCK, BlockScaling
-from .common import as_device_ptr, grouped_grid, grouped_tile, interpreting, load_ptr
-from .rows import _act_fwd
+from .common import (as_device_ptr, check_rows, grouped_grid, grouped_tile, interpreting,
+                     load_ptr)
+from .rows import _act_fwd, swiglu_grad
 
-__all__ = ["quantize_rows_cols", "swiglu_quant", "quantize_weight", "block_scales", "to_e4m3",
-           "padded_block", "block_amax", "round_bf16"]
+__all__ = ["quantize_rows_cols", "swiglu_quant", "quantize_weight", "swiglu_bwd_rows",
+           "block_scales", "to_e4m3", "padded_block", "block_amax", "round_bf16"]
 
 _BF16_MAX = tl.constexpr(BF16_MAX)
 # The launch order of quantize_rows_cols' tiles (common.grouped_tile): one 128-row block at a
@@ -308,3 +314,77 @@ def quantize_weight(w_ENK: torch.Tensor, recipe: BlockScaling = BlockScaling(),
                                                       num_warps=8)
     return q, s, qt, st
 
+
+
+@triton.jit
+def _swiglu_bwd_rows_kernel(u_addr, h1q_addr, h1s_addr, gh1_addr, num_rows_ptr, score_ptrs,
+                            score_grad_delta, part_stride, F, alpha, limit,
+                            CLAMPED: tl.constexpr, SCORED: tl.constexpr, HW: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    rb = tl.program_id(0)
+    cb = tl.program_id(1)
+    n = tl.load(num_rows_ptr)
+    if rb * BLOCK_R >= n:
+        return
+    rows = rb.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = rows < n
+    mask = ok[:, None]
+    c = cb * BLOCK_N + tl.arange(0, BLOCK_N)
+    up = load_ptr(u_addr, tl.bfloat16) + rows[:, None] * F + c[None, :]
+    u = tl.load(up, mask=mask, other=0.0).to(tl.float32)
+    h1q = load_ptr(h1q_addr, tl.float8e4nv) + rows[:, None] * (2 * F) + c[None, :]
+    h1s = load_ptr(h1s_addr, tl.float32) + rows * ((2 * F) // 128) + (cb * BLOCK_N) // 128
+    g = tl.load(h1q, mask=mask, other=0.0).to(tl.float32) * tl.load(h1s, mask=ok, other=0.0)[:, None]
+    v = (tl.load(h1q + F, mask=mask, other=0.0).to(tl.float32)
+         * tl.load(h1s + F // 128, mask=ok, other=0.0)[:, None])
+    if SCORED:
+        s_addr = tl.load(score_ptrs + rows, mask=ok, other=0)
+        s_ok = ok & (s_addr != 0)
+        s = tl.load(s_addr.to(tl.pointer_type(tl.float32)), mask=s_ok, other=0.0)
+        dh = round_bf16(s[:, None] * u, HW)
+    else:
+        dh = u                      # already a bf16 value
+    dg, du, h2v = swiglu_grad(g, v, dh, CLAMPED, alpha, limit)
+    gp = load_ptr(gh1_addr, tl.bfloat16) + rows[:, None] * (2 * F) + c[None, :]
+    tl.store(gp, round_bf16(dg, HW).to(tl.bfloat16), mask=mask)
+    tl.store(gp + F, round_bf16(du, HW).to(tl.bfloat16), mask=mask)
+    if SCORED:   # h2 over u, element by element (each value read above, before this store)
+        tl.store(up, round_bf16(s[:, None] * h2v, HW).to(tl.bfloat16), mask=mask)
+        part = tl.sum(tl.where(mask, u * round_bf16(h2v, HW), 0.0), axis=1)
+        p_addr = s_addr + (score_grad_delta + cb.to(tl.int64) * part_stride)
+        tl.store(p_addr.to(tl.pointer_type(tl.float32)), part, mask=s_ok)
+    else:
+        tl.store(up, round_bf16(h2v, HW).to(tl.bfloat16), mask=mask)
+
+
+def swiglu_bwd_rows(u_h2, h1q, gh1, num_rows: torch.Tensor, max_rows: int, F: int, *,
+                    score_ptrs=None, score_grad_delta: int = 0, part_stride: int = 0,
+                    block_n: int = 128, activation: str = "swiglu", swiglu_alpha: float = 1.702,
+                    swiglu_limit: float = 7.0) -> None:
+    """The SwiGLU backward of the fp8_block W2 DGRAD, after a GEMM that stored u = g3 W2^T.
+
+    u_h2        bf16 [R, F] (tensor or device pointer): u on entry, h2 on return (in place)
+    h1q         the saved h1 row bundle (q [R, 2F] e4m3, s [R, 2F/128] fp32)
+    gh1         bf16 [R, 2F]: grad_h1 = act'(h1) round(s u)
+    num_rows    int32 [1] on the device: R
+    score_ptrs  int64 [>= max_rows]: each row's score address (the owner's, 0: none), as the
+                fused epilogue's; then h2 = round(s act(h1)), and each block_n-wide column
+                block's <u, round(act(h1))> goes to the part slot at score_ptrs[r] +
+                score_grad_delta + block * part_stride (block_n: the fp8 GEMM's n-tile, so the
+                owner finds as many parts as that epilogue writes). Without, s = 1.
+    """
+    assert F % 128 == 0 and F % block_n == 0 and block_n % 16 == 0, (
+        f"F={F}: a multiple of 128 and of block_n={block_n}")
+    dev = num_rows.device
+    q, sc = h1q
+    if score_ptrs is not None:
+        check_rows(score_ptrs, "score_ptrs", max_rows, dev)
+    BLOCK_R = 16
+    grid = (max(1, triton.cdiv(max_rows, BLOCK_R)), F // block_n)
+    _swiglu_bwd_rows_kernel[grid](
+        as_device_ptr(u_h2, "u_h2", torch.bfloat16), as_device_ptr(q, "h1q"),
+        as_device_ptr(sc, "h1q scales"), as_device_ptr(gh1, "gh1", torch.bfloat16), num_rows,
+        score_ptrs if score_ptrs is not None else num_rows, int(score_grad_delta),
+        int(part_stride), F, float(swiglu_alpha), float(swiglu_limit),
+        CLAMPED=activation == "swiglu_clamped", SCORED=score_ptrs is not None, HW=_hw(num_rows),
+        BLOCK_R=BLOCK_R, BLOCK_N=block_n, num_warps=4)

@@ -1,4 +1,5 @@
-"""Plain-torch twins of kernels/rows.py (same rounding points), used by tests."""
+"""Plain-torch twins of kernels/rows.py and of the row kernels of kernels/quant_fp8.py (same
+rounding points), used by tests."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import torch
 from ..activation import Activation
 
 __all__ = ["act_ref", "act_bwd_ref", "combine_routes_ref", "fanout_rows_ref",
-           "publish_grad_routes_ref", "reduce_routes_ref", "score_grad_rows_ref"]
+           "publish_grad_routes_ref", "reduce_routes_ref", "score_grad_rows_ref",
+           "swiglu_bwd_rows_ref"]
 
 
 def act_ref(h1_R2F: torch.Tensor, F: int, clamped: bool, alpha: float, limit: float) -> torch.Tensor:
@@ -61,3 +63,21 @@ def fanout_rows_ref(src_EPTD: torch.Tensor, dest_rows: torch.Tensor, num_rows: i
                 if 0 <= row < num_rows:
                     out_RD[row] = src_EPTD[r, t]
     return out_RD
+
+
+def swiglu_bwd_rows_ref(u_RF: torch.Tensor, h1q, act: Activation, s_R=None, block_n: int = 128):
+    """quant_fp8.swiglu_bwd_rows in torch: (grad_h1 bf16 [R, 2F], h2 bf16 [R, F], parts fp32
+    [R, F / block_n] or None) from bf16 u, the h1 row bundle (q, s) and the scores s_R (None:
+    s = 1, no parts). grad_h1 = act'(h1) round(s u), h2 = round(s act(h1)), each part the
+    <u, round(act(h1))> of one block_n-wide column block."""
+    from ..quant.fp8_block import dequantize_rows
+    R, F = u_RF.shape
+    h1 = dequantize_rows(*h1q)
+    u = u_RF.float()
+    h2f = act.forward(h1)
+    if s_R is None:
+        return act.backward(h1, u).to(torch.bfloat16), h2f.to(torch.bfloat16), None
+    s = s_R.float()[:, None]
+    dh = (s * u).to(torch.bfloat16).float()
+    parts = (u * h2f.to(torch.bfloat16).float()).view(R, F // block_n, block_n).sum(-1)
+    return act.backward(h1, dh).to(torch.bfloat16), (s * h2f).to(torch.bfloat16), parts

@@ -363,7 +363,7 @@ class Fp8BlockKernels:
     """The fp8_block steps: block quantization of rows and columns, the FP8 block-scaled grouped
     GEMMs with their epilogues, the SwiGLU with the quantization of its input and output
     (Triton: kernels/quant_fp8.py, kernels/grouped_gemm/fp8.py; with gemm_engine "cutlass" the
-    W13 FPROP and the WGRADs on CUTLASS: kernels/grouped_gemm_sm90.py)."""
+    W13 FPROP, the W2 DGRAD's GEMM and the WGRADs on CUTLASS: kernels/grouped_gemm_sm90.py)."""
 
     def __init__(self, cfg: Config, num_local_experts: int, max_rows: int,
                  gemm_engine: str = "triton", device: torch.device | None = None,
@@ -423,6 +423,19 @@ class Fp8BlockKernels:
         fp8_grouped_mm(a=a, w=w, w_scales=w_s, expert_offsets=offs, max_rows=self.max_rows,
                        epilogue=epilogue, **kw, **self.act)
 
+    def w2_dgrad(self, g3q, W, offs, nrows, gh1, h1q, h2, **score):
+        """grad_h1 and h2 from the g3 row bundle and the saved h1 row bundle. Triton: one GEMM
+        with the SwiGLU backward in its epilogue. CUTLASS: the GEMM stores u = g3 W2 into h2's
+        region (bf16), then one pass computes grad_h1, h2 (in place) and the score parts."""
+        if self.cutlass_fprop is None:
+            self.mm(g3q, W.w2_t, W.w2_t_s, offs, "swiglu_bwd", out=gh1, h1q=h1q, h2=h2, **score)
+            return
+        from ...kernels.grouped_gemm.fp8 import fp8_config
+        from ...kernels.quant_fp8 import swiglu_bwd_rows
+        self.cutlass_fprop(g3q, W.w2_t, W.w2_t_s, offs, h2)
+        swiglu_bwd_rows(h2, h1q, gh1, nrows, self.max_rows, self.cfg.intermediate_dim,
+                        block_n=fp8_config(offs.device).block_n, **score, **self.act)
+
     def wgrad(self, a, b, offs, out):
         from ...kernels.grouped_gemm import ExpertOutTable
         accumulate = isinstance(out, ExpertOutTable)
@@ -445,8 +458,9 @@ class Fp8BlockPipeline:
     bundle; training: the saved h1 row bundle), W2 FP8 GEMM + scatter to the owners. Backward:
     gather g3, quantize its rows and columns, W2 DGRAD (+ SwiGLU backward from the saved h1
     bundle, + score-gradient parts) -> grad_h1 and h2 (bf16), quantize grad_h1 (rows, columns)
-    and h2 (columns), W2 WGRAD, W13 DGRAD + scatter, W13 WGRAD (the W13 FPROP and the WGRADs
-    on CUTLASS or Triton: Execution.fp8_gemm).
+    and h2 (columns), W2 WGRAD, W13 DGRAD + scatter, W13 WGRAD (Execution.fp8_gemm: the W13
+    FPROP, the WGRADs and the W2 DGRAD's GEMM on CUTLASS, whose SwiGLU backward is then a
+    separate pass, or all of them on Triton).
 
     Weights are quantized by every forward (`prepare`: both orientations, one byte per element
     each); its backward reuses that forward's copies. Across calls only through the caller's
@@ -500,8 +514,8 @@ class Fp8BlockPipeline:
         sc = {} if score_ptrs is None else dict(score_ptrs=score_ptrs,
                                                score_grad_delta=score_grad_delta,
                                                part_stride=part_stride)
-        self.k.mm((at["g3q"], at["g3q_s"]), W.w2_t, W.w2_t_s, offs, "swiglu_bwd",
-                  out=at["gh1"], h1q=(at["h1q"], at["h1q_s"]), h2=at["h2"], **sc)
+        self.k.w2_dgrad((at["g3q"], at["g3q_s"]), W, offs, nrows, at["gh1"],
+                        (at["h1q"], at["h1q_s"]), at["h2"], **sc)
         self.k.quantize(at["gh1"], offs, 2 * F, rows=(at["gh1q"], at["gh1q_s"]),
                         cols=(at["gh1c"], at["gh1c_s"]))
         self.k.quantize(at["h2"], offs, F, cols=(at["h2c"], at["h2c_s"]))
