@@ -288,9 +288,13 @@ class Execution:
                           "the dispatch buffer); W13 stores h1 (bf16), one launch applies the "
                           "SwiGLU and quantizes h2's rows")]
             if not self.inference:
-                rows += [("backward", "W2 DGRAD with the SwiGLU backward in its epilogue, "
-                          "W2 WGRAD, W13 DGRAD scattering to the owners, W13 WGRAD"
-                          if self.gemm_engine == "triton" else "torch._grouped_mm")]
+                w2_dgrad = ("W2 DGRAD on CUTLASS storing u = g3 W2, then one SwiGLU-backward "
+                            "pass (grad_h1, h2, score parts)"
+                            if self.precision == "fp8_block" and self.fp8_gemm == "cutlass"
+                            else "W2 DGRAD with the SwiGLU backward in its epilogue")
+                rows += [("backward", f"{w2_dgrad}, W2 WGRAD, W13 DGRAD scattering to the "
+                          "owners, W13 WGRAD" if self.gemm_engine == "triton"
+                          else "torch._grouped_mm")]
                 if self.precision == "fp8_block":
                     rows += [("WGRADs", "CUTLASS sm_90a FP8 blockwise-scaled grouped GEMM "
                               "(csrc/, 128x128x128 cooperative tiles)" if self.fp8_gemm ==
