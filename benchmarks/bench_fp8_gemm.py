@@ -15,7 +15,10 @@ operands; exit 1 on a mismatch), then timed as a CUDA graph with the guide's met
     w13_fprop cutlass_<config>, w13_wgrad cutlass_<config>, w2_wgrad cutlass_<config>   the same
                   GEMMs on CUTLASS's sm_90a blockwise-scaled FP8 grouped kernels; w2_dgrad
                   cutlass_<config>: the FPROP unit storing u = g3 W2 plus the SwiGLU-backward
-                  pass (quant_fp8.swiglu_bwd_rows), what the layer runs on the CUTLASS engine
+                  pass (quant_fp8.swiglu_bwd_rows), w13_dgrad cutlass_<config>: the unit's dense
+                  rows plus one scatter launch (rows.scatter_rows), as the layer runs them on
+                  the CUTLASS engine; w2_fprop cutlass_<config>: the same split for the W2
+                  FPROP, which the layer keeps on Triton (measured here only)
                   (kernels/grouped_gemm_sm90: GroupedFp8FpropSm90, configs "coop" and
                   "coop_2x1"; GroupedFp8WgradSm90, "coop"), right after our Triton row; note: x
                   over Triton. Skipped where the library cannot be built (nvcc, CUTLASS
@@ -41,6 +44,7 @@ from common import append_csv_fields, git_commit, pyplot, time_windows  # noqa: 
 from megatron_dist_moe.kernels.grouped_gemm import (  # noqa: E402
     grouped_mm_dgrad, grouped_mm_fwd, grouped_mm_wgrad)
 from megatron_dist_moe.kernels.grouped_gemm.fp8 import fp8_grouped_mm, fp8_grouped_wgrad  # noqa: E402
+from megatron_dist_moe.kernels.rows import device_ptr, scatter_rows  # noqa: E402
 from megatron_dist_moe.kernels.quant_fp8 import (  # noqa: E402
     quantize_rows_cols, quantize_weight, swiglu_bwd_rows, swiglu_quant)
 from megatron_dist_moe.layout import padded_rows  # noqa: E402
@@ -192,10 +196,22 @@ def main(argv=None) -> int:
             swiglu_bwd_rows(out_h2, h1q, out_h1, nrows, R, F, score_ptrs=sptrs,
                             score_grad_delta=4, part_stride=4)
         return fn
+    dense = torch.empty(R, D, dtype=BF, device=dev)
+    dense_ptr = device_ptr(dense)
+
+    def split_scatter(a, w, ws):
+        def make(gemm):
+            def fn():
+                gemm(a, w, ws, offs, dense)
+                scatter_rows(dense_ptr, row_ptrs, nrows, D, BF, R)
+            return fn
+        return make
     cutlass_cases = {
         "w13_fprop": ("fprop", lambda gemm: (lambda: gemm(xq, W.w13, W.w13_s, offs, out_h1)),
                       fp8["w13_fprop"][2]),
         "w2_dgrad": ("fprop", w2_dgrad_split, fp8["w2_dgrad"][2]),
+        "w13_dgrad": ("fprop", split_scatter(gh1q, W.w13_t, W.w13_t_s), fp8["w13_dgrad"][2]),
+        "w2_fprop": ("fprop", split_scatter(h2q, W.w2, W.w2_s), fp8["w2_fprop"][2]),
         "w13_wgrad": ("wgrad", *wgrad_case(cols["gh1"], cols["x"], wg13)),
         "w2_wgrad": ("wgrad", *wgrad_case(cols["g3"], cols["h2"], wg2)),
     }

@@ -17,12 +17,13 @@ Development overrides select the plain-torch twins that the tests and baselines 
                   gather / SwiGLU / scatter kernels: the GEMM oracle and a baseline)
     routing       "triton" (one or two launches) | "torch" (sort / scatter ops: the routing oracle)
     bookkeeping   "triton" (one launch) | "torch" (the shared planner functions: its oracle)
-    fp8_gemm      fp8_block's GEMMs with a CUTLASS unit, the W13 FPROP and (training) the two
-                  WGRADs: "cutlass" (CUTLASS's sm_90a blockwise-scaled grouped kernels, csrc/;
-                  the default on a Hopper GPU where their library loads: built on first use,
-                  cached) | "triton" (our kernels, the default elsewhere, and on every rank of
-                  a group where some rank cannot load the library). The W2 FPROP and the DGRADs
-                  are Triton either way (their scatter and SwiGLU-backward epilogues)
+    fp8_gemm      fp8_block's GEMMs with a CUTLASS unit: the W13 FPROP and (training) the two
+                  WGRADs and the two DGRADs (their SwiGLU backward and scatter then separate
+                  launches): "cutlass" (CUTLASS's sm_90a blockwise-scaled grouped kernels,
+                  csrc/; the default on a Hopper GPU where their library loads: built on first
+                  use, cached) | "triton" (our kernels, the default elsewhere, and on every
+                  rank of a group where some rank cannot load the library). The W2 FPROP is
+                  Triton either way (the scatter to the owners in its epilogue)
     nvfp4_gemm    nvfp4 inference's GEMMs: "cuda" (our CUDA C++ GEMMs: the decode GEMM up to
                   32 rows per expert, csrc/nvfp4_decode_mm.cu, and the wgmma GEMM above,
                   csrc/nvfp4_wgmma_mm.cu; the default on a Hopper GPU where their library
@@ -292,9 +293,12 @@ class Execution:
                             "pass (grad_h1, h2, score parts)"
                             if self.precision == "fp8_block" and self.fp8_gemm == "cutlass"
                             else "W2 DGRAD with the SwiGLU backward in its epilogue")
-                rows += [("backward", f"{w2_dgrad}, W2 WGRAD, W13 DGRAD scattering to the "
-                          "owners, W13 WGRAD" if self.gemm_engine == "triton"
-                          else "torch._grouped_mm")]
+                w13_dgrad = ("W13 DGRAD on CUTLASS storing dense rows, then one launch "
+                             "scattering them to the owners"
+                             if self.precision == "fp8_block" and self.fp8_gemm == "cutlass"
+                             else "W13 DGRAD scattering to the owners")
+                rows += [("backward", f"{w2_dgrad}, W2 WGRAD, {w13_dgrad}, W13 WGRAD"
+                          if self.gemm_engine == "triton" else "torch._grouped_mm")]
                 if self.precision == "fp8_block":
                     rows += [("WGRADs", "CUTLASS sm_90a FP8 blockwise-scaled grouped GEMM "
                               "(csrc/, 128x128x128 cooperative tiles)" if self.fp8_gemm ==

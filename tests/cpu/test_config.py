@@ -281,6 +281,7 @@ def test_fp8_gemm_engine_is_chosen_at_creation(monkeypatch):
     assert "CUTLASS sm_90a FP8 blockwise-scaled grouped GEMM" in text
     assert "the W13 FPROP on CUTLASS's sm_90a blockwise-scaled" in text
     assert "W2 DGRAD on CUTLASS storing u = g3 W2, then one SwiGLU-backward pass" in text
+    assert "W13 DGRAD on CUTLASS storing dense rows, then one launch scattering" in text
     triton = ex.replace(fp8_gemm="triton").explain()
     assert "Triton FP8 block-scaled grouped WGRAD" in triton and "CUTLASS" not in triton
     assert "W2 DGRAD with the SwiGLU backward in its epilogue" in triton

@@ -363,7 +363,7 @@ class Fp8BlockKernels:
     """The fp8_block steps: block quantization of rows and columns, the FP8 block-scaled grouped
     GEMMs with their epilogues, the SwiGLU with the quantization of its input and output
     (Triton: kernels/quant_fp8.py, kernels/grouped_gemm/fp8.py; with gemm_engine "cutlass" the
-    W13 FPROP, the W2 DGRAD's GEMM and the WGRADs on CUTLASS: kernels/grouped_gemm_sm90.py)."""
+    W13 FPROP, the DGRADs' GEMMs and the WGRADs on CUTLASS: kernels/grouped_gemm_sm90.py)."""
 
     def __init__(self, cfg: Config, num_local_experts: int, max_rows: int,
                  gemm_engine: str = "triton", device: torch.device | None = None,
@@ -436,6 +436,19 @@ class Fp8BlockKernels:
         swiglu_bwd_rows(h2, h1q, gh1, nrows, self.max_rows, self.cfg.intermediate_dim,
                         block_n=fp8_config(offs.device).block_n, **score, **self.act)
 
+    def w13_dgrad(self, gh1q, W, offs, nrows, scatter_ptrs, dense):
+        """grad_x_g rows to the owners' addresses. Triton: one GEMM scattering from its
+        epilogue. CUTLASS: the GEMM stores the rows into `dense` (bf16 [R, D], a region free
+        by then), one copy launch scatters them."""
+        if self.cutlass_fprop is None:
+            self.mm(gh1q, W.w13_t, W.w13_t_s, offs, "scatter", out_row_ptrs=scatter_ptrs)
+            return
+        from ...kernels import rows as K_rows
+        from ...kernels.common import as_device_ptr
+        self.cutlass_fprop(gh1q, W.w13_t, W.w13_t_s, offs, dense)
+        K_rows.scatter_rows(as_device_ptr(dense, "dense", torch.bfloat16), scatter_ptrs, nrows,
+                            self.cfg.hidden_dim, torch.bfloat16, self.max_rows)
+
     def wgrad(self, a, b, offs, out):
         from ...kernels.grouped_gemm import ExpertOutTable
         accumulate = isinstance(out, ExpertOutTable)
@@ -459,8 +472,8 @@ class Fp8BlockPipeline:
     gather g3, quantize its rows and columns, W2 DGRAD (+ SwiGLU backward from the saved h1
     bundle, + score-gradient parts) -> grad_h1 and h2 (bf16), quantize grad_h1 (rows, columns)
     and h2 (columns), W2 WGRAD, W13 DGRAD + scatter, W13 WGRAD (Execution.fp8_gemm: the W13
-    FPROP, the WGRADs and the W2 DGRAD's GEMM on CUTLASS, whose SwiGLU backward is then a
-    separate pass, or all of them on Triton).
+    FPROP, the WGRADs and the two DGRADs' GEMMs on CUTLASS, the W2 DGRAD's SwiGLU backward and
+    the W13 DGRAD's scatter then separate launches; or all of them on Triton).
 
     Weights are quantized by every forward (`prepare`: both orientations, one byte per element
     each); its backward reuses that forward's copies. Across calls only through the caller's
@@ -521,8 +534,8 @@ class Fp8BlockPipeline:
         self.k.quantize(at["h2"], offs, F, cols=(at["h2c"], at["h2c_s"]))
         grad_w2 = wgrad_output(wgrad_into, 1, (self.E, D, F), out_dtype, self.device)
         self.k.wgrad((at["g3c"], at["g3c_s"]), (at["h2c"], at["h2c_s"]), offs, grad_w2)
-        self.k.mm((at["gh1q"], at["gh1q_s"]), W.w13_t, W.w13_t_s, offs, "scatter",
-                  out_row_ptrs=scatter_ptrs)
+        # (g3's bf16 rows are dead once quantized: the CUTLASS W13 DGRAD's dense rows go there)
+        self.k.w13_dgrad((at["gh1q"], at["gh1q_s"]), W, offs, nrows, scatter_ptrs, at["g3"])
         grad_w13 = wgrad_output(wgrad_into, 0, (self.E, 2 * F, D), out_dtype, self.device)
         self.k.wgrad((at["gh1c"], at["gh1c_s"]), (at["x_c"], at["x_c_s"]), offs, grad_w13)
         if wgrad_into is not None:

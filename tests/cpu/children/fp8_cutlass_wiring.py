@@ -85,6 +85,27 @@ def routes_the_w13_fprop_and_splits_the_w2_dgrad(scored):
     if scored:
         _close("score parts", sb[:, 1:].sum(1), fb[:, 1:].sum(1), 3e-2)
         assert torch.equal(sb[:, 0], fb[:, 0]), "the scores themselves are not written"
+    # W13 DGRAD: the unit's dense rows (into the dead g3 buffer) + one scatter launch, against
+    # the GEMM that scatters from its epilogue: the same sums, so the same bits
+    from megatron_dist_moe.kernels.common import device_ptr
+    gh1q = Q.quantize_rows(torch.randn(R, 2 * F, generator=g).to(torch.bfloat16))
+    outs = []
+    for k in (tri, cut):
+        dst = torch.full((R + 3, D), float("nan"), dtype=torch.bfloat16)
+        perm = torch.randperm(R + 3, generator=torch.Generator().manual_seed(1))[:R]
+        ptrs = device_ptr(dst) + perm * D * 2
+        ptrs = ptrs.view(-1).clone()
+        ptrs[4] = 0                                  # a route without a destination
+        dense = torch.full((R, D), float("nan"), dtype=torch.bfloat16)
+        k.w13_dgrad(gh1q, W, offs, nrows, ptrs, dense)
+        outs.append((dst, perm))
+    assert stand_in.calls[-1] == tuple(W.w13_t.shape), "the W13 DGRAD's GEMM is the unit's"
+    (dt, pt), (dc, pc) = outs
+    assert torch.equal(pt, pc)
+    keep = torch.arange(R) != 4
+    assert not torch.isnan(dc[pc[keep]].float()).any(), "scattered rows left unwritten"
+    assert torch.equal(dc[pc[keep]], dt[pt[keep]]), "split W13 DGRAD differs from the fused"
+    assert torch.isnan(dc[pc[4]].float()).all(), "the row with address 0 was written"
     return dict(unit_calls=len(stand_in.calls))
 
 
