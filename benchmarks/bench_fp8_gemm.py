@@ -43,7 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import append_csv_fields, git_commit, pyplot, time_windows  # noqa: E402
 from megatron_dist_moe.kernels.grouped_gemm import (  # noqa: E402
     grouped_mm_dgrad, grouped_mm_fwd, grouped_mm_wgrad)
-from megatron_dist_moe.kernels.grouped_gemm.fp8 import fp8_grouped_mm, fp8_grouped_wgrad  # noqa: E402
+from megatron_dist_moe.kernels.grouped_gemm.fp8 import (  # noqa: E402
+    fp8_config, fp8_grouped_mm, fp8_grouped_wgrad)
 from megatron_dist_moe.kernels.rows import device_ptr, scatter_rows  # noqa: E402
 from megatron_dist_moe.kernels.quant_fp8 import (  # noqa: E402
     quantize_rows_cols, quantize_weight, swiglu_bwd_rows, swiglu_quant)
@@ -189,12 +190,13 @@ def main(argv=None) -> int:
                 lambda: rel(out[0].float(), Q.dequantize_cols(*a)[:n].T
                             @ Q.dequantize_cols(*b)[:n]))
     nrows = offs[-1:].clone()
+    bn = fp8_config(dev).block_n     # the score parts the layer's W2 DGRAD writes per row
 
     def w2_dgrad_split(gemm):
         def fn():
             gemm(g3q, W.w2_t, W.w2_t_s, offs, out_h2)       # u into h2's buffer
             swiglu_bwd_rows(out_h2, h1q, out_h1, nrows, R, F, score_ptrs=sptrs,
-                            score_grad_delta=4, part_stride=4)
+                            score_grad_delta=4, part_stride=4, block_n=bn)
         return fn
     dense = torch.empty(R, D, dtype=BF, device=dev)
     dense_ptr = device_ptr(dense)
@@ -305,7 +307,7 @@ def main(argv=None) -> int:
         # u in place (read + h2 written) and h1q read, grad_h1 written (the scores' parts: ~0)
         "swiglu_bwd_rows": (lambda: swiglu_bwd_rows(out_h2, h1q, out_h1, nr, R, F,
                                                     score_ptrs=sptrs, score_grad_delta=4,
-                                                    part_stride=4),
+                                                    part_stride=4, block_n=bn),
                             R * F * (2 + 2) + R * 2 * F * 1.03 + R * 2 * F * 2),
     }
     for k, (fn, nbytes) in quant.items():

@@ -257,7 +257,7 @@ inline int64_t fp8_zero_bytes(int M, int N) {
 // FPROP: one thread per expert, its group's shape, pointers, strides and scale layouts over its
 // rows (see the FPROP contract at the top). Traps on offsets that are not cumulative row ends
 // or that end past the row bound (r_cap: the rows the A bundle and out were allocated for, a
-// host value; 0 when unknown).
+// host value; -1 when unknown).
 template <class G>
 __global__ void fill_fp8_fprop_args(int E, int N, int K, int64_t r_cap, const int32_t* offsets,
                                     const int64_t* qa_addr, const int64_t* sa_addr,
@@ -272,7 +272,7 @@ __global__ void fill_fp8_fprop_args(int E, int N, int K, int64_t r_cap, const in
            "cumulative row ends\n", e, start, e + 1, end);
     __trap();
   }
-  if (r_cap > 0 && end > r_cap) {
+  if (r_cap >= 0 && end > r_cap) {
     printf("grouped_fp8_fprop_sm90: expert_offsets[%d]=%d exceeds the %lld rows of a and out\n",
            e + 1, end, static_cast<long long>(r_cap));
     __trap();
@@ -310,7 +310,7 @@ int run_fp8_fprop(int E, int N, int K, int64_t r_cap, const int32_t* offsets,
                   const int64_t* qa_addr, const int64_t* sa_addr, const void* w, const void* sw,
                   const int64_t* out_addr, void* args, void* workspace, int64_t workspace_size,
                   int device, int sm_count, cudaStream_t stream) {
-  if (E < 1 || N % kScaleBlock != 0 || K % kScaleBlock != 0 || r_cap < 0) return kBadShape;
+  if (E < 1 || N % kScaleBlock != 0 || K % kScaleBlock != 0 || r_cap < -1) return kBadShape;
   auto arguments = G::arguments(E, static_cast<char*>(args), device, sm_count);
   if (static_cast<int64_t>(G::Gemm::get_workspace_size(arguments)) > workspace_size)
     return kWorkspaceSmall;

@@ -76,7 +76,8 @@ _STATUS = {
 _FP8_STATUS = {**_STATUS,
                1: "bad shape: E < 1, M or N not a multiple of 16, Rp not a multiple of 128, or "
                   "accumulate on a unit without a source operand"}
-_FP8_FPROP_STATUS = {**_STATUS, 1: "bad shape: E < 1, or N or K not a multiple of 128"}
+_FP8_FPROP_STATUS = {**_STATUS, 1: "bad shape: E < 1, N or K not a multiple of 128, or a row "
+                                    "bound below -1"}
 
 
 def csrc_dir() -> Path:
@@ -380,7 +381,7 @@ def _fp8_bundle(pair, name: str, mn_name: str, device: torch.device):
 
 def _fp8_rows(pair, name: str, K: int, device: torch.device):
     """(data, scales) of an FP8 row bundle as device pointers (int64 [1]) and its row count
-    (0 when given as pointers). Tensors are checked: data e4m3 [R, K], scales fp32 [R, K/128],
+    (None when given as pointers). Tensors are checked: data e4m3 [R, K], scales fp32 [R, K/128],
     both contiguous and 16-byte aligned on `device`."""
     if not isinstance(pair, (tuple, list)) or len(pair) != 2:
         raise ValueError(f"{name}: expected a row bundle (data, scales), tensors or device "
@@ -391,7 +392,7 @@ def _fp8_rows(pair, name: str, K: int, device: torch.device):
         for x, what in ((q, name), (s, f"{name} scales")):
             if x.device != device:
                 raise ValueError(f"{what} is on {x.device}, expected {device}")
-        return q, s, 0
+        return q, s, None
     if ptrs:
         raise ValueError(f"{name}: data and scales must both be tensors or both device pointers")
     if q.dim() != 2 or q.dtype != _F8 or not q.is_contiguous() or q.shape[1] != K:
@@ -451,14 +452,16 @@ class GroupedFp8FpropSm90(_GroupedCallSm90):
                              f"{tuple(w_scales.shape)} on {w_scales.device}")
         _check_offsets(expert_offsets, E, self.device)
         qa, sa, a_rows = _fp8_rows(a, "a", K, self.device)
-        out_rows = 0
+        out_rows = None
         if isinstance(out, torch.Tensor) and not (out.dtype == torch.int64 and out.numel() == 1):
             if out.dim() != 2 or out.shape[1] != N or out.dtype != torch.bfloat16:
                 raise ValueError(f"out: expected bf16 [R, {N}], got {out.dtype} "
                                  f"{tuple(out.shape)}")
             out_rows = out.shape[0]
         out_ptr = _addr_tensor(out, "out", self.device)
-        r_cap = min([r for r in (a_rows, out_rows) if r] or [0])
+        # the device traps on offsets[E] past the rows of a and out where their shapes are known
+        known = [r for r in (a_rows, out_rows) if r is not None]
+        r_cap = min(known) if known else -1
         stream = torch.cuda.current_stream(self.device).cuda_stream
         with torch.cuda.device(self.dev_index):    # CUTLASS sets its kernel attributes there
             status = self._run(E, N, K, r_cap, expert_offsets.data_ptr(), qa.data_ptr(),

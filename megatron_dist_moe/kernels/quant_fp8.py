@@ -9,9 +9,11 @@
                         tile scales (both orientations of one quantization)
     swiglu_bwd_rows     the SwiGLU backward after a W2 DGRAD that stored u = g3 W2 (bf16 [R, F])
                         instead of fusing it: from u and the saved h1 row bundle, grad_h1 and h2
-                        (u's region, in place) and the score-gradient parts, as the fused
-                        epilogue of grouped_gemm/fp8.py computes them (twin:
-                        quant/fp8_block.swiglu_bwd_rows)
+                        (u's region, in place) and the score-gradient parts, with the formulas
+                        of the fused epilogue of grouped_gemm/fp8.py on u rounded to bf16 (the
+                        epilogue has u in fp32: round(s round(u)) instead of round(s u); h2 and
+                        the unscored grad_h1 are the same given the same u). Twin:
+                        kernels/rows_ref.swiglu_bwd_rows_ref
 
 R and the expert offsets are device values: grids are host bounds and programs past the rows
 return. Every kernel reads the recipe (power-of-two scales, amax epsilon) as constexprs.
@@ -348,7 +350,11 @@ def _swiglu_bwd_rows_kernel(u_addr, h1q_addr, h1s_addr, gh1_addr, num_rows_ptr, 
     gp = load_ptr(gh1_addr, tl.bfloat16) + rows[:, None] * (2 * F) + c[None, :]
     tl.store(gp, round_bf16(dg, HW).to(tl.bfloat16), mask=mask)
     tl.store(gp + F, round_bf16(du, HW).to(tl.bfloat16), mask=mask)
-    if SCORED:   # h2 over u, element by element (each value read above, before this store)
+    # h2 over u: another layout's threads may store a value this thread loaded, so every
+    # load of u ends before any store to its region (the compiler's layout conversions
+    # synchronise too; this does not rely on them)
+    tl.debug_barrier()
+    if SCORED:
         tl.store(up, round_bf16(s[:, None] * h2v, HW).to(tl.bfloat16), mask=mask)
         part = tl.sum(tl.where(mask, u * round_bf16(h2v, HW), 0.0), axis=1)
         p_addr = s_addr + (score_grad_delta + cb.to(tl.int64) * part_stride)
@@ -373,8 +379,9 @@ def swiglu_bwd_rows(u_h2, h1q, gh1, num_rows: torch.Tensor, max_rows: int, F: in
                 score_grad_delta + block * part_stride (block_n: the fp8 GEMM's n-tile, so the
                 owner finds as many parts as that epilogue writes). Without, s = 1.
     """
-    assert F % 128 == 0 and F % block_n == 0 and block_n % 16 == 0, (
-        f"F={F}: a multiple of 128 and of block_n={block_n}")
+    assert F % 128 == 0 and F % block_n == 0, f"F={F}: a multiple of 128 and of block_n"
+    assert 16 <= block_n <= 128 and 128 % block_n == 0, (
+        f"block_n={block_n}: 16 to 128 dividing 128 (one h1 scale per 128 columns)")
     dev = num_rows.device
     q, sc = h1q
     if score_ptrs is not None:

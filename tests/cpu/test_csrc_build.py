@@ -83,16 +83,18 @@ def test_library_builds_and_exports_every_configuration(tmp_path, monkeypatch):
         assert ws_bytes(6, 132) > 0 and ws_bytes(6, 132) >= ws_bytes(6, 66)
         null = ctypes.c_void_p(0)
 
-        def fprop_run(E, N, K, r_cap=0, run=run):
+        def fprop_run(E, N, K, r_cap=-1, run=run):
             return run(E, N, K, r_cap, null, null, null, null, null, null, null, null, 0, 0,
                        132, null)
-        # refused before anything is launched: N or K not a multiple of 128, E < 1, r_cap < 0
+        # refused before anything is launched: N or K not a multiple of 128, E < 1, a row
+        # bound below -1 (-1: unknown)
         assert fprop_run(6, 6144, 7100) == 1
         assert fprop_run(6, 6100, 7168) == 1
         assert fprop_run(0, 6144, 7168) == 1
-        assert fprop_run(6, 6144, 7168, r_cap=-1) == 1
+        assert fprop_run(6, 6144, 7168, r_cap=-2) == 1
         # valid shapes pass the checks and then find the workspace (0 bytes here) too small
         assert fprop_run(6, 6144, 7168) == 2
+        assert fprop_run(6, 6144, 7168, r_cap=0) == 2
 
 
 def test_cache_key_follows_the_sources(tmp_path, monkeypatch):

@@ -362,11 +362,12 @@ class TorchPipeline:
 class Fp8BlockKernels:
     """The fp8_block steps: block quantization of rows and columns, the FP8 block-scaled grouped
     GEMMs with their epilogues, the SwiGLU with the quantization of its input and output
-    (Triton: kernels/quant_fp8.py, kernels/grouped_gemm/fp8.py; with gemm_engine "cutlass" the
-    W13 FPROP, the DGRADs' GEMMs and the WGRADs on CUTLASS: kernels/grouped_gemm_sm90.py)."""
+    (Triton: kernels/quant_fp8.py, kernels/grouped_gemm/fp8.py; with fp8_gemm "cutlass"
+    (Execution.fp8_gemm) the W13 FPROP, the DGRADs' GEMMs and the WGRADs on CUTLASS:
+    kernels/grouped_gemm_sm90.py)."""
 
     def __init__(self, cfg: Config, num_local_experts: int, max_rows: int,
-                 gemm_engine: str = "triton", device: torch.device | None = None,
+                 fp8_gemm: str = "triton", device: torch.device | None = None,
                  training: bool = True):
         from ...quant.fp8_block import BlockScaling
         self.cfg, self.E, self.max_rows = cfg, num_local_experts, max_rows
@@ -376,7 +377,7 @@ class Fp8BlockKernels:
         # Execution.fp8_gemm: the CUTLASS GEMMs own device argument (and zero) blocks, made
         # here (context creation, outside any capture; the WGRAD's for the two weight shapes)
         self.cutlass_fprop = self.cutlass_wgrad = None
-        if gemm_engine == "cutlass":
+        if fp8_gemm == "cutlass":
             from ...kernels.grouped_gemm_sm90 import GroupedFp8FpropSm90, GroupedFp8WgradSm90
             D, F = cfg.hidden_dim, cfg.intermediate_dim
             try:

@@ -74,8 +74,9 @@ def routes_the_w13_fprop_and_splits_the_w2_dgrad(scored):
             s = torch.rand(R, generator=torch.Generator().manual_seed(5))
             buf = torch.zeros(R, 1 + parts)
             buf[:, 0] = s
-            sc = dict(score_ptrs=buf.data_ptr() + torch.arange(R) * (1 + parts) * 4,
-                      score_grad_delta=4, part_stride=4)
+            ptrs = buf.data_ptr() + torch.arange(R) * (1 + parts) * 4
+            ptrs[6] = 0                      # a row without a score address
+            sc = dict(score_ptrs=ptrs, score_grad_delta=4, part_stride=4)
         k.w2_dgrad(g3q, W, offs, nrows, gh1, h1q, h2, **sc)
         outs[name] = (gh1, h2, buf)
     assert stand_in.calls[-1] == tuple(W.w2_t.shape), "the W2 DGRAD's GEMM is the unit's"
@@ -85,6 +86,9 @@ def routes_the_w13_fprop_and_splits_the_w2_dgrad(scored):
     if scored:
         _close("score parts", sb[:, 1:].sum(1), fb[:, 1:].sum(1), 3e-2)
         assert torch.equal(sb[:, 0], fb[:, 0]), "the scores themselves are not written"
+        assert not sb[6, 1:].any(), "parts written for a row without a score address"
+        assert not sg[6].float().any() and not sh[6].float().any(), (
+            "a row without a score address has s = 0: zero grad_h1 and h2")
     # W13 DGRAD: the unit's dense rows (into the dead g3 buffer) + one scatter launch, against
     # the GEMM that scatters from its epilogue: the same sums, so the same bits
     from megatron_dist_moe.kernels.common import device_ptr
