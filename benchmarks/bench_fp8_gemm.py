@@ -10,6 +10,8 @@ operands; exit 1 on a mismatch), then timed as a CUDA graph with the guide's met
     w13_fprop     h1 = x W13^T            fp8: store epilogue   bf16: ours with the SwiGLU epilogue
     w2_fprop      h3 = h2 W2^T, scattered to rows by address
     w2_dgrad      u = g3 W2 with the SwiGLU backward and score parts in the epilogue
+    w2_dgrad split   the same as the layer runs it: Triton's store epilogue writes u (bf16), the
+                  SwiGLU-backward pass (quant_fp8.swiglu_bwd_rows) does the rest
     w13_dgrad     grad_x = grad_h1 W13, scattered
     w13_wgrad / w2_wgrad   the two weight gradients (bf16 out)
     w13_fprop cutlass_<config>, w13_wgrad cutlass_<config>, w2_wgrad cutlass_<config>   the same
@@ -251,6 +253,22 @@ def main(argv=None) -> int:
         tb = time_windows(bf16[k], graph=True)
         row("bf16", k, tb, flops)
         row("fp8_block", k, t8, flops, ratio=round(tb.median_ms / t8.median_ms, 3))
+        if k == "w2_dgrad":
+            split = w2_dgrad_split(lambda a, w, ws, o, out: fp8_grouped_mm(
+                a=a, w=w, w_scales=ws, expert_offsets=o, max_rows=R, epilogue="store", out=out))
+            poison()
+            split()
+            torch.cuda.synchronize()
+            err = check()
+            if not err < 2e-2:
+                print(f"MISMATCH w2_dgrad split: rel err {err:.2e} vs its torch twin", flush=True)
+                failed = True
+            else:
+                ts = time_windows(split, graph=True)
+                row("fp8_block", "w2_dgrad split", ts, flops,
+                    ratio=round(tb.median_ms / ts.median_ms, 3),
+                    note=f"Triton store + swiglu_bwd_rows; x{t8.median_ms / ts.median_ms:.3f} "
+                         "vs the fused epilogue")
         if k in cutlass_cases:
             cutlass_rows(k, flops, tb, t8)
     if args.sweep:

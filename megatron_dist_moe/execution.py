@@ -18,12 +18,12 @@ Development overrides select the plain-torch twins that the tests and baselines 
     routing       "triton" (one or two launches) | "torch" (sort / scatter ops: the routing oracle)
     bookkeeping   "triton" (one launch) | "torch" (the shared planner functions: its oracle)
     fp8_gemm      fp8_block's GEMMs with a CUTLASS unit: the W13 FPROP and (training) the two
-                  WGRADs and the two DGRADs (their SwiGLU backward and scatter then separate
-                  launches): "cutlass" (CUTLASS's sm_90a blockwise-scaled grouped kernels,
-                  csrc/; the default on a Hopper GPU where their library loads: built on first
-                  use, cached) | "triton" (our kernels, the default elsewhere, and on every
-                  rank of a group where some rank cannot load the library). The W2 FPROP is
-                  Triton either way (the scatter to the owners in its epilogue)
+                  WGRADs and the two DGRADs (the W13 DGRAD's scatter then a separate launch):
+                  "cutlass" (CUTLASS's sm_90a blockwise-scaled grouped kernels, csrc/; the
+                  default on a Hopper GPU where their library loads: built on first use,
+                  cached) | "triton" (our kernels, the default elsewhere, and on every rank of
+                  a group where some rank cannot load the library). The W2 FPROP is Triton
+                  either way (the scatter to the owners in its epilogue)
     nvfp4_gemm    nvfp4 inference's GEMMs: "cuda" (our CUDA C++ GEMMs: the decode GEMM up to
                   32 rows per expert, csrc/nvfp4_decode_mm.cu, and the wgmma GEMM above,
                   csrc/nvfp4_wgmma_mm.cu; the default on a Hopper GPU where their library
@@ -289,10 +289,11 @@ class Execution:
                           "the dispatch buffer); W13 stores h1 (bf16), one launch applies the "
                           "SwiGLU and quantizes h2's rows")]
             if not self.inference:
-                w2_dgrad = ("W2 DGRAD on CUTLASS storing u = g3 W2, then one SwiGLU-backward "
-                            "pass (grad_h1, h2, score parts)"
-                            if self.precision == "fp8_block" and self.fp8_gemm == "cutlass"
-                            else "W2 DGRAD with the SwiGLU backward in its epilogue")
+                w2_dgrad = "W2 DGRAD with the SwiGLU backward in its epilogue"
+                if self.precision == "fp8_block":
+                    w2_dgrad = (f"W2 DGRAD on {'CUTLASS' if self.fp8_gemm == 'cutlass' else 'Triton'}"
+                                " storing u = g3 W2, then one SwiGLU-backward pass (grad_h1, h2, "
+                                "score parts)")
                 w13_dgrad = ("W13 DGRAD on CUTLASS storing dense rows, then one launch "
                              "scattering them to the owners"
                              if self.precision == "fp8_block" and self.fp8_gemm == "cutlass"

@@ -284,7 +284,9 @@ def test_fp8_gemm_engine_is_chosen_at_creation(monkeypatch):
     assert "W13 DGRAD on CUTLASS storing dense rows, then one launch scattering" in text
     triton = ex.replace(fp8_gemm="triton").explain()
     assert "Triton FP8 block-scaled grouped WGRAD" in triton and "CUTLASS" not in triton
-    assert "W2 DGRAD with the SwiGLU backward in its epilogue" in triton
+    assert "W2 DGRAD on Triton storing u = g3 W2, then one SwiGLU-backward pass" in triton
+    assert "W2 DGRAD with the SwiGLU backward in its epilogue" in ex.replace(
+        precision="bf16", fp8_gemm="triton").explain()
     assert "WGRADs" not in ex.replace(fp8_gemm="triton", inference=True).explain()
     # inference runs the CUTLASS FPROP too (no WGRADs)
     inf = ex.replace(inference=True).explain()

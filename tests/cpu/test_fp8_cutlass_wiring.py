@@ -5,9 +5,10 @@ GroupedFp8FpropSm90). The unit itself runs in tests/gpu/test_grouped_gemm_sm90_g
 tests/fp8_kernel_checks.py (check_fp8_fprop_cutlass).
 
     W13 FPROP   the unit stores h1 (the Triton kernel's "store" epilogue otherwise)
-    W2 DGRAD    the unit stores u = g3 W2 into h2's region, then quant_fp8.swiglu_bwd_rows
-                computes grad_h1, h2 (in place) and the score parts; the Triton engine fuses
-                all of it into the GEMM's epilogue. Both within one bf16 rounding of u.
+    W2 DGRAD    the GEMM (the unit, or Triton's "store" epilogue on the Triton engine) stores
+                u = g3 W2 into h2's region, then quant_fp8.swiglu_bwd_rows computes grad_h1,
+                h2 (in place) and the score parts: bitwise alike on both engines, and within
+                one bf16 rounding of u of the fused epilogue ("swiglu_bwd")
     W13 DGRAD   the unit stores dense rows into the dead g3 buffer, rows.scatter_rows copies
                 them to the owners' addresses; bitwise the scattering epilogue's rows
 """

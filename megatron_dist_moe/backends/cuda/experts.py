@@ -425,15 +425,12 @@ class Fp8BlockKernels:
                        epilogue=epilogue, **kw, **self.act)
 
     def w2_dgrad(self, g3q, W, offs, nrows, gh1, h1q, h2, **score):
-        """grad_h1 and h2 from the g3 row bundle and the saved h1 row bundle. Triton: one GEMM
-        with the SwiGLU backward in its epilogue. CUTLASS: the GEMM stores u = g3 W2 into h2's
-        region (bf16), then one pass computes grad_h1, h2 (in place) and the score parts."""
-        if self.cutlass_fprop is None:
-            self.mm(g3q, W.w2_t, W.w2_t_s, offs, "swiglu_bwd", out=gh1, h1q=h1q, h2=h2, **score)
-            return
+        """grad_h1 and h2 from the g3 row bundle and the saved h1 row bundle: the GEMM (CUTLASS
+        or Triton, as the W13 FPROP) stores u = g3 W2 into h2's region (bf16), then one pass
+        computes grad_h1, h2 (in place) and the score parts (quant_fp8.swiglu_bwd_rows)."""
         from ...kernels.grouped_gemm.fp8 import fp8_config
         from ...kernels.quant_fp8 import swiglu_bwd_rows
-        self.cutlass_fprop(g3q, W.w2_t, W.w2_t_s, offs, h2)
+        self.mm(g3q, W.w2_t, W.w2_t_s, offs, "store", out=h2)
         swiglu_bwd_rows(h2, h1q, gh1, nrows, self.max_rows, self.cfg.intermediate_dim,
                         block_n=fp8_config(offs.device).block_n, **score, **self.act)
 
@@ -472,9 +469,10 @@ class Fp8BlockPipeline:
     bundle; training: the saved h1 row bundle), W2 FP8 GEMM + scatter to the owners. Backward:
     gather g3, quantize its rows and columns, W2 DGRAD (+ SwiGLU backward from the saved h1
     bundle, + score-gradient parts) -> grad_h1 and h2 (bf16), quantize grad_h1 (rows, columns)
-    and h2 (columns), W2 WGRAD, W13 DGRAD + scatter, W13 WGRAD (Execution.fp8_gemm: the W13
-    FPROP, the WGRADs and the two DGRADs' GEMMs on CUTLASS, the W2 DGRAD's SwiGLU backward and
-    the W13 DGRAD's scatter then separate launches; or all of them on Triton).
+    and h2 (columns), W2 WGRAD, W13 DGRAD + scatter, W13 WGRAD. The W2 DGRAD's GEMM stores
+    u = g3 W2 and a pass does the SwiGLU backward (quant_fp8.swiglu_bwd_rows). Execution.fp8_gemm:
+    the W13 FPROP, the WGRADs and the two DGRADs' GEMMs on CUTLASS (the W13 DGRAD's scatter then
+    a separate launch), or all of them on Triton.
 
     Weights are quantized by every forward (`prepare`: both orientations, one byte per element
     each); its backward reuses that forward's copies. Across calls only through the caller's

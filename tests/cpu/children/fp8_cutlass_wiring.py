@@ -63,10 +63,12 @@ def routes_the_w13_fprop_and_splits_the_w2_dgrad(scored):
     assert stand_in.calls == [tuple(W.w13.shape)]
     assert torch.equal(h1_cut, h1_tri)
 
-    # W2 DGRAD: fused epilogue against the unit + pass
+    # W2 DGRAD: the GEMM storing u (Triton, or the unit) + the pass on both engines, bitwise
+    # alike; against the fused epilogue (fp8_grouped_mm "swiglu_bwd", u in fp32 inside)
+    from megatron_dist_moe.kernels.grouped_gemm.fp8 import fp8_grouped_mm
     parts = F // fp8_config(torch.device("cpu")).block_n
     outs = {}
-    for name, k in (("fused", tri), ("split", cut)):
+    for name in ("triton", "unit", "fused"):
         gh1 = torch.full((R, 2 * F), float("nan"), dtype=torch.bfloat16)
         h2 = torch.full((R, F), float("nan"), dtype=torch.bfloat16)
         sc, buf = {}, None
@@ -77,13 +79,19 @@ def routes_the_w13_fprop_and_splits_the_w2_dgrad(scored):
             ptrs = buf.data_ptr() + torch.arange(R) * (1 + parts) * 4
             ptrs[6] = 0                      # a row without a score address
             sc = dict(score_ptrs=ptrs, score_grad_delta=4, part_stride=4)
-        k.w2_dgrad(g3q, W, offs, nrows, gh1, h1q, h2, **sc)
+        if name == "fused":
+            fp8_grouped_mm(a=g3q, w=W.w2_t, w_scales=W.w2_t_s, expert_offsets=offs, max_rows=R,
+                           epilogue="swiglu_bwd", out=gh1, h1q=h1q, h2=h2, **sc)
+        else:
+            (tri if name == "triton" else cut).w2_dgrad(g3q, W, offs, nrows, gh1, h1q, h2, **sc)
         outs[name] = (gh1, h2, buf)
     assert stand_in.calls[-1] == tuple(W.w2_t.shape), "the W2 DGRAD's GEMM is the unit's"
-    (fg, fh, fb), (sg, sh, sb) = outs["fused"], outs["split"]
+    (tg, th, tb), (sg, sh, sb), (fg, fh, fb) = outs["triton"], outs["unit"], outs["fused"]
+    assert torch.equal(sg, tg) and torch.equal(sh, th), "the two engines' splits differ"
     _close("grad_h1", sg.float(), fg.float(), 2e-2)
     _close("h2", sh.float(), fh.float(), 8e-3)
     if scored:
+        assert torch.equal(sb, tb)
         _close("score parts", sb[:, 1:].sum(1), fb[:, 1:].sum(1), 3e-2)
         assert torch.equal(sb[:, 0], fb[:, 0]), "the scores themselves are not written"
         assert not sb[6, 1:].any(), "parts written for a row without a score address"
