@@ -10,14 +10,16 @@ operands; exit 1 on a mismatch), then timed as a CUDA graph with the guide's met
     w13_fprop     h1 = x W13^T            fp8: store epilogue   bf16: ours with the SwiGLU epilogue
     w2_fprop      h3 = h2 W2^T, scattered to rows by address
     w2_dgrad      u = g3 W2 with the SwiGLU backward and score parts in the epilogue
-    w2_dgrad split   the same as the layer runs it: Triton's store epilogue writes u (bf16), the
-                  SwiGLU-backward pass (quant_fp8.swiglu_bwd_rows) does the rest
+    w2_dgrad split   the same as the layer runs it: Triton's store epilogue writes u (bf16), one
+                  pass (quant_fp8.swiglu_bwd_quant) the SwiGLU backward, the score parts and
+                  the quantization of grad_h1 (rows, columns) and h2 (columns); compare with
+                  w2_dgrad + quant_gh1 + quant_h2_cols
     w13_dgrad     grad_x = grad_h1 W13, scattered
     w13_wgrad / w2_wgrad   the two weight gradients (bf16 out)
     w13_fprop cutlass_<config>, w13_wgrad cutlass_<config>, w2_wgrad cutlass_<config>   the same
                   GEMMs on CUTLASS's sm_90a blockwise-scaled FP8 grouped kernels; w2_dgrad
-                  cutlass_<config>: the FPROP unit storing u = g3 W2 plus the SwiGLU-backward
-                  pass (quant_fp8.swiglu_bwd_rows), w13_dgrad cutlass_<config>: the unit's dense
+                  cutlass_<config>: the FPROP unit storing u = g3 W2 plus that pass,
+                  w13_dgrad cutlass_<config>: the unit's dense
                   rows plus one scatter launch (rows.scatter_rows), as the layer runs them on
                   the CUTLASS engine; w2_fprop cutlass_<config>: the same split for the W2
                   FPROP, which the layer keeps on Triton (measured here only)
@@ -29,7 +31,9 @@ operands; exit 1 on a mismatch), then timed as a CUDA graph with the guide's met
                   128x128 scales: the vendor block-scaled rate at this size (not grouped)
   Quantization (GB/s of bytes read + written)
     quant_x       x_g rows and columns, swiglu_quant (h1 -> h1q, h2q), quant_w13 / quant_w2
-                  (both orientations), swiglu_bwd_rows (u, h1q -> grad_h1, h2, score parts)
+                  (both orientations), quant_gh1 (grad_h1 rows + columns), quant_h2_cols,
+                  swiglu_bwd_rows (u, h1q -> bf16 grad_h1, h2, score parts: the unfused
+                  pass), swiglu_bwd_quant [chunk x warps] (its tiles; the layer's pass)
 """
 
 from __future__ import annotations
@@ -49,7 +53,8 @@ from megatron_dist_moe.kernels.grouped_gemm.fp8 import (  # noqa: E402
     fp8_config, fp8_grouped_mm, fp8_grouped_wgrad)
 from megatron_dist_moe.kernels.rows import device_ptr, scatter_rows  # noqa: E402
 from megatron_dist_moe.kernels.quant_fp8 import (  # noqa: E402
-    quantize_rows_cols, quantize_weight, swiglu_bwd_rows, swiglu_quant)
+    SWIGLU_BWD_QUANT_TILES, quantize_rows_cols, quantize_weight, swiglu_bwd_quant,
+    swiglu_bwd_rows, swiglu_quant)
 from megatron_dist_moe.layout import padded_rows  # noqa: E402
 from megatron_dist_moe.quant import fp8_block as Q  # noqa: E402
 
@@ -194,11 +199,22 @@ def main(argv=None) -> int:
     nrows = offs[-1:].clone()
     bn = fp8_config(dev).block_n     # the score parts the layer's W2 DGRAD writes per row
 
+    # what the layer's W2 DGRAD writes: grad_h1's row and column bundles, h2's column bundle
+    gh1_rows = (torch.empty(R, 2 * F, dtype=F8, device=dev),
+                torch.empty(R, 2 * F // 128, device=dev))
+    gh1_cols = (torch.empty(2 * F, Rp, dtype=F8, device=dev),
+                torch.empty(Rp // 128, 2 * F, device=dev))
+    h2_cols = (torch.empty(F, Rp, dtype=F8, device=dev), torch.empty(Rp // 128, F, device=dev))
+
+    def bwd_quant(tile=None):
+        swiglu_bwd_quant(out_h2, h1q, offs, R, F, gh1_rows=gh1_rows, gh1_cols=gh1_cols,
+                         h2_cols=h2_cols, score_ptrs=sptrs, score_grad_delta=4, part_stride=4,
+                         block_n=bn, **({"tile": tile} if tile else {}))
+
     def w2_dgrad_split(gemm):
         def fn():
             gemm(g3q, W.w2_t, W.w2_t_s, offs, out_h2)       # u into h2's buffer
-            swiglu_bwd_rows(out_h2, h1q, out_h1, nrows, R, F, score_ptrs=sptrs,
-                            score_grad_delta=4, part_stride=4, block_n=bn)
+            bwd_quant()
         return fn
     dense = torch.empty(R, D, dtype=BF, device=dev)
     dense_ptr = device_ptr(dense)
@@ -322,12 +338,21 @@ def main(argv=None) -> int:
                          R * 2 * F * 2 + R * 3 * F * 1.03),
         "quant_w13": (lambda: quantize_weight(w13), E * 2 * F * D * (2 + 2)),
         "quant_w2": (lambda: quantize_weight(w2), E * D * F * (2 + 2)),
+        "quant_gh1": (lambda: quantize_rows_cols(out_h1, offs, R, 2 * F, rows=gh1_rows,
+                                                 cols=gh1_cols), R * 2 * F * 2 + 2 * R * 2 * F * 1.03),
+        "quant_h2_cols": (lambda: quantize_rows_cols(out_h2, offs, R, F, cols=h2_cols),
+                          R * F * 2 + R * F * 1.03),
         # u in place (read + h2 written) and h1q read, grad_h1 written (the scores' parts: ~0)
         "swiglu_bwd_rows": (lambda: swiglu_bwd_rows(out_h2, h1q, out_h1, nr, R, F,
                                                     score_ptrs=sptrs, score_grad_delta=4,
                                                     part_stride=4, block_n=bn),
                             R * F * (2 + 2) + R * 2 * F * 1.03 + R * 2 * F * 2),
     }
+    # u and h1q read; grad_h1 rows + columns and h2 columns written (E4M3 + scales)
+    for tile in SWIGLU_BWD_QUANT_TILES:
+        quant[f"swiglu_bwd_quant [{tile[0]}x{tile[1]}]"] = (
+            lambda tile=tile: bwd_quant(tile), R * F * 2 + R * 2 * F * 1.03
+            + 2 * R * 2 * F * 1.03 + R * F * 1.03)
     for k, (fn, nbytes) in quant.items():
         row("fp8_block", k, time_windows(fn, graph=True), nbytes=nbytes)
     os.makedirs(args.out, exist_ok=True)

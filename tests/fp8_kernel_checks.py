@@ -323,6 +323,71 @@ def check_swiglu_bwd_rows(device, big=False):
     _w2_dgrad_split(device, big, triton_u)
 
 
+def check_swiglu_bwd_quant(device, big=False):
+    """The fused pass is swiglu_bwd_rows followed by quantize_rows_cols of grad_h1 (rows and
+    columns) and of h2 (columns), bit for bit: ragged experts and an empty one, a zero score,
+    a row without a score address, both activations, both scale recipes."""
+    from megatron_dist_moe.kernels.grouped_gemm.fp8 import fp8_config
+    from megatron_dist_moe.kernels.quant_fp8 import (quantize_rows_cols, swiglu_bwd_quant,
+                                                     swiglu_bwd_rows)
+    lens, offs, R = _segments(big, device)
+    E = len(lens)
+    F = 3072 if big else 128
+    bn = fp8_config(torch.device(device)).block_n
+    parts = F // bn
+    nrows = offs[-1:].clone()
+    Rp = padded_rows(R + 5, E)
+    used = int(Q.padded_offsets(offs)[-1])
+    g = torch.Generator().manual_seed(21)
+    for act, pow2, scored in (("swiglu", True, True), ("swiglu_clamped", False, True),
+                              ("swiglu", True, False)):
+        rc = Q.BlockScaling(pow2)
+        kw_act = dict(activation=act, swiglu_limit=7.0 if act == "swiglu" else 1.5)
+        u = (torch.randn(R, F, generator=g) * 3).to(torch.bfloat16).to(device)
+        h1q = Q.quantize_rows((torch.randn(R, 2 * F, generator=g) * 2).to(torch.bfloat16).to(device))
+        bufs, kws = [], []
+        for _ in range(2):
+            sc = {}
+            buf = None
+            if scored:
+                buf = torch.zeros(R, 1 + parts, device=device)
+                buf[:, 0] = torch.rand(R, generator=torch.Generator().manual_seed(3)).to(device)
+                buf[2, 0] = 0.0
+                ptrs = torch.zeros(R + 5, dtype=torch.int64, device=device)  # max_rows long
+                ptrs[:R] = buf.data_ptr() + torch.arange(R, device=device) * (1 + parts) * 4
+                ptrs[3] = 0
+                sc = dict(score_ptrs=ptrs, score_grad_delta=4, part_stride=4)
+            bufs.append(buf)
+            kws.append(sc)
+
+        def bundles(K):
+            return ((torch.empty(R, K, dtype=F8, device=device), torch.empty(R, K // 128, device=device)),
+                    (torch.zeros(K, Rp, dtype=F8, device=device),
+                     torch.zeros(Rp // 128, K, device=device)))
+        # unfused: the pass, then the quantizer over its bf16 outputs
+        uh2 = u.clone()
+        gh1 = torch.empty(R, 2 * F, dtype=torch.bfloat16, device=device)
+        swiglu_bwd_rows(uh2, h1q, gh1, nrows, R + 5, F, block_n=bn, **kws[0], **kw_act)
+        (gq, gs), (gqc, gsc) = bundles(2 * F)
+        quantize_rows_cols(gh1, offs, R + 5, 2 * F, rows=(gq, gs), cols=(gqc, gsc), recipe=rc)
+        _, (hqc, hsc) = bundles(F)
+        quantize_rows_cols(uh2, offs, R + 5, F, cols=(hqc, hsc), recipe=rc)
+        # fused
+        (fq, fs), (fqc, fsc) = bundles(2 * F)
+        _, (fhqc, fhsc) = bundles(F)
+        swiglu_bwd_quant(u, h1q, offs, R + 5, F, gh1_rows=(fq, fs), gh1_cols=(fqc, fsc),
+                         h2_cols=(fhqc, fhsc), block_n=bn, recipe=rc, **kws[1], **kw_act)
+        tag = f"{act} pow2={pow2} scored={scored}"
+        _bits_equal(f"grad_h1 rows {tag}", fq, gq)
+        _bits_equal(f"grad_h1 row scales {tag}", fs, gs)
+        _bits_equal(f"grad_h1 cols {tag}", fqc[:, :used], gqc[:, :used])
+        _bits_equal(f"grad_h1 col scales {tag}", fsc[:used // 128], gsc[:used // 128])
+        _bits_equal(f"h2 cols {tag}", fhqc[:, :used], hqc[:, :used])
+        _bits_equal(f"h2 col scales {tag}", fhsc[:used // 128], hsc[:used // 128])
+        if scored:
+            _bits_equal(f"score parts {tag}", bufs[1], bufs[0])
+
+
 def check_fp8_wgrad(device, big=False):
     from megatron_dist_moe.kernels.grouped_gemm import ExpertOutTable
     from megatron_dist_moe.kernels.grouped_gemm.fp8 import fp8_grouped_wgrad

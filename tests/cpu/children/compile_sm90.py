@@ -233,6 +233,9 @@ VARIANTS["fp8_swiglu_quant"] = lambda: KQ.swiglu_quant(p, offs[-1:], R, F, h2q=(
 VARIANTS["fp8_quant_weight"] = lambda: KQ.quantize_weight(torch.empty(E, 2 * F, D, dtype=bf))
 VARIANTS["fp8_swiglu_bwd_rows"] = lambda: KQ.swiglu_bwd_rows(p, (p, p), p, offs[-1:], R, F,
     score_ptrs=rows_tab, score_grad_delta=4, part_stride=4)
+VARIANTS["fp8_swiglu_bwd_quant"] = lambda: KQ.swiglu_bwd_quant(p, (p, p), offs, R, F,
+    gh1_rows=(p, p), gh1_cols=(p, p), h2_cols=(p, p), score_ptrs=rows_tab, score_grad_delta=4,
+    part_stride=4)
 # mxfp8: quantization kernels around the bf16 GEMMs
 from megatron_dist_moe.kernels import quant_mxfp8 as KM  # noqa: E402
 VARIANTS["mxfp8_quantize_all"] = lambda: KM.quantize(p, offs, R, D, rows_fake=p, cols=(p, p),
@@ -304,6 +307,7 @@ JIT = {"rows_device_check": (K_checks, "_device_check_kernel"),
        "fp8_swiglu_quant": (KQ, "_swiglu_quant_kernel"),
        "fp8_quant_weight": (KQ, "_quant_weight_kernel"),
        "fp8_swiglu_bwd_rows": (KQ, "_swiglu_bwd_rows_kernel"),
+       "fp8_swiglu_bwd_quant": (KQ, "_swiglu_bwd_quant_kernel"),
        "rows_sum_score_parts": (K_rows, "_sum_score_parts_kernel"),
        "rows_fanout": (K_rows, "_fanout_rows_kernel"),
        "rows_swiglu_bwd": (K_rows, "_swiglu_bwd_kernel"),
