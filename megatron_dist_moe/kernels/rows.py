@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .common import TL_DTYPES as _TL_DTYPE
-from .common import device_ptr
+from .common import device_ptr, load_ptr
 
 
 __all__ = ["device_ptr", "publish_tokens", "publish_ids", "check_publish_ids", "gather_rows",
@@ -181,15 +181,17 @@ def _scatter_rows_kernel(src_addr, row_ptrs, num_rows_ptr, W: tl.constexpr, DT: 
     rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
     live = rows < n
     dst = tl.load(row_ptrs + rows, mask=live, other=0)
-    src = tl.load(src_addr).to(tl.pointer_type(DT))
+    # 16-byte aligned rows (W a feature width: Config holds it to a multiple of 16 bytes), so
+    # the copies vectorize; the hints sit on the int -> pointer casts (common.load_ptr)
+    src = load_ptr(src_addr, DT)
+    dst_rows = tl.multiple_of(dst.to(tl.pointer_type(DT)), [16])
     cols = tl.arange(0, BLOCK_W)
     ok = live & (dst != 0)
     for c0 in range(0, W, BLOCK_W):
         c = c0 + cols
         cm = c < W
         v = tl.load(src + rows[:, None] * W + c[None, :], mask=ok[:, None] & cm[None, :])
-        dp = dst[:, None].to(tl.pointer_type(DT)) + c[None, :]
-        tl.store(dp, v, mask=ok[:, None] & cm[None, :])
+        tl.store(dst_rows[:, None] + c[None, :], v, mask=ok[:, None] & cm[None, :])
 
 
 def scatter_rows(src_addr: torch.Tensor, row_ptrs: torch.Tensor, num_rows: torch.Tensor,

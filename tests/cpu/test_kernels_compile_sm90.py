@@ -33,7 +33,7 @@ VARIANTS = ["fwd_swiglu_tma", "fwd_swiglu_decode", "fwd_w2_scatter_decode",
             "fp8_mm_store", "fp8_mm_scatter", "fp8_mm_swiglu_bwd_scored",
             "fp8_mm_swiglu_bwd_clamped", "fp8_wgrad_bf16", "fp8_wgrad_table",
             "fp8_quant_rows_cols", "fp8_swiglu_quant", "fp8_quant_weight", "fp8_swiglu_bwd_rows",
-            "fp8_swiglu_bwd_quant",
+            "fp8_swiglu_bwd_quant", "rows_scatter",
             "mxfp8_quantize_all", "mxfp8_quantize_x", "mxfp8_quantize_grad",
             "mxfp8_quantize_cols_fake", "mxfp8_swiglu_quant", "mxfp8_dequantize_rows",
             "mxfp8_dequantize_cols", "mxfp8_fake_weight", "mxfp8_quantize_x_32x64x1",
@@ -77,6 +77,9 @@ EXPECT = {
     # (h2 through TMA: a proxy fence after its stores and one after the acquire)
     "mega_fwd": dict(wgmma=1, tma_load=1, ld_acquire=1, atom_release=1, nanosleep=1,
                      proxy_fence=2),
+    # 16-byte row copies (the fp8 CUTLASS W13 DGRAD's scatter; its PTX had 2-byte scalar stores
+    # before the alignment hints)
+    "rows_scatter": dict(st_v4=1),
     # nvfp4: the training-size tiles reach wgmma through shared memory after the decode
     "nvfp4_mm_store": dict(wgmma=1),
     "nvfp4_mm_store_medium": dict(wgmma=1),

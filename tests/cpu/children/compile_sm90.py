@@ -231,6 +231,7 @@ VARIANTS["fp8_quant_rows_cols"] = lambda: KQ.quantize_rows_cols(p, offs, R, D, r
 VARIANTS["fp8_swiglu_quant"] = lambda: KQ.swiglu_quant(p, offs[-1:], R, F, h2q=(p, p),
                                                        h1q=(p, p))
 VARIANTS["fp8_quant_weight"] = lambda: KQ.quantize_weight(torch.empty(E, 2 * F, D, dtype=bf))
+VARIANTS["rows_scatter"] = lambda: K_rows.scatter_rows(p, rows_tab, offs[-1:], D, bf, R)
 VARIANTS["fp8_swiglu_bwd_rows"] = lambda: KQ.swiglu_bwd_rows(p, (p, p), p, offs[-1:], R, F,
     score_ptrs=rows_tab, score_grad_delta=4, part_stride=4)
 VARIANTS["fp8_swiglu_bwd_quant"] = lambda: KQ.swiglu_bwd_quant(p, (p, p), offs, R, F,
@@ -310,6 +311,7 @@ JIT = {"rows_device_check": (K_checks, "_device_check_kernel"),
        "fp8_swiglu_bwd_quant": (KQ, "_swiglu_bwd_quant_kernel"),
        "rows_sum_score_parts": (K_rows, "_sum_score_parts_kernel"),
        "rows_fanout": (K_rows, "_fanout_rows_kernel"),
+       "rows_scatter": (K_rows, "_scatter_rows_kernel"),
        "rows_swiglu_bwd": (K_rows, "_swiglu_bwd_kernel"),
        "rows_publish_grad_y": (K_rows, "_publish_grad_y_kernel"),
        "rows_route_score_ptrs": (K_rows, "_route_score_ptrs_kernel"),
@@ -370,7 +372,8 @@ for name in names:
             "ld_acquire": r"ld\.global[.\w]*\.acquire", "atom_release": r"atom\.global[.\w]*\.release",
             "atom_max": r"atom\.global[.\w]*\.max\.s64", "cas": r"atom\.global[.\w]*\.acq_rel[.\w]*\.cas",
             "proxy_fence": r"fence\.proxy\.async\.global", "trap": r"\btrap;",
-            "printf": r"vprintf", "nanosleep": r"nanosleep\.u32"}.items()}
+            "printf": r"vprintf", "nanosleep": r"nanosleep\.u32",
+            "st_v4": r"st\.global(\.\w+)*\.v4"}.items()}
     except Exception as ex:
         import traceback
         res.update(ok=False, error=f"{type(ex).__name__}: {str(ex)[:2000]}",
