@@ -325,8 +325,9 @@ def check_swiglu_bwd_rows(device, big=False):
 
 def check_swiglu_bwd_quant(device, big=False):
     """The fused pass is swiglu_bwd_rows followed by quantize_rows_cols of grad_h1 (rows and
-    columns) and of h2 (columns), bit for bit: ragged experts and an empty one, a zero score,
-    a row without a score address, both activations, both scale recipes."""
+    columns) and of h2 (columns), bit for bit (the score parts up to their fp32 summation
+    order): ragged experts and an empty one, a zero score, a row without a score address, both
+    activations, both scale recipes."""
     from megatron_dist_moe.kernels.grouped_gemm.fp8 import fp8_config
     from megatron_dist_moe.kernels.quant_fp8 import (quantize_rows_cols, swiglu_bwd_quant,
                                                      swiglu_bwd_rows)
@@ -385,7 +386,10 @@ def check_swiglu_bwd_quant(device, big=False):
         _bits_equal(f"h2 cols {tag}", fhqc[:, :used], hqc[:, :used])
         _bits_equal(f"h2 col scales {tag}", fhsc[:used // 128], hsc[:used // 128])
         if scored:
-            _bits_equal(f"score parts {tag}", bufs[1], bufs[0])
+            # each part sums the same products; the fused pass adds its CHUNK-wide pieces in
+            # turn, swiglu_bwd_rows one block_n-wide row sum: fp32 rounding apart on the GPU
+            _close(f"score parts {tag}", bufs[1], bufs[0], 1e-5)
+            assert not bufs[1][3, 1:].any(), "parts written for a row without a score address"
 
 
 def check_fp8_wgrad(device, big=False):

@@ -17,7 +17,8 @@
     swiglu_bwd_quant    swiglu_bwd_rows and the quantizations of its outputs in one pass: the
                         grad_h1 row and column bundles and h2's column bundle (the W2 DGRAD's
                         consumers), without storing grad_h1 or h2 in bf16; the same bits as
-                        swiglu_bwd_rows followed by quantize_rows_cols
+                        swiglu_bwd_rows followed by quantize_rows_cols (the score parts up to
+                        the order of their fp32 sums)
 
 R and the expert offsets are device values: grids are host bounds and programs past the rows
 return. Every kernel reads the recipe (power-of-two scales, amax epsilon) as constexprs.
@@ -515,7 +516,8 @@ def swiglu_bwd_quant(u, h1q, offsets: torch.Tensor, max_rows: int, F: int, *, gh
                      recipe: BlockScaling = BlockScaling(),
                      tile: tuple = SWIGLU_BWD_QUANT_TILE) -> None:
     """swiglu_bwd_rows, then quantize_rows_cols of grad_h1 (rows and columns) and of h2
-    (columns), in one pass that stores neither in bf16 (the same bits).
+    (columns), in one pass that stores neither in bf16 (the same bits; the score parts are the
+    same sums added in another order).
 
     u           bf16 [R, F] = g3 W2 (tensor or device pointer; read only)
     h1q         the saved h1 row bundle (q [R, 2F] e4m3, s [R, 2F/128] fp32)
