@@ -317,6 +317,8 @@ def main():
                 cached = path in CACHED_PATHS
                 if cached:
                     row_note = f"{row_note}; is_first_microbatch=False (weights quantized once)"
+                if quant == "fp8_block":   # which engine ran its GEMMs (Execution.fp8_gemm)
+                    row_note = f"{row_note}; fp8 GEMMs: {ctx.execution.fp8_gemm}"
                 y = dm.routed_experts(x, ids, s, w13, w2, ctx,
                                       is_first_microbatch=True if cached else None)
                 gx, = torch.autograd.grad(y, (x,), gy)
