@@ -31,16 +31,17 @@ from plotting import pyplot
 PARTS = [
     ("grouped GEMMs (FPROP, DGRAD)",
      r"^_grouped_mm_kernel|^_fp8_mm_kernel|^_nvfp4_mm_kernel|^_mega_fwd_kernel"
-     r"|^(void\s+)?cutlass::device_kernel|fill_group_args"
-     r"|^(void\s+)?dm_nvfp4::(\w+::)?nvfp4_(decode|wgmma)_mm_kernel"),
+     r"|^(void\s+)?cutlass::device_kernel|fill_\w*args"
+     r"|^(void\s+)?dm_nvfp4::(\w+::)?nvfp4_(decode|wgmma)_mm(_smem)?_kernel"),
     ("grouped WGRAD", r"^_grouped_mm_wgrad_(persistent_)?kernel|^_fp8_wgrad_kernel"),
     ("weight quantization (every forward)", r"^_(quant_weight|fake_weight)_kernel"),
     ("activation quantization (fp8_block, mxfp8, nvfp4)",
-     r"^_(quant_rows_cols|quant_rows|swiglu_quant|quant|deq_rows|deq_cols|publish_quant)_kernel"),
+     r"^_(quant_rows_cols|quant_rows|swiglu_quant|swiglu_bwd_quant|quant|deq_rows|deq_cols"
+     r"|publish_quant)_kernel"),
     ("row gathers and scatters", r"^_(gather|scatter|fanout)_rows_kernel|^_fanout_deq_kernel"),
     ("owner kernels (combine, grad routes, route reduction)",
      r"^_(combine_routes|publish_grad_routes|publish_grad_y|reduce_routes|sum_score_parts)_kernel"),
-    ("SwiGLU row kernels", r"^_(swiglu_(fwd|bwd)|score_grad_rows)_kernel"),
+    ("SwiGLU row kernels", r"^_(swiglu_(fwd|bwd)(_rows)?|score_grad_rows)_kernel"),
     ("device barriers", r"barrier"),
     ("routing tables and bookkeeping (ours)",
      r"^_?(route_|plan_forward|plan_backward|layout_kernel)"),
