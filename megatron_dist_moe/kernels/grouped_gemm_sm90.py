@@ -344,22 +344,37 @@ class GroupedWgradSm90(_GroupedCallSm90):
 _F8 = torch.float8_e4m3fn
 
 
+def _bundle_pair(pair, name: str, kind: str, device: torch.device):
+    """(data, scales, given_as_pointers) of an FP8 bundle: both device pointers (int64 [1], on
+    `device`) or both tensors; the checks every bundle shares, before its shape checks."""
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+        raise ValueError(f"{name}: expected a {kind} bundle (data, scales), tensors or device "
+                         f"pointers, got {type(pair).__name__}")
+    q, s = pair
+    ptrs = [x for x in (q, s) if x.dtype == torch.int64 and x.numel() == 1]
+    if ptrs and len(ptrs) != 2:
+        raise ValueError(f"{name}: data and scales must both be tensors or both device pointers")
+    if ptrs:
+        _bundle_on(q, s, name, device, aligned=False)
+    return q, s, bool(ptrs)
+
+
+def _bundle_on(q, s, name: str, device: torch.device, aligned: bool = True):
+    """Both parts of a bundle on `device` (and, for tensors, 16-byte aligned)."""
+    for x, what in ((q, name), (s, f"{name} scales")):
+        if x.device != device:
+            raise ValueError(f"{what} is on {x.device}, expected {device}")
+        if aligned and x.data_ptr() % 16:
+            raise ValueError(f"{what}: address {x.data_ptr():#x} is not 16-byte aligned")
+
+
 def _fp8_bundle(pair, name: str, mn_name: str, device: torch.device):
     """(data, scales) of a column bundle as device pointers (int64 [1]), with its Rp (the data's
     second dimension; 0 when given as pointers). Tensors are checked: data e4m3 [MN, Rp], scales
     fp32 [Rp/128, MN], both contiguous on `device`; returns (q_ptr, s_ptr, MN or None, Rp)."""
-    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-        raise ValueError(f"{name}: expected a column bundle (data, scales), tensors or device "
-                         f"pointers, got {type(pair).__name__}")
-    q, s = pair
-    ptrs = [x for x in (q, s) if x.dtype == torch.int64 and x.numel() == 1]
-    if len(ptrs) == 2:
-        for x, what in ((q, name), (s, f"{name} scales")):
-            if x.device != device:
-                raise ValueError(f"{what} is on {x.device}, expected {device}")
+    q, s, pointers = _bundle_pair(pair, name, "column", device)
+    if pointers:
         return q, s, None, 0
-    if ptrs:
-        raise ValueError(f"{name}: data and scales must both be tensors or both device pointers")
     if q.dim() != 2 or q.dtype != _F8 or not q.is_contiguous():
         raise ValueError(f"{name}: expected contiguous float8_e4m3fn data [{mn_name}, Rp], got "
                          f"{q.dtype} {tuple(q.shape)}")
@@ -370,11 +385,7 @@ def _fp8_bundle(pair, name: str, mn_name: str, device: torch.device):
     if s.dtype != torch.float32 or s.shape != (rp // 128, mn) or not s.is_contiguous():
         raise ValueError(f"{name} scales: expected contiguous float32 [{rp // 128}, {mn}] "
                          f"(Rp/128, {mn_name}), got {s.dtype} {tuple(s.shape)}")
-    for x, what in ((q, name), (s, f"{name} scales")):
-        if x.device != device:
-            raise ValueError(f"{what} is on {x.device}, expected {device}")
-        if x.data_ptr() % 16:
-            raise ValueError(f"{what}: address {x.data_ptr():#x} is not 16-byte aligned")
+    _bundle_on(q, s, name, device)
     from .rows import device_ptr
     return device_ptr(q), device_ptr(s), mn, rp
 
@@ -383,18 +394,9 @@ def _fp8_rows(pair, name: str, K: int, device: torch.device):
     """(data, scales) of an FP8 row bundle as device pointers (int64 [1]) and its row count
     (None when given as pointers). Tensors are checked: data e4m3 [R, K], scales fp32 [R, K/128],
     both contiguous and 16-byte aligned on `device`."""
-    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-        raise ValueError(f"{name}: expected a row bundle (data, scales), tensors or device "
-                         f"pointers, got {type(pair).__name__}")
-    q, s = pair
-    ptrs = [x for x in (q, s) if x.dtype == torch.int64 and x.numel() == 1]
-    if len(ptrs) == 2:
-        for x, what in ((q, name), (s, f"{name} scales")):
-            if x.device != device:
-                raise ValueError(f"{what} is on {x.device}, expected {device}")
+    q, s, pointers = _bundle_pair(pair, name, "row", device)
+    if pointers:
         return q, s, None
-    if ptrs:
-        raise ValueError(f"{name}: data and scales must both be tensors or both device pointers")
     if q.dim() != 2 or q.dtype != _F8 or not q.is_contiguous() or q.shape[1] != K:
         raise ValueError(f"{name}: expected contiguous float8_e4m3fn data [R, {K}], got "
                          f"{q.dtype} {tuple(q.shape)}")
@@ -404,11 +406,7 @@ def _fp8_rows(pair, name: str, K: int, device: torch.device):
                          f"{s.dtype} {tuple(s.shape)}")
     if s.shape[0] != rows:
         raise ValueError(f"{name}: {rows} data rows but {s.shape[0]} scale rows")
-    for x, what in ((q, name), (s, f"{name} scales")):
-        if x.device != device:
-            raise ValueError(f"{what} is on {x.device}, expected {device}")
-        if x.data_ptr() % 16:
-            raise ValueError(f"{what}: address {x.data_ptr():#x} is not 16-byte aligned")
+    _bundle_on(q, s, name, device)
     from .rows import device_ptr
     return device_ptr(q), device_ptr(s), rows
 

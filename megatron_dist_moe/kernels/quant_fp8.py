@@ -338,35 +338,28 @@ def _swiglu_bwd_rows_kernel(u_addr, h1q_addr, h1s_addr, gh1_addr, num_rows_ptr, 
     ok = rows < n
     mask = ok[:, None]
     c = cb * BLOCK_N + tl.arange(0, BLOCK_N)
-    up = load_ptr(u_addr, tl.bfloat16) + rows[:, None] * F + c[None, :]
-    u = tl.load(up, mask=mask, other=0.0).to(tl.float32)
-    h1q = load_ptr(h1q_addr, tl.float8e4nv) + rows[:, None] * (2 * F) + c[None, :]
-    h1s = load_ptr(h1s_addr, tl.float32) + rows * ((2 * F) // 128) + (cb * BLOCK_N) // 128
-    g = tl.load(h1q, mask=mask, other=0.0).to(tl.float32) * tl.load(h1s, mask=ok, other=0.0)[:, None]
-    v = (tl.load(h1q + F, mask=mask, other=0.0).to(tl.float32)
-         * tl.load(h1s + F // 128, mask=ok, other=0.0)[:, None])
     if SCORED:
         s_addr = tl.load(score_ptrs + rows, mask=ok, other=0)
         s_ok = ok & (s_addr != 0)
         s = tl.load(s_addr.to(tl.pointer_type(tl.float32)), mask=s_ok, other=0.0)
-        dh = round_bf16(s[:, None] * u, HW)
     else:
-        dh = u                      # already a bf16 value
-    dg, du, h2v = swiglu_grad(g, v, dh, CLAMPED, alpha, limit)
+        s = tl.zeros((BLOCK_R,), tl.float32)
+    u_base = load_ptr(u_addr, tl.bfloat16)
+    u, dg, du, h2, h2r = _swiglu_bwd_chunk(
+        u_base, load_ptr(h1q_addr, tl.float8e4nv), load_ptr(h1s_addr, tl.float32), rows, ok, c,
+        (cb * BLOCK_N) // 128, F, s, alpha, limit, CLAMPED, SCORED, HW)
     gp = load_ptr(gh1_addr, tl.bfloat16) + rows[:, None] * (2 * F) + c[None, :]
-    tl.store(gp, round_bf16(dg, HW).to(tl.bfloat16), mask=mask)
-    tl.store(gp + F, round_bf16(du, HW).to(tl.bfloat16), mask=mask)
+    tl.store(gp, dg.to(tl.bfloat16), mask=mask)
+    tl.store(gp + F, du.to(tl.bfloat16), mask=mask)
     # h2 over u: another layout's threads may store a value this thread loaded, so every
     # load of u ends before any store to its region (the compiler's layout conversions
     # synchronise too; this does not rely on them)
     tl.debug_barrier()
+    tl.store(u_base + rows[:, None] * F + c[None, :], h2.to(tl.bfloat16), mask=mask)
     if SCORED:
-        tl.store(up, round_bf16(s[:, None] * h2v, HW).to(tl.bfloat16), mask=mask)
-        part = tl.sum(tl.where(mask, u * round_bf16(h2v, HW), 0.0), axis=1)
+        part = tl.sum(tl.where(mask, u * h2r, 0.0), axis=1)
         p_addr = s_addr + (score_grad_delta + cb.to(tl.int64) * part_stride)
         tl.store(p_addr.to(tl.pointer_type(tl.float32)), part, mask=s_ok)
-    else:
-        tl.store(up, round_bf16(h2v, HW).to(tl.bfloat16), mask=mask)
 
 
 def swiglu_bwd_rows(u_h2, h1q, gh1, num_rows: torch.Tensor, max_rows: int, F: int, *,
