@@ -348,7 +348,24 @@ def main(argv=None) -> int:
                                                     part_stride=4, block_n=bn),
                             R * F * (2 + 2) + R * 2 * F * 1.03 + R * 2 * F * 2),
     }
-    # u and h1q read; grad_h1 rows + columns and h2 columns written (E4M3 + scales)
+    # u and h1q read; grad_h1 rows + columns and h2 columns written (E4M3 + scales). Every
+    # tile's bundles must equal the default tile's bit for bit (the GPU kernel check compares
+    # the default with swiglu_bwd_rows + quantize_rows_cols)
+    bundles = (*gh1_rows, *gh1_cols, *h2_cols)
+
+    def bundle_bytes(tile):
+        for t in bundles:
+            t.view(torch.uint8).fill_(0xFF)
+        bwd_quant(tile)
+        torch.cuda.synchronize()
+        return [t.view(torch.uint8).clone() for t in bundles]
+    want = bundle_bytes(SWIGLU_BWD_QUANT_TILES[0])
+    for tile in SWIGLU_BWD_QUANT_TILES[1:]:
+        if not all(torch.equal(a, b) for a, b in zip(bundle_bytes(tile), want)):
+            print(f"MISMATCH swiglu_bwd_quant [{tile[0]}x{tile[1]}]: bundles differ from "
+                  f"the default tile's", flush=True)
+            failed = True
+    del want
     for tile in SWIGLU_BWD_QUANT_TILES:
         quant[f"swiglu_bwd_quant [{tile[0]}x{tile[1]}]"] = (
             lambda tile=tile: bwd_quant(tile), R * F * 2 + R * 2 * F * 1.03

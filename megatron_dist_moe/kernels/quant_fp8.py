@@ -399,7 +399,7 @@ def swiglu_bwd_rows(u_h2, h1q, gh1, num_rows: torch.Tensor, max_rows: int, F: in
 # (column chunk, warps) of swiglu_bwd_quant's programs; sm_90 compiles (tests/cpu/children/
 # compile_sm90.py): 16 x 8 at 128 registers, 0 spills (two programs per SM), 32 x 8 at 220, 0
 # spills; 32 x 4 spills (184 B), 64-wide chunks spill more
-SWIGLU_BWD_QUANT_TILES = ((16, 8), (32, 8), (16, 4))
+SWIGLU_BWD_QUANT_TILES = ((16, 8), (32, 8), (16, 4), (32, 4), (8, 4), (64, 8), (8, 2))
 SWIGLU_BWD_QUANT_TILE = SWIGLU_BWD_QUANT_TILES[0]
 
 
@@ -472,7 +472,7 @@ def _swiglu_bwd_quant_kernel(u_addr, h1q_addr, h1s_addr, offsets_ptr, gq_addr, g
     amax_g = tl.zeros((128,), tl.float32)
     amax_u = tl.zeros((128,), tl.float32)
     part = tl.zeros((128,), tl.float32)
-    for c in tl.static_range(128 // CHUNK):
+    for c in tl.range(0, 128 // CHUNK):
         cols = fb * 128 + c * CHUNK + tl.arange(0, CHUNK)
         u, dg, du, h2, h2r = _swiglu_bwd_chunk(u_base, h1q_base, h1s_base, rows, ok, cols, fb,
                                                F, s, alpha, limit, CLAMPED, SCORED, HW)
@@ -491,7 +491,7 @@ def _swiglu_bwd_quant_kernel(u_addr, h1q_addr, h1s_addr, offsets_ptr, gq_addr, g
     sg, ig = block_scales(amax_g, POW2, EPS)
     su, iu = block_scales(amax_u, POW2, EPS)
     q_rows = load_ptr(gq_addr, tl.float8e4nv) + rows[:, None] * (2 * F)
-    for c in tl.static_range(128 // CHUNK):
+    for c in tl.range(0, 128 // CHUNK):
         cols = fb * 128 + c * CHUNK + tl.arange(0, CHUNK)
         u, dg, du, h2, h2r = _swiglu_bwd_chunk(u_base, h1q_base, h1s_base, rows, ok, cols, fb,
                                                F, s, alpha, limit, CLAMPED, SCORED, HW)

@@ -330,6 +330,14 @@ for _t in ((32, 64, 1), (32, 32, 1), (64, 32, 2), (32, 128, 4)):
         lambda t=_t: KM.quantize(p, offs, R, D, rows_fake=p, cols=(p, p), tile=t))
     JIT["mxfp8_quantize_x_%dx%dx%d" % _t] = (KM, "_quant_kernel")
 
+# fp8_block's swiglu_bwd_quant at its other tiles (quant_fp8.SWIGLU_BWD_QUANT_TILES)
+for _t in KQ.SWIGLU_BWD_QUANT_TILES[1:]:
+    VARIANTS["fp8_swiglu_bwd_quant_%dx%d" % _t] = (
+        lambda t=_t: KQ.swiglu_bwd_quant(p, (p, p), offs, R, F, gh1_rows=(p, p),
+                                         gh1_cols=(p, p), h2_cols=(p, p), score_ptrs=rows_tab,
+                                         score_grad_delta=4, part_stride=4, tile=t))
+    JIT["fp8_swiglu_bwd_quant_%dx%d" % _t] = (KQ, "_swiglu_bwd_quant_kernel")
+
 import argparse  # noqa: E402
 ap = argparse.ArgumentParser(description="compile kernel variants for sm_90")
 ap.add_argument("--ptx-dir", default=None, help="write each variant's PTX here")
