@@ -32,7 +32,7 @@ PARTS = [
     ("grouped GEMMs (FPROP, DGRAD)",
      r"^_grouped_mm_kernel|^_fp8_mm_kernel|^_nvfp4_mm_kernel|^_mega_fwd_kernel"
      r"|^(void\s+)?cutlass::device_kernel|fill_\w*args"
-     r"|^(void\s+)?dm_nvfp4::(\w+::)?nvfp4_(decode|wgmma)_mm(_smem)?_kernel"),
+     r"|^(void\s+)?dm_nvfp4::(\w+::)?nvfp4_(decode|wgmma)_mm_kernel"),
     ("grouped WGRAD", r"^_grouped_mm_wgrad_(persistent_)?kernel|^_fp8_wgrad_kernel"),
     ("weight quantization (every forward)", r"^_(quant_weight|fake_weight)_kernel"),
     ("activation quantization (fp8_block, mxfp8, nvfp4)",

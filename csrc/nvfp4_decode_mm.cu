@@ -7,8 +7,7 @@
 // Why a CUDA kernel: with 8-32 rows per expert the GEMM is a weight stream (4.5 bits per
 // weight) and the E2M1 decode is the work. Triton places the decoded values through layout
 // conversions; here each thread decodes exactly the weights its MMA fragment needs, straight
-// from its 16-byte loads, and no decoded weight passes through shared memory (the token-stage
-// variants below stage only the fp16 token rows there).
+// from its 16-byte loads, and nothing passes through shared memory.
 //
 // Operand roles are swapped (weights are the MMA's M side, tokens its N side): one
 // mma.sync.m16n8k16 covers 16 weight rows x 8 tokens, so a handful of tokens wastes no weight
@@ -24,14 +23,6 @@
 // E4M3 block scale. Exact: an E2M1 value x 2^-6 times an E4M3 scale is a multiple of 2^-16
 // with at most six significant bits, below 43. The epilogue multiplies the fp32 sum by 2^6
 // (exact) and the two global decode scales, in the Triton kernel's order.
-//
-// Token stages (the variants with STAGES > 0): instead of each thread loading its 32 tokens'
-// fp16 values into registers (64 registers at 32 tokens, which leaves no room for a weight
-// ring), the block copies each step's token chunks into shared memory with cp.async, STAGES - 1
-// steps ahead, once for all the warps that share a k slice; a thread reads its 16-byte token
-// pieces from there word by word, just before their MMAs. Rows of 256 bytes (one chunk of one
-// token) keep their sixteen 16-byte pieces permuted (piece c of token j at c ^ (2 (c >> 3) |
-// (j & 1))) so that the eight threads of a quarter warp read eight distinct bank groups.
 //
 // Launch: one block of WARPS warps per (expert, WARPS / SPLIT * ROWS weight rows); every warp
 // streams its ROWS rows over 1 / SPLIT of K with the next P - 1 chunks' loads in flight (a
@@ -245,276 +236,24 @@ __global__ void __launch_bounds__(WARPS * 32) nvfp4_decode_mm_kernel(Args args) 
   }
 }
 
-// -- token stages in shared memory ---------------------------------------------------------------
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(smem)), "l"(gmem));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N));
-}
-
-__device__ __forceinline__ uint4 ld_shared16(const void* p) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(smem_addr(p)));
-  return v;
-}
-
-// where 16-byte piece c (0..15) of token j's 256-byte chunk row lives (see the file comment)
-__device__ __forceinline__ int piece_slot(int j, int c) { return c ^ (((c >> 3) & 1) << 1 | (j & 1)); }
-
-// One chunk's weights of one thread (the token values come from shared memory).
-template <int MT>
-struct WChunk {
-  uint4 w[MT][2];
-  uint16_t s[MT];
-};
-
-template <int MT>
-__device__ __forceinline__ void load_wchunk(WChunk<MT>& c, const uint8_t* const (&w_row)[MT][2],
-                                            const uint8_t* const (&s_row)[MT], int k0, int q) {
-#pragma unroll
-  for (int m = 0; m < MT; ++m) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) c.w[m][h] = ld_weights(w_row[m][h] + k0 / 2 + 16 * q);
-    c.s[m] = __ldg(reinterpret_cast<const uint16_t*>(s_row[m] + k0 / 16 + 2 * q));
-  }
-}
-
-// mma_chunk with the tokens of word v read from the stage: token j = 8 n + g of the slice's
-// rows, pieces 4 q + v
-template <int MT, int NT>
-__device__ __forceinline__ void mma_chunk_smem(float (&acc)[MT][NT][4], const WChunk<MT>& c,
-                                               const uint8_t* stage, int g, int q) {
-  uint32_t scale[MT][2];
-#pragma unroll
-  for (int m = 0; m < MT; ++m) block_scales(c.s[m], scale[m]);
-#pragma unroll
-  for (int v = 0; v < 4; ++v) {
-    uint32_t b[NT][4];
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      const int j = 8 * n + g;
-      token_pairs(ld_shared16(stage + j * 256 + piece_slot(j, 4 * q + v) * 16), b[n]);
-    }
-#pragma unroll
-    for (int m = 0; m < MT; ++m) {
-      const uint32_t sc = scale[m][v / 2];
-      const uint32_t wg = (&c.w[m][0].x)[v], wh = (&c.w[m][1].x)[v];
-      uint32_t ag[4], ah[4];
-      decode_word(wg, sc, ag);
-      decode_word(wh, sc, ah);
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        mma16816(acc[m][n], ag[0], ah[0], ag[1], ah[1], b[n][0], b[n][1]);
-        mma16816(acc[m][n], ag[2], ah[2], ag[3], ah[3], b[n][2], b[n][3]);
-      }
-    }
-  }
-}
-
-// Shared memory of one block: STAGES token stages of SPLIT slices x 8 NT tokens x one 128-wide
-// chunk (256 bytes a token).
-template <int NT, int SPLIT, int STAGES>
-constexpr int token_stage_bytes() { return STAGES * SPLIT * 8 * NT * 256; }
-
-template <int ROWS, int NT, int WARPS, int P, int SPLIT, int STAGES>
-__global__ void __launch_bounds__(WARPS * 32) nvfp4_decode_mm_smem_kernel(Args args) {
-  constexpr int MT = ROWS / 16;
-  constexpr int GROUPS = WARPS / SPLIT;
-  constexpr int TOK = 8 * NT;                          // tokens per pass
-  constexpr int kPieces = SPLIT * TOK * 16;            // 16-byte pieces of one step
-  constexpr int kPerThread = kPieces / (WARPS * 32);
-  static_assert(WARPS % SPLIT == 0, "SPLIT must divide WARPS");
-  static_assert(kPieces % (WARPS * 32) == 0, "a step's pieces must spread evenly over threads");
-  static_assert(STAGES >= 2, "at least one step's copy in flight");
-  extern __shared__ __align__(128) uint8_t tokens[];   // [STAGES][SPLIT][TOK][256]
-  const int N = args.N, K = args.K;
-  const int blocks_per_expert = (N + GROUPS * ROWS - 1) / (GROUPS * ROWS);
-  const int e = blockIdx.x / blocks_per_expert;
-  const int r0 = args.offsets[e], r1 = args.offsets[e + 1];
-  if (r0 >= r1) return;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-  const int group = warp / SPLIT, slice = warp % SPLIT;
-  const int row_base = (blockIdx.x % blocks_per_expert) * GROUPS * ROWS + group * ROWS;
-  const int chunks = K / kChunk;
-  const int c0 = slice * chunks / SPLIT, c1 = (slice + 1) * chunks / SPLIT;
-  const int steps = (chunks + SPLIT - 1) / SPLIT;      // the longest slice's chunk count
-
-  const uint8_t* w_row[MT][2];
-  const uint8_t* s_row[MT];
-  bool m_ok[MT];
-#pragma unroll
-  for (int m = 0; m < MT; ++m) {
-    m_ok[m] = row_base + 16 * m < N;
-    const int64_t tile_row = m_ok[m] ? row_base + 16 * m : 0;
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      w_row[m][h] = args.w_packed + ((int64_t)e * N + tile_row + g + 8 * h) * (K / 2);
-    s_row[m] = args.w_scales + ((int64_t)e * (N / 16) + tile_row / 16) * (K / 16);
-  }
-  const __half* a16 = reinterpret_cast<const __half*>(*args.a16_addr);
-  const uint8_t* a_rows = reinterpret_cast<const uint8_t*>(*args.a_addr);
-  const float w_dec = __frcp_rn(args.w_senc[e]);
-  constexpr int kPart = MT * NT * 4;
-  __shared__ float part[SPLIT > 1 ? (SPLIT - 1) * GROUPS * 32 * kPart : 1];
-
-  for (int tg = r0; tg < r1; tg += TOK) {
-    // this thread's pieces of a step: (slice, token, piece) by index; a slice whose chunk of
-    // the step does not exist (K split unevenly) copies nothing
-    auto copy_step = [&](int step) {
-      uint8_t* stage = tokens + (step % STAGES) * (SPLIT * TOK * 256);
-      // not unrolled: the pieces' addresses are a few integer operations each, and hoisting
-      // all of them out of the step loop costs ~2 registers a piece
-#pragma unroll 1
-      for (int i = 0; i < kPerThread; ++i) {
-        const int idx = threadIdx.x + i * WARPS * 32;
-        const int sl = idx / (TOK * 16), j = idx / 16 % TOK, c = idx % 16;
-        const int chunk = sl * chunks / SPLIT + step;
-        if (chunk >= (sl + 1) * chunks / SPLIT) continue;
-        const __half* src = a16 + (int64_t)min(tg + j, r1 - 1) * K + chunk * kChunk + 8 * c;
-        cp_async16(stage + (sl * TOK + j) * 256 + piece_slot(j, c) * 16, src);
-      }
-    };
-    float acc[MT][NT][4];
-#pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-      for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[m][n][i] = 0.0f;
-#pragma unroll
-    for (int st = 0; st < STAGES - 1; ++st) {
-      if (st < steps) copy_step(st);
-      cp_async_commit();                  // (an empty group past the last step keeps counts)
-    }
-    WChunk<MT> ring[P];
-#pragma unroll
-    for (int p = 0; p < P - 1; ++p)
-      if (c0 + p < c1) load_wchunk(ring[p], w_row, s_row, (c0 + p) * kChunk, q);
-    for (int sb = 0; sb < steps; sb += P) {
-#pragma unroll
-      for (int p = 0; p < P; ++p) {
-        const int step = sb + p;
-        if (step >= steps) break;
-        cp_async_wait<STAGES - 2>();      // this thread's copies of `step` landed
-        __syncthreads();                  // everyone's; and every read of step - 1's stage done
-        if (step + STAGES - 1 < steps) copy_step(step + STAGES - 1);
-        cp_async_commit();
-        const int c = c0 + step;
-        if (c < c1) {
-          if (c + P - 1 < c1) load_wchunk(ring[(p + P - 1) % P], w_row, s_row,
-                                          (c + P - 1) * kChunk, q);
-          mma_chunk_smem<MT, NT>(acc, ring[p],
-                                 tokens + (step % STAGES) * (SPLIT * TOK * 256) +
-                                     slice * TOK * 256, g, q);
-        }
-      }
-    }
-    cp_async_wait<0>();
-    __syncthreads();                      // the next token group rewrites the stages
-
-    if constexpr (SPLIT > 1) {
-      float* mine = part + (((slice - 1) * GROUPS + group) * 32 + lane) * kPart;
-      if (slice > 0) {
-#pragma unroll
-        for (int m = 0; m < MT; ++m)
-#pragma unroll
-          for (int n = 0; n < NT; ++n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) mine[(m * NT + n) * 4 + i] = acc[m][n][i];
-      }
-      __syncthreads();
-      if (slice == 0) {
-#pragma unroll
-        for (int sl = 1; sl < SPLIT; ++sl) {
-          const float* other = part + (((sl - 1) * GROUPS + group) * 32 + lane) * kPart;
-#pragma unroll
-          for (int m = 0; m < MT; ++m)
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-#pragma unroll
-              for (int i = 0; i < 4; ++i) acc[m][n][i] += other[(m * NT + n) * 4 + i];
-        }
-      }
-      __syncthreads();
-      if (slice > 0) continue;
-    }
-
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int r = tg + 8 * n + 2 * q + c;
-        if (r >= r1) continue;
-        const float s = *reinterpret_cast<const float*>(a_rows + (int64_t)r * args.a_stride
-                                                        + K / 2 + K / 16);
-        __nv_bfloat16* o;
-        if (args.out_rows != nullptr) {
-          const int64_t p = args.out_rows[r];
-          if (p == 0) continue;
-          o = reinterpret_cast<__nv_bfloat16*>(p);
-        } else {
-          o = reinterpret_cast<__nv_bfloat16*>(*args.out_addr) + (int64_t)r * N;
-        }
-#pragma unroll
-        for (int m = 0; m < MT; ++m) {
-          if (!m_ok[m]) continue;
-          const int col = row_base + 16 * m + g;
-          o[col] = __float2bfloat16_rn(acc[m][n][c] * kUnscale * s * w_dec);
-          o[col + 8] = __float2bfloat16_rn(acc[m][n][2 + c] * kUnscale * s * w_dec);
-        }
-      }
-    }
-  }
-}
-
-template <int ROWS, int NT, int WARPS, int P, int SPLIT, int STAGES>
+template <int ROWS, int NT, int WARPS, int P, int SPLIT>
 int launch(const Args& args, cudaStream_t stream) {
   constexpr int kBlockRows = WARPS / SPLIT * ROWS;
   const int blocks_per_expert = (args.N + kBlockRows - 1) / kBlockRows;
-  if constexpr (STAGES == 0) {
-    nvfp4_decode_mm_kernel<ROWS, NT, WARPS, P, SPLIT>
-        <<<args.E * blocks_per_expert, WARPS * 32, 0, stream>>>(args);
-  } else {
-    constexpr int smem = token_stage_bytes<NT, SPLIT, STAGES>();
-    auto kernel = nvfp4_decode_mm_smem_kernel<ROWS, NT, WARPS, P, SPLIT, STAGES>;
-    // the dynamic stages (beside the static `part`) may pass the 48 KB default: opt in once
-    static const bool opted_in =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) ==
-        cudaSuccess;
-    if (!opted_in) return 5;
-    kernel<<<args.E * blocks_per_expert, WARPS * 32, smem, stream>>>(args);
-  }
+  nvfp4_decode_mm_kernel<ROWS, NT, WARPS, P, SPLIT>
+      <<<args.E * blocks_per_expert, WARPS * 32, 0, stream>>>(args);
   return cudaGetLastError() == cudaSuccess ? 0 : 5;
 }
 
 }  // namespace dm_nvfp4
 
-// (rows per warp, token groups of 8, warps, ring depth, K slices, token stages in shared
-// memory: 0 = tokens in registers)
 #define DM_NVFP4_VARIANTS(X) \
-  X(16, 1, 4, 2, 1, 0) X(32, 1, 4, 2, 1, 0) X(64, 1, 2, 2, 1, 0) X(32, 2, 4, 2, 1, 0) \
-  X(32, 4, 4, 2, 1, 0) X(64, 4, 2, 1, 1, 0) X(32, 1, 4, 2, 2, 0) X(32, 1, 8, 2, 2, 0) \
-  X(32, 1, 4, 2, 4, 0) X(16, 1, 4, 2, 2, 0) X(32, 2, 4, 2, 2, 0) X(64, 4, 2, 1, 2, 0) \
-  X(64, 4, 4, 1, 4, 0) X(64, 2, 2, 2, 2, 0) X(48, 4, 4, 1, 1, 0) \
-  X(64, 4, 4, 2, 4, 2) X(32, 4, 4, 2, 4, 3) X(32, 4, 8, 2, 4, 2) X(16, 4, 8, 2, 4, 3) \
-  X(32, 4, 4, 3, 4, 3) X(48, 4, 4, 2, 1, 3) X(32, 4, 4, 2, 1, 3) X(32, 4, 8, 2, 1, 3) \
-  X(16, 4, 8, 2, 1, 3)
+  X(16, 1, 4, 2, 1) X(32, 1, 4, 2, 1) X(64, 1, 2, 2, 1) X(32, 2, 4, 2, 1) X(32, 4, 4, 2, 1) \
+  X(64, 4, 2, 1, 1) X(32, 1, 4, 2, 2) X(32, 1, 8, 2, 2) X(32, 1, 4, 2, 4) X(16, 1, 4, 2, 2) \
+  X(32, 2, 4, 2, 2) X(64, 4, 2, 1, 2) X(64, 4, 4, 1, 4) X(64, 2, 2, 2, 2) X(48, 4, 4, 1, 1)
 
-// variant = token stages * 10000000 + (split - 1) * 100000 + weight rows per warp * 1000 +
-// token groups of 8 * 100 + warps * 10 + ring depth (the wgmma GEMM's codes are 1xxxxxx and
-// 5xxxxxx)
+// variant = (split - 1) * 100000 + weight rows per warp * 1000 + token groups of 8 * 100 +
+// warps * 10 + ring depth
 extern "C" int dm_nvfp4_decode_mm_run(int variant, int E, int N, int K, int64_t a_stride,
                                       const int64_t* a16_addr, const int64_t* a_addr,
                                       const void* w_packed, const void* w_scales,
@@ -529,9 +268,8 @@ extern "C" int dm_nvfp4_decode_mm_run(int variant, int E, int N, int K, int64_t 
             static_cast<const uint8_t*>(w_scales), w_senc, offsets, out_addr, out_rows, E, N, K};
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (variant) {
-#define DM_NVFP4_CASE(R, NT, W, P, S, T) \
-  case T * 10000000 + (S - 1) * 100000 + R * 1000 + NT * 100 + W * 10 + P: \
-    return launch<R, NT, W, P, S, T>(args, s);
+#define DM_NVFP4_CASE(R, NT, W, P, S) \
+  case (S - 1) * 100000 + R * 1000 + NT * 100 + W * 10 + P: return launch<R, NT, W, P, S>(args, s);
     DM_NVFP4_VARIANTS(DM_NVFP4_CASE)
 #undef DM_NVFP4_CASE
     default: return 1;
@@ -541,8 +279,7 @@ extern "C" int dm_nvfp4_decode_mm_run(int variant, int E, int N, int K, int64_t 
 // the variants' codes, for the Python side: n codes into out[0 .. n), returns how many exist
 extern "C" int dm_nvfp4_decode_mm_variants(int* out, int n) {
   int all[] = {
-#define DM_NVFP4_CODE(R, NT, W, P, S, T) \
-  T * 10000000 + (S - 1) * 100000 + R * 1000 + NT * 100 + W * 10 + P,
+#define DM_NVFP4_CODE(R, NT, W, P, S) (S - 1) * 100000 + R * 1000 + NT * 100 + W * 10 + P,
       DM_NVFP4_VARIANTS(DM_NVFP4_CODE)
 #undef DM_NVFP4_CODE
   };

@@ -57,8 +57,6 @@ def test_stored_profile_matches_the_hand_made_table(tmp_path):
      "grouped GEMMs (FPROP, DGRAD)"),
     ("void dm_nvfp4::wgmma_mm::nvfp4_wgmma_mm_kernel<128, ...", "grouped GEMMs (FPROP, DGRAD)"),
     ("dm_nvfp4::wgmma_mm::nvfp4_wgmma_mm_kernel", "grouped GEMMs (FPROP, DGRAD)"),
-    ("void dm_nvfp4::nvfp4_decode_mm_smem_kernel<32, 4, 4, 2, 4, 3>(dm_nvfp4::Args)",
-     "grouped GEMMs (FPROP, DGRAD)"),
     ("void dm_sm90::fill_fp8_fprop_args<dm_sm90::Fp8Gemm<...", "grouped GEMMs (FPROP, DGRAD)"),
     ("_swiglu_bwd_quant_kernel", "activation quantization (fp8_block, mxfp8, nvfp4)"),
     ("_swiglu_bwd_rows_kernel", "SwiGLU row kernels"),

@@ -91,28 +91,24 @@ def _run_fn():
 
 
 def variants() -> tuple:
-    """The library's variant codes: token stages in shared memory * 10000000 (0: the tokens in
-    registers) + (k slices per row group - 1) * 100000 + weight rows per warp * 1000 + token
-    groups of 8 per pass * 100 + warps per block * 10 + chunks in the register ring
-    (variant_shape decodes one)."""
+    """The library's variant codes: (k slices per row group - 1) * 100000 + weight rows per warp
+    * 1000 + token groups of 8 per pass * 100 + warps per block * 10 + chunks in the register
+    ring (variant_shape decodes one)."""
     return _lib()[_UNIT][1]
 
 
 def variant_shape(code: int) -> dict:
-    return dict(token_stages=code // 10000000, k_slices=code // 100000 % 10 + 1,
-                rows_per_warp=code // 1000 % 100, token_groups=code // 100 % 10,
-                warps=code // 10 % 10, ring=code % 10)
+    return dict(k_slices=code // 100000 + 1, rows_per_warp=code // 1000 % 100,
+                token_groups=code // 100 % 10, warps=code // 10 % 10, ring=code % 10)
 
 
 def describe(code: int) -> str:
     v = variant_shape(code)
     split = (f", K split over {v['k_slices']} warps (fixed-order sum)" if v["k_slices"] > 1
              else "")
-    tokens = (f", tokens copied into {v['token_stages']} shared-memory stages (cp.async)"
-              if v["token_stages"] else "")
     return (f"variant {code}: {v['rows_per_warp']} weight rows per warp x {8 * v['token_groups']}"
             f" token rows per pass, {v['warps']} warps per block{split}, {v['ring']}-chunk "
-            f"register ring{tokens}")
+            "register ring")
 
 
 # whether the library's GEMMs run here (loads(device)): a Hopper GPU where it builds or loads

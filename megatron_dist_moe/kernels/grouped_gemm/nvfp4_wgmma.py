@@ -64,9 +64,8 @@ def default_variant(max_rows: int, E: int, K: int) -> int:
 
 
 def is_variant(code: int) -> bool:
-    """Whether a code of the NVFP4 library is this GEMM's: 1xxxxxx or 5xxxxxx (the decode GEMM's
-    are below 1,000,000, or token stages x 10,000,000 above)."""
-    return code // 1000000 in (1, 5)
+    """Whether a code of the NVFP4 library is this GEMM's (the decode GEMM's are below)."""
+    return code >= 1000000
 
 
 def cuda_variant(max_rows: int, E: int, K: int) -> int:
