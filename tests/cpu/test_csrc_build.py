@@ -2,7 +2,7 @@
 its entry points; its Python wrapper rejects what it cannot run, with the argument named.
 
 The build compiles every tile configuration (bf16 FPROP / WGRAD, the FP8 WGRAD and FP8 FPROP
-units; about 10-17 minutes on 2 cores) into a temporary
+units; about 9-15 minutes on 2 cores) into a temporary
 cache folder, then calls the library's host-only functions (argument-block and workspace
 sizes). Skipped where nvcc or the CUTLASS headers (`pip install nvidia-cutlass`, in the dev
 extra) are missing. The kernels themselves run in tests/gpu/test_grouped_gemm_sm90_gpu.py.
@@ -24,7 +24,7 @@ needs_build = pytest.mark.skipif(not sm90.available(),
 
 
 @needs_build
-@pytest.mark.timeout(2400)   # eight nvcc units (four FP8): 10-17 min on 2 cores, past the 900 s default
+@pytest.mark.timeout(2400)   # seven nvcc units (three FP8): 9-15 min on 2 cores, past the 900 s default
 def test_library_builds_and_exports_every_configuration(tmp_path, monkeypatch):
     monkeypatch.setenv("DIST_MOE_CSRC_CACHE", str(tmp_path))
     lib_path = sm90.build_library()
