@@ -53,8 +53,9 @@ _WGRAD_DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # ran even with our Triton WGRAD on one H200 and was dropped (docs/decisions.md)
 FP8_WGRAD_CONFIGS = ("coop",)
 # FP8 block-scaled FPROP (bf16 out), csrc/grouped_gemm_sm90_fp8_fprop_<name>.cu: "coop" 128x128x128
-# tiles, 1x2 clusters (the token-row tile multicast). 2x1 clusters (the weight tile multicast)
-# ran 3 % slower on the W13 FPROP and DGRAD on one H200 and were dropped (docs/decisions.md)
+# tiles, 1x2 clusters (the token-row tile multicast), as the WGRAD unit. 2x1 clusters (the weight
+# tile multicast) ran even with it on one H200 (two runs, +-4 % either way) and were dropped
+# (docs/decisions.md)
 FP8_FPROP_CONFIGS = ("coop",)
 _UNITS = ([f"grouped_gemm_sm90_{c}" for c in CONFIGS]
           + [f"grouped_gemm_sm90_wgrad_{c}_{d}" for c in WGRAD_CONFIGS
