@@ -283,7 +283,7 @@ def main(argv=None) -> int:
                 ts = time_windows(split, graph=True)
                 row("fp8_block", "w2_dgrad split", ts, flops,
                     ratio=round(tb.median_ms / ts.median_ms, 3),
-                    note=f"Triton store + swiglu_bwd_rows; x{t8.median_ms / ts.median_ms:.3f} "
+                    note=f"Triton store + swiglu_bwd_quant; x{t8.median_ms / ts.median_ms:.3f} "
                          "vs the fused epilogue")
         if k in cutlass_cases:
             cutlass_rows(k, flops, tb, t8)
