@@ -11,9 +11,9 @@ operands; exit 1 on a mismatch), then timed as a CUDA graph with the guide's met
     w2_fprop      h3 = h2 W2^T, scattered to rows by address
     w2_dgrad      u = g3 W2 with the SwiGLU backward and score parts in the epilogue
     w2_dgrad split   the same as the layer runs it: Triton's store epilogue writes u (bf16), one
-                  pass (quant_fp8.swiglu_bwd_quant) the SwiGLU backward, the score parts and
-                  the quantization of grad_h1 (rows, columns) and h2 (columns); compare with
-                  w2_dgrad + quant_gh1 + quant_h2_cols
+                  pass (quant_fp8.swiglu_bwd_rows) the SwiGLU backward (grad_h1, h2 in bf16)
+                  and the score parts, then the quantization of grad_h1 (rows, columns) and
+                  h2 (columns); compare with w2_dgrad + quant_gh1 + quant_h2_cols
     w13_dgrad     grad_x = grad_h1 W13, scattered
     w13_wgrad / w2_wgrad   the two weight gradients (bf16 out)
     w13_fprop cutlass_<config>, w13_wgrad cutlass_<config>, w2_wgrad cutlass_<config>   the same
@@ -32,8 +32,8 @@ operands; exit 1 on a mismatch), then timed as a CUDA graph with the guide's met
   Quantization (GB/s of bytes read + written)
     quant_x       x_g rows and columns, swiglu_quant (h1 -> h1q, h2q), quant_w13 / quant_w2
                   (both orientations), quant_gh1 (grad_h1 rows + columns), quant_h2_cols,
-                  swiglu_bwd_rows (u, h1q -> bf16 grad_h1, h2, score parts: the unfused
-                  pass), swiglu_bwd_quant [chunk x warps] (its tiles; the layer's pass)
+                  swiglu_bwd_rows (u, h1q -> bf16 grad_h1, h2, score parts: the W2 DGRAD's
+                  pass after its GEMM)
 """
 
 from __future__ import annotations
@@ -53,8 +53,7 @@ from megatron_dist_moe.kernels.grouped_gemm.fp8 import (  # noqa: E402
     fp8_config, fp8_grouped_mm, fp8_grouped_wgrad)
 from megatron_dist_moe.kernels.rows import device_ptr, scatter_rows  # noqa: E402
 from megatron_dist_moe.kernels.quant_fp8 import (  # noqa: E402
-    SWIGLU_BWD_QUANT_TILES, quantize_rows_cols, quantize_weight, swiglu_bwd_quant,
-    swiglu_bwd_rows, swiglu_quant)
+    quantize_rows_cols, quantize_weight, swiglu_bwd_rows, swiglu_quant)
 from megatron_dist_moe.layout import padded_rows  # noqa: E402
 from megatron_dist_moe.quant import fp8_block as Q  # noqa: E402
 
@@ -206,10 +205,11 @@ def main(argv=None) -> int:
                 torch.empty(Rp // 128, 2 * F, device=dev))
     h2_cols = (torch.empty(F, Rp, dtype=F8, device=dev), torch.empty(Rp // 128, F, device=dev))
 
-    def bwd_quant(tile=None):
-        swiglu_bwd_quant(out_h2, h1q, offs, R, F, gh1_rows=gh1_rows, gh1_cols=gh1_cols,
-                         h2_cols=h2_cols, score_ptrs=sptrs, score_grad_delta=4, part_stride=4,
-                         block_n=bn, **({"tile": tile} if tile else {}))
+    def bwd_quant():
+        swiglu_bwd_rows(out_h2, h1q, out_h1, nrows, R, F, score_ptrs=sptrs, score_grad_delta=4,
+                        part_stride=4, block_n=bn)
+        quantize_rows_cols(out_h1, offs, R, 2 * F, rows=gh1_rows, cols=gh1_cols)
+        quantize_rows_cols(out_h2, offs, R, F, cols=h2_cols)
 
     def w2_dgrad_split(gemm):
         def fn():
@@ -283,7 +283,7 @@ def main(argv=None) -> int:
                 ts = time_windows(split, graph=True)
                 row("fp8_block", "w2_dgrad split", ts, flops,
                     ratio=round(tb.median_ms / ts.median_ms, 3),
-                    note=f"Triton store + swiglu_bwd_quant; x{t8.median_ms / ts.median_ms:.3f} "
+                    note=f"Triton store + swiglu_bwd_rows + quantizers; x{t8.median_ms / ts.median_ms:.3f} "
                          "vs the fused epilogue")
         if k in cutlass_cases:
             cutlass_rows(k, flops, tb, t8)
@@ -348,28 +348,6 @@ def main(argv=None) -> int:
                                                     part_stride=4, block_n=bn),
                             R * F * (2 + 2) + R * 2 * F * 1.03 + R * 2 * F * 2),
     }
-    # u and h1q read; grad_h1 rows + columns and h2 columns written (E4M3 + scales). Every
-    # tile's bundles must equal the default tile's bit for bit (the GPU kernel check compares
-    # the default with swiglu_bwd_rows + quantize_rows_cols)
-    bundles = (*gh1_rows, *gh1_cols, *h2_cols)
-
-    def bundle_bytes(tile):
-        for t in bundles:
-            t.view(torch.uint8).fill_(0xFF)
-        bwd_quant(tile)
-        torch.cuda.synchronize()
-        return [t.view(torch.uint8).clone() for t in bundles]
-    want = bundle_bytes(SWIGLU_BWD_QUANT_TILES[0])
-    for tile in SWIGLU_BWD_QUANT_TILES[1:]:
-        if not all(torch.equal(a, b) for a, b in zip(bundle_bytes(tile), want)):
-            print(f"MISMATCH swiglu_bwd_quant [{tile[0]}x{tile[1]}]: bundles differ from "
-                  f"the default tile's", flush=True)
-            failed = True
-    del want
-    for tile in SWIGLU_BWD_QUANT_TILES:
-        quant[f"swiglu_bwd_quant [{tile[0]}x{tile[1]}]"] = (
-            lambda tile=tile: bwd_quant(tile), R * F * 2 + R * 2 * F * 1.03
-            + 2 * R * 2 * F * 1.03 + R * F * 1.03)
     for k, (fn, nbytes) in quant.items():
         row("fp8_block", k, time_windows(fn, graph=True), nbytes=nbytes)
     os.makedirs(args.out, exist_ok=True)

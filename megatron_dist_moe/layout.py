@@ -39,11 +39,7 @@ one per 128 values):
                     input, DeepSeek-V3's choice; h2 is rebuilt from it)
     inference       x_g | xq (x_g row bundle) | h1 (bf16) | h2q (h2 row bundle)
     train_forward   x_g | xq | x_c | h1 | h1q | h2q        (x_c and h1q: slot or scratch)
-    backward        g3 | g3q | g3c | gh1q | gh1c | h2 | h2c    (h2, bf16: the W2 DGRAD's u = g3 W2,
-                                           from which one pass writes the grad_h1 bundles and
-                                           h2c; grad_h1 and h2 are never stored in bf16. g3 is
-                                           dead once quantized: the CUTLASS W13 DGRAD stores
-                                           its dense rows there)
+    backward        g3 | g3q | g3c | gh1 (grad_h1, bf16) | gh1q | gh1c | h2 (bf16) | h2c
     replay          the train_forward regions, then the backward ones
 
 mxfp8 (quant/mxfp8.py; bundles hold E8M0 bytes per 32 values: the same bytes as fp8_block's).
@@ -142,8 +138,8 @@ def _bf16_specs(D: int, F: int) -> dict:
 def _fp8_block_specs(D: int, F: int) -> dict:
     fwd_common = _bf16("x_g", D) + _rows("xq", D)
     fwd = fwd_common + _cols("x_c", D) + _bf16("h1", 2 * F) + _rows("h1q", 2 * F) + _rows("h2q", F)
-    bwd = (_bf16("g3", D) + _rows("g3q", D) + _cols("g3c", D) + _rows("gh1q", 2 * F)
-           + _cols("gh1c", 2 * F) + _bf16("h2", F) + _cols("h2c", F))
+    bwd = (_bf16("g3", D) + _rows("g3q", D) + _cols("g3c", D) + _bf16("gh1", 2 * F)
+           + _rows("gh1q", 2 * F) + _cols("gh1c", 2 * F) + _bf16("h2", F) + _cols("h2c", F))
     return dict(saved=_cols("x_c", D) + _rows("h1q", 2 * F), modes=dict(
         inference=fwd_common + _bf16("h1", 2 * F) + _rows("h2q", F), train_forward=fwd,
         backward=bwd, replay=fwd + bwd))

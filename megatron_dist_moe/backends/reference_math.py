@@ -184,8 +184,8 @@ class BlockQuantMath:
             grad_s = (u * h2.float()).sum(dim=-1, keepdim=True)
             u = s_rows * u
             h2 = (s_rows * h2f).to(dt)
-        # grad_h1 has no region (the CUDA backend writes its bundles straight from u)
-        gh1 = self.act.backward(h1, u.to(dt).float()).to(dt)
+        gh1 = views("gh1", (R, 2 * F), dt)
+        gh1.copy_(self.act.backward(h1, u.to(dt).float()))
         views("h2", (R, F), dt).copy_(h2)
         h2c = self._cols(views, "h2c", h2, offsets)
         gh1d = self._rows(views, "gh1q", gh1)

@@ -14,11 +14,6 @@
                         epilogue has u in fp32: round(s round(u)) instead of round(s u); h2 and
                         the unscored grad_h1 are the same given the same u). Twin:
                         kernels/rows_ref.swiglu_bwd_rows_ref
-    swiglu_bwd_quant    swiglu_bwd_rows and the quantizations of its outputs in one pass: the
-                        grad_h1 row and column bundles and h2's column bundle (the W2 DGRAD's
-                        consumers), without storing grad_h1 or h2 in bf16; the same bits as
-                        swiglu_bwd_rows followed by quantize_rows_cols (the score parts up to
-                        the order of their fp32 sums)
 
 R and the expert offsets are device values: grids are host bounds and programs past the rows
 return. Every kernel reads the recipe (power-of-two scales, amax epsilon) as constexprs.
@@ -36,7 +31,6 @@ from .common import (as_device_ptr, check_rows, grouped_grid, grouped_tile, inte
 from .rows import _act_fwd, swiglu_grad
 
 __all__ = ["quantize_rows_cols", "swiglu_quant", "quantize_weight", "swiglu_bwd_rows",
-           "swiglu_bwd_quant",
            "block_scales", "to_e4m3", "padded_block", "block_amax", "round_bf16"]
 
 _BF16_MAX = tl.constexpr(BF16_MAX)
@@ -323,6 +317,31 @@ def quantize_weight(w_ENK: torch.Tensor, recipe: BlockScaling = BlockScaling(),
     return q, s, qt, st
 
 
+@triton.jit
+def _swiglu_bwd_chunk(u_base, h1q_base, h1s_base, rows, ok, cols, fb, F, s, alpha, limit,
+                      CLAMPED: tl.constexpr, SCORED: tl.constexpr, HW: tl.constexpr):
+    """(u, grad_h1 gate part, grad_h1 up part, h2, round(act(h1))) of rows x cols (cols inside
+    the 128-column block fb of F), each rounded where swiglu_bwd_rows rounds what it stores;
+    rows outside `ok` are zeros."""
+    mask = ok[:, None]
+    u = tl.load(u_base + rows[:, None] * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    hq = h1q_base + rows[:, None] * (2 * F) + cols[None, :]
+    hs = h1s_base + rows * ((2 * F) // 128) + fb
+    g = tl.load(hq, mask=mask, other=0.0).to(tl.float32) * tl.load(hs, mask=ok, other=0.0)[:, None]
+    v = (tl.load(hq + F, mask=mask, other=0.0).to(tl.float32)
+         * tl.load(hs + F // 128, mask=ok, other=0.0)[:, None])
+    if SCORED:
+        dh = round_bf16(s[:, None] * u, HW)
+    else:
+        dh = u
+    dg, du, h2v = swiglu_grad(g, v, dh, CLAMPED, alpha, limit)
+    h2r = round_bf16(h2v, HW)
+    if SCORED:
+        h2 = round_bf16(s[:, None] * h2v, HW)
+    else:
+        h2 = h2r
+    return u, round_bf16(dg, HW), round_bf16(du, HW), h2, h2r
+
 
 @triton.jit
 def _swiglu_bwd_rows_kernel(u_addr, h1q_addr, h1s_addr, gh1_addr, num_rows_ptr, score_ptrs,
@@ -394,156 +413,3 @@ def swiglu_bwd_rows(u_h2, h1q, gh1, num_rows: torch.Tensor, max_rows: int, F: in
         int(part_stride), F, float(swiglu_alpha), float(swiglu_limit),
         CLAMPED=activation == "swiglu_clamped", SCORED=score_ptrs is not None, HW=_hw(num_rows),
         BLOCK_R=BLOCK_R, BLOCK_N=block_n, num_warps=4)
-
-
-# (column chunk, warps) of swiglu_bwd_quant's programs; sm_90 compiles (tests/cpu/children/
-# compile_sm90.py): 16 x 8 at 128 registers, 0 spills (two programs per SM), 32 x 8 at 220, 0
-# spills; 32 x 4 spills (184 B), 64-wide chunks spill more
-SWIGLU_BWD_QUANT_TILES = ((16, 8), (32, 8), (16, 4), (32, 4), (8, 4), (64, 8), (8, 2))
-SWIGLU_BWD_QUANT_TILE = SWIGLU_BWD_QUANT_TILES[0]
-
-
-@triton.jit
-def _swiglu_bwd_chunk(u_base, h1q_base, h1s_base, rows, ok, cols, fb, F, s, alpha, limit,
-                      CLAMPED: tl.constexpr, SCORED: tl.constexpr, HW: tl.constexpr):
-    """(u, grad_h1 gate part, grad_h1 up part, h2, round(act(h1))) of rows x cols (cols inside
-    the 128-column block fb of F), each rounded where swiglu_bwd_rows rounds what it stores;
-    rows outside `ok` are zeros."""
-    mask = ok[:, None]
-    u = tl.load(u_base + rows[:, None] * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    hq = h1q_base + rows[:, None] * (2 * F) + cols[None, :]
-    hs = h1s_base + rows * ((2 * F) // 128) + fb
-    g = tl.load(hq, mask=mask, other=0.0).to(tl.float32) * tl.load(hs, mask=ok, other=0.0)[:, None]
-    v = (tl.load(hq + F, mask=mask, other=0.0).to(tl.float32)
-         * tl.load(hs + F // 128, mask=ok, other=0.0)[:, None])
-    if SCORED:
-        dh = round_bf16(s[:, None] * u, HW)
-    else:
-        dh = u
-    dg, du, h2v = swiglu_grad(g, v, dh, CLAMPED, alpha, limit)
-    h2r = round_bf16(h2v, HW)
-    if SCORED:
-        h2 = round_bf16(s[:, None] * h2v, HW)
-    else:
-        h2 = h2r
-    return u, round_bf16(dg, HW), round_bf16(du, HW), h2, h2r
-
-
-@triton.jit
-def _quant_cols_store(x, qc_addr, sc_addr, cols, prow, pb, Rp, K, POW2: tl.constexpr,
-                      EPS: tl.constexpr, HW: tl.constexpr):
-    """x [128 rows of padded block pb, cols]: its column bundle entries (as quantize_rows_cols)."""
-    scale, s_inv = block_scales(block_amax(x, 0), POW2, EPS)
-    q = to_e4m3(x * scale[None, :], HW)
-    tl.store(load_ptr(qc_addr, tl.float8e4nv) + cols[None, :].to(tl.int64) * Rp + prow[:, None], q)
-    tl.store(load_ptr(sc_addr, tl.float32) + pb.to(tl.int64) * K + cols, s_inv)
-
-
-@triton.jit
-def _swiglu_bwd_quant_kernel(u_addr, h1q_addr, h1s_addr, offsets_ptr, gq_addr, gs_addr,
-                             gqc_addr, gsc_addr, hqc_addr, hsc_addr, score_ptrs,
-                             score_grad_delta, part_stride, F, E, n_pb, alpha, limit,
-                             E_PAD: tl.constexpr, CLAMPED: tl.constexpr, SCORED: tl.constexpr,
-                             POW2: tl.constexpr, EPS: tl.constexpr, HW: tl.constexpr,
-                             CHUNK: tl.constexpr, PART_N: tl.constexpr):
-    # One program per 128-row block of the padded row space (each expert's rows padded to 128,
-    # as the column bundles) x one 128-column block of F, walked in column chunks: each chunk's
-    # column blocks (grad_h1's gate and up columns, h2's columns) are final at once and the
-    # grad_h1 row amaxes grow over the chunks; the rows are then quantized from the chunks
-    # computed again (u and h1q re-read: L2 hits), as quantize_rows_cols re-reads its tile.
-    pb, fb = grouped_tile(n_pb, F // 128, 1)
-    found, p0, start, n, pstart, Rp = padded_block(offsets_ptr, E, E_PAD, pb)
-    if not found:
-        return
-    i = tl.arange(0, 128)
-    local = p0 - pstart + i
-    ok = local < n
-    rows = start + local
-    prow = p0 + i
-    u_base = load_ptr(u_addr, tl.bfloat16)
-    h1q_base = load_ptr(h1q_addr, tl.float8e4nv)
-    h1s_base = load_ptr(h1s_addr, tl.float32)
-    if SCORED:
-        s_addr = tl.load(score_ptrs + rows, mask=ok, other=0)
-        s_ok = ok & (s_addr != 0)
-        s = tl.load(s_addr.to(tl.pointer_type(tl.float32)), mask=s_ok, other=0.0)
-    else:
-        s = tl.zeros((128,), tl.float32)
-    amax_g = tl.zeros((128,), tl.float32)
-    amax_u = tl.zeros((128,), tl.float32)
-    part = tl.zeros((128,), tl.float32)
-    for c in tl.range(0, 128 // CHUNK):
-        cols = fb * 128 + c * CHUNK + tl.arange(0, CHUNK)
-        u, dg, du, h2, h2r = _swiglu_bwd_chunk(u_base, h1q_base, h1s_base, rows, ok, cols, fb,
-                                               F, s, alpha, limit, CLAMPED, SCORED, HW)
-        amax_g = tl.maximum(amax_g, block_amax(dg, 1))
-        amax_u = tl.maximum(amax_u, block_amax(du, 1))
-        _quant_cols_store(dg, gqc_addr, gsc_addr, cols, prow, pb, Rp, 2 * F, POW2, EPS, HW)
-        _quant_cols_store(du, gqc_addr, gsc_addr, cols + F, prow, pb, Rp, 2 * F, POW2, EPS, HW)
-        _quant_cols_store(h2, hqc_addr, hsc_addr, cols, prow, pb, Rp, F, POW2, EPS, HW)
-        if SCORED:
-            part += tl.sum(u * h2r, axis=1)
-            if ((c + 1) * CHUNK) % PART_N == 0:
-                slot = (fb * 128 + (c + 1) * CHUNK) // PART_N - 1
-                p_addr = s_addr + (score_grad_delta + slot.to(tl.int64) * part_stride)
-                tl.store(p_addr.to(tl.pointer_type(tl.float32)), part, mask=s_ok)
-                part = tl.zeros((128,), tl.float32)
-    sg, ig = block_scales(amax_g, POW2, EPS)
-    su, iu = block_scales(amax_u, POW2, EPS)
-    q_rows = load_ptr(gq_addr, tl.float8e4nv) + rows[:, None] * (2 * F)
-    for c in tl.range(0, 128 // CHUNK):
-        cols = fb * 128 + c * CHUNK + tl.arange(0, CHUNK)
-        u, dg, du, h2, h2r = _swiglu_bwd_chunk(u_base, h1q_base, h1s_base, rows, ok, cols, fb,
-                                               F, s, alpha, limit, CLAMPED, SCORED, HW)
-        tl.store(q_rows + cols[None, :], to_e4m3(dg * sg[:, None], HW), mask=ok[:, None])
-        tl.store(q_rows + F + cols[None, :], to_e4m3(du * su[:, None], HW), mask=ok[:, None])
-    s_rows = load_ptr(gs_addr, tl.float32) + rows * ((2 * F) // 128)
-    tl.store(s_rows + fb, ig, mask=ok)
-    tl.store(s_rows + F // 128 + fb, iu, mask=ok)
-
-
-def swiglu_bwd_quant(u, h1q, offsets: torch.Tensor, max_rows: int, F: int, *, gh1_rows,
-                     gh1_cols, h2_cols, score_ptrs=None, score_grad_delta: int = 0,
-                     part_stride: int = 0, block_n: int = 128, activation: str = "swiglu",
-                     swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
-                     recipe: BlockScaling = BlockScaling(),
-                     tile: tuple = SWIGLU_BWD_QUANT_TILE) -> None:
-    """swiglu_bwd_rows, then quantize_rows_cols of grad_h1 (rows and columns) and of h2
-    (columns), in one pass that stores neither in bf16 (the same bits; the score parts are the
-    same sums added in another order).
-
-    u           bf16 [R, F] = g3 W2 (tensor or device pointer; read only)
-    h1q         the saved h1 row bundle (q [R, 2F] e4m3, s [R, 2F/128] fp32)
-    offsets     int32 [E + 1] on the device: the experts' row ends (R = offsets[E])
-    gh1_rows    (q [R, 2F], s [R, 2F/128]): grad_h1's row bundle
-    gh1_cols    (q_t [2F, Rp], s_t [Rp/128, 2F]), h2_cols (q_t [F, Rp], s_t [Rp/128, F]): the
-                column bundles, Rp = layout.padded_rows(R, E) (zeros in each segment's padding)
-    score_ptrs, score_grad_delta, part_stride, block_n: as swiglu_bwd_rows
-    tile        (column chunk, warps) of a program's 128 x 128 block (SWIGLU_BWD_QUANT_TILES)
-    """
-    assert F % 128 == 0 and F % block_n == 0, f"F={F}: a multiple of 128 and of block_n"
-    assert 16 <= block_n <= 128 and 128 % block_n == 0, (
-        f"block_n={block_n}: 16 to 128 dividing 128 (one h1 scale per 128 columns)")
-    E = offsets.numel() - 1
-    dev = offsets.device
-    from ..layout import padded_rows
-    n_pb = max(1, padded_rows(max_rows, E) // BLOCK)
-    if score_ptrs is not None:
-        check_rows(score_ptrs, "score_ptrs", max_rows, dev)
-    assert tile in SWIGLU_BWD_QUANT_TILES, f"tile={tile}: one of {SWIGLU_BWD_QUANT_TILES}"
-    chunk, warps = tile
-    chunk = min(chunk, block_n)
-    if interpreting():
-        chunk = block_n     # the interpreter's cost is per loop step and per program
-    ptrs = [as_device_ptr(t, name) for t, name in (
-        (h1q[0], "h1q"), (h1q[1], "h1q scales"), (gh1_rows[0], "gh1_rows"),
-        (gh1_rows[1], "gh1_rows scales"), (gh1_cols[0], "gh1_cols"),
-        (gh1_cols[1], "gh1_cols scales"), (h2_cols[0], "h2_cols"), (h2_cols[1], "h2_cols scales"))]
-    _swiglu_bwd_quant_kernel[grouped_grid(n_pb, F // BLOCK, 1)](
-        as_device_ptr(u, "u", torch.bfloat16), ptrs[0], ptrs[1], offsets, *ptrs[2:],
-        score_ptrs if score_ptrs is not None else offsets, int(score_grad_delta),
-        int(part_stride), F, E, n_pb, float(swiglu_alpha), float(swiglu_limit),
-        E_PAD=max(2, triton.next_power_of_2(E)), CLAMPED=activation == "swiglu_clamped",
-        SCORED=score_ptrs is not None, POW2=recipe.power_2_scales,
-        EPS=float(recipe.amax_epsilon), HW=_hw(offsets), CHUNK=chunk, PART_N=block_n,
-        num_warps=warps)

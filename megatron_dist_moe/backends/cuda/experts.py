@@ -424,19 +424,15 @@ class Fp8BlockKernels:
         fp8_grouped_mm(a=a, w=w, w_scales=w_s, expert_offsets=offs, max_rows=self.max_rows,
                        epilogue=epilogue, **kw, **self.act)
 
-    def w2_dgrad(self, g3q, W, offs, h1q, u, *, gh1_rows, gh1_cols, h2_cols, **score):
-        """The W2 DGRAD and what the backward needs of it, from the g3 row bundle and the saved
-        h1 row bundle: the GEMM (CUTLASS or Triton, as the W13 FPROP) stores u = g3 W2 (bf16,
-        into `u`, h2's region), then one pass (quant_fp8.swiglu_bwd_quant) writes grad_h1's row
-        and column bundles, h2's column bundle and the score parts: grad_h1 and h2 are never
-        stored in bf16."""
+    def w2_dgrad(self, g3q, W, offs, nrows, h1q, gh1, h2, **score):
+        """grad_h1 and h2 (bf16) from the g3 row bundle and the saved h1 row bundle: the GEMM
+        (CUTLASS or Triton, as the W13 FPROP) stores u = g3 W2 into h2's region, then one pass
+        (quant_fp8.swiglu_bwd_rows) writes grad_h1, h2 in place of u and the score parts."""
         from ...kernels.grouped_gemm.fp8 import fp8_config
-        from ...kernels.quant_fp8 import swiglu_bwd_quant
-        self.mm(g3q, W.w2_t, W.w2_t_s, offs, "store", out=u)
-        swiglu_bwd_quant(u, h1q, offs, self.max_rows, self.cfg.intermediate_dim,
-                         gh1_rows=gh1_rows, gh1_cols=gh1_cols, h2_cols=h2_cols,
-                         block_n=fp8_config(offs.device).block_n, recipe=self.recipe, **score,
-                         **self.act)
+        from ...kernels.quant_fp8 import swiglu_bwd_rows
+        self.mm(g3q, W.w2_t, W.w2_t_s, offs, "store", out=h2)
+        swiglu_bwd_rows(h2, h1q, gh1, nrows, self.max_rows, self.cfg.intermediate_dim,
+                        block_n=fp8_config(offs.device).block_n, **score, **self.act)
 
     def w13_dgrad(self, gh1q, W, offs, nrows, scatter_ptrs, dense):
         """grad_x_g rows to the owners' addresses. Triton: one GEMM scattering from its
@@ -472,9 +468,9 @@ class Fp8BlockPipeline:
     its columns: the saved x_c), W13 FP8 GEMM -> h1 (bf16), SwiGLU + quantization (h2 row
     bundle; training: the saved h1 row bundle), W2 FP8 GEMM + scatter to the owners. Backward:
     gather g3, quantize its rows and columns, W2 DGRAD GEMM -> u = g3 W2 (bf16), one pass from
-    u and the saved h1 bundle (SwiGLU backward, score-gradient parts) -> grad_h1's row and
-    column bundles and h2's column bundle (quant_fp8.swiglu_bwd_quant), W2 WGRAD, W13 DGRAD +
-    scatter, W13 WGRAD. Execution.fp8_gemm: the W13 FPROP, the WGRADs and the two DGRADs'
+    u and the saved h1 bundle (quant_fp8.swiglu_bwd_rows: SwiGLU backward, score-gradient
+    parts) -> grad_h1 and h2 (bf16), quantize grad_h1 (rows, columns) and h2 (columns), W2
+    WGRAD, W13 DGRAD + scatter, W13 WGRAD. Execution.fp8_gemm: the W13 FPROP, the WGRADs and the two DGRADs'
     GEMMs on CUTLASS (the W13 DGRAD's scatter then a separate launch), or all of them on
     Triton.
 
@@ -530,9 +526,11 @@ class Fp8BlockPipeline:
         sc = {} if score_ptrs is None else dict(score_ptrs=score_ptrs,
                                                score_grad_delta=score_grad_delta,
                                                part_stride=part_stride)
-        self.k.w2_dgrad((at["g3q"], at["g3q_s"]), W, offs, (at["h1q"], at["h1q_s"]), at["h2"],
-                        gh1_rows=(at["gh1q"], at["gh1q_s"]), gh1_cols=(at["gh1c"], at["gh1c_s"]),
-                        h2_cols=(at["h2c"], at["h2c_s"]), **sc)
+        self.k.w2_dgrad((at["g3q"], at["g3q_s"]), W, offs, nrows, (at["h1q"], at["h1q_s"]),
+                        at["gh1"], at["h2"], **sc)
+        self.k.quantize(at["gh1"], offs, 2 * F, rows=(at["gh1q"], at["gh1q_s"]),
+                        cols=(at["gh1c"], at["gh1c_s"]))
+        self.k.quantize(at["h2"], offs, F, cols=(at["h2c"], at["h2c_s"]))
         grad_w2 = wgrad_output(wgrad_into, 1, (self.E, D, F), out_dtype, self.device)
         self.k.wgrad((at["g3c"], at["g3c_s"]), (at["h2c"], at["h2c_s"]), offs, grad_w2)
         # (g3's bf16 rows are dead once quantized: the CUTLASS W13 DGRAD's dense rows go there)

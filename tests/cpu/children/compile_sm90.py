@@ -234,9 +234,6 @@ VARIANTS["fp8_quant_weight"] = lambda: KQ.quantize_weight(torch.empty(E, 2 * F, 
 VARIANTS["rows_scatter"] = lambda: K_rows.scatter_rows(p, rows_tab, offs[-1:], D, bf, R)
 VARIANTS["fp8_swiglu_bwd_rows"] = lambda: KQ.swiglu_bwd_rows(p, (p, p), p, offs[-1:], R, F,
     score_ptrs=rows_tab, score_grad_delta=4, part_stride=4)
-VARIANTS["fp8_swiglu_bwd_quant"] = lambda: KQ.swiglu_bwd_quant(p, (p, p), offs, R, F,
-    gh1_rows=(p, p), gh1_cols=(p, p), h2_cols=(p, p), score_ptrs=rows_tab, score_grad_delta=4,
-    part_stride=4)
 # mxfp8: quantization kernels around the bf16 GEMMs
 from megatron_dist_moe.kernels import quant_mxfp8 as KM  # noqa: E402
 VARIANTS["mxfp8_quantize_all"] = lambda: KM.quantize(p, offs, R, D, rows_fake=p, cols=(p, p),
@@ -308,7 +305,6 @@ JIT = {"rows_device_check": (K_checks, "_device_check_kernel"),
        "fp8_swiglu_quant": (KQ, "_swiglu_quant_kernel"),
        "fp8_quant_weight": (KQ, "_quant_weight_kernel"),
        "fp8_swiglu_bwd_rows": (KQ, "_swiglu_bwd_rows_kernel"),
-       "fp8_swiglu_bwd_quant": (KQ, "_swiglu_bwd_quant_kernel"),
        "rows_sum_score_parts": (K_rows, "_sum_score_parts_kernel"),
        "rows_fanout": (K_rows, "_fanout_rows_kernel"),
        "rows_scatter": (K_rows, "_scatter_rows_kernel"),
@@ -329,14 +325,6 @@ for _t in ((32, 64, 1), (32, 32, 1), (64, 32, 2), (32, 128, 4)):
     VARIANTS["mxfp8_quantize_x_%dx%dx%d" % _t] = (
         lambda t=_t: KM.quantize(p, offs, R, D, rows_fake=p, cols=(p, p), tile=t))
     JIT["mxfp8_quantize_x_%dx%dx%d" % _t] = (KM, "_quant_kernel")
-
-# fp8_block's swiglu_bwd_quant at its other tiles (quant_fp8.SWIGLU_BWD_QUANT_TILES)
-for _t in KQ.SWIGLU_BWD_QUANT_TILES[1:]:
-    VARIANTS["fp8_swiglu_bwd_quant_%dx%d" % _t] = (
-        lambda t=_t: KQ.swiglu_bwd_quant(p, (p, p), offs, R, F, gh1_rows=(p, p),
-                                         gh1_cols=(p, p), h2_cols=(p, p), score_ptrs=rows_tab,
-                                         score_grad_delta=4, part_stride=4, tile=t))
-    JIT["fp8_swiglu_bwd_quant_%dx%d" % _t] = (KQ, "_swiglu_bwd_quant_kernel")
 
 import argparse  # noqa: E402
 ap = argparse.ArgumentParser(description="compile kernel variants for sm_90")
