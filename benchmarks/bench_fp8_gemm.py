@@ -12,13 +12,13 @@ operands; exit 1 on a mismatch), then timed as a CUDA graph with the guide's met
     w2_dgrad      u = g3 W2 with the SwiGLU backward and score parts in the epilogue
     w2_dgrad split   the same as the layer runs it: Triton's store epilogue writes u (bf16), one
                   pass (quant_fp8.swiglu_bwd_rows) the SwiGLU backward (grad_h1, h2 in bf16)
-                  and the score parts, then the quantization of grad_h1 (rows, columns) and
-                  h2 (columns); compare with w2_dgrad + quant_gh1 + quant_h2_cols
+                  and the score parts: what the fused epilogue of the w2_dgrad row writes (the
+                  quantizers of grad_h1 and h2 follow either, rows quant_gh1, quant_h2_cols)
     w13_dgrad     grad_x = grad_h1 W13, scattered
     w13_wgrad / w2_wgrad   the two weight gradients (bf16 out)
     w13_fprop cutlass_<config>, w13_wgrad cutlass_<config>, w2_wgrad cutlass_<config>   the same
                   GEMMs on CUTLASS's sm_90a blockwise-scaled FP8 grouped kernels; w2_dgrad
-                  cutlass_<config>: the FPROP unit storing u = g3 W2 plus that pass,
+                  cutlass_<config>: the FPROP unit storing u = g3 W2 plus swiglu_bwd_rows,
                   w13_dgrad cutlass_<config>: the unit's dense
                   rows plus one scatter launch (rows.scatter_rows), as the layer runs them on
                   the CUTLASS engine; w2_fprop cutlass_<config>: the same split for the W2
@@ -198,23 +198,22 @@ def main(argv=None) -> int:
     nrows = offs[-1:].clone()
     bn = fp8_config(dev).block_n     # the score parts the layer's W2 DGRAD writes per row
 
-    # what the layer's W2 DGRAD writes: grad_h1's row and column bundles, h2's column bundle
+    # what the quantizers after the layer's W2 DGRAD write: grad_h1's row and column bundles,
+    # h2's column bundle
     gh1_rows = (torch.empty(R, 2 * F, dtype=F8, device=dev),
                 torch.empty(R, 2 * F // 128, device=dev))
     gh1_cols = (torch.empty(2 * F, Rp, dtype=F8, device=dev),
                 torch.empty(Rp // 128, 2 * F, device=dev))
     h2_cols = (torch.empty(F, Rp, dtype=F8, device=dev), torch.empty(Rp // 128, F, device=dev))
 
-    def bwd_quant():
+    def swiglu_bwd_after_u():    # what the fused epilogue computes, from the stored u
         swiglu_bwd_rows(out_h2, h1q, out_h1, nrows, R, F, score_ptrs=sptrs, score_grad_delta=4,
                         part_stride=4, block_n=bn)
-        quantize_rows_cols(out_h1, offs, R, 2 * F, rows=gh1_rows, cols=gh1_cols)
-        quantize_rows_cols(out_h2, offs, R, F, cols=h2_cols)
 
     def w2_dgrad_split(gemm):
         def fn():
             gemm(g3q, W.w2_t, W.w2_t_s, offs, out_h2)       # u into h2's buffer
-            bwd_quant()
+            swiglu_bwd_after_u()
         return fn
     dense = torch.empty(R, D, dtype=BF, device=dev)
     dense_ptr = device_ptr(dense)
@@ -283,7 +282,7 @@ def main(argv=None) -> int:
                 ts = time_windows(split, graph=True)
                 row("fp8_block", "w2_dgrad split", ts, flops,
                     ratio=round(tb.median_ms / ts.median_ms, 3),
-                    note=f"Triton store + swiglu_bwd_rows + quantizers; x{t8.median_ms / ts.median_ms:.3f} "
+                    note=f"Triton store + swiglu_bwd_rows; x{t8.median_ms / ts.median_ms:.3f} "
                          "vs the fused epilogue")
         if k in cutlass_cases:
             cutlass_rows(k, flops, tb, t8)

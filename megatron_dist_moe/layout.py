@@ -40,6 +40,8 @@ one per 128 values):
     inference       x_g | xq (x_g row bundle) | h1 (bf16) | h2q (h2 row bundle)
     train_forward   x_g | xq | x_c | h1 | h1q | h2q        (x_c and h1q: slot or scratch)
     backward        g3 | g3q | g3c | gh1 (grad_h1, bf16) | gh1q | gh1c | h2 (bf16) | h2c
+                    (g3 is dead once quantized: the CUTLASS W13 DGRAD stores its dense rows
+                    there; h2 first holds the W2 DGRAD's u = g3 W2)
     replay          the train_forward regions, then the backward ones
 
 mxfp8 (quant/mxfp8.py; bundles hold E8M0 bytes per 32 values: the same bytes as fp8_block's).

@@ -321,8 +321,8 @@ def quantize_weight(w_ENK: torch.Tensor, recipe: BlockScaling = BlockScaling(),
 def _swiglu_bwd_chunk(u_base, h1q_base, h1s_base, rows, ok, cols, fb, F, s, alpha, limit,
                       CLAMPED: tl.constexpr, SCORED: tl.constexpr, HW: tl.constexpr):
     """(u, grad_h1 gate part, grad_h1 up part, h2, round(act(h1))) of rows x cols (cols inside
-    the 128-column block fb of F), each rounded where swiglu_bwd_rows rounds what it stores;
-    rows outside `ok` are zeros."""
+    the 128-column block fb of F), with the fused epilogue's formulas on u rounded to bf16, each
+    output rounded to bf16 where it is stored; rows outside `ok` are zeros."""
     mask = ok[:, None]
     u = tl.load(u_base + rows[:, None] * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     hq = h1q_base + rows[:, None] * (2 * F) + cols[None, :]

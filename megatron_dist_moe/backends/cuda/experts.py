@@ -470,9 +470,9 @@ class Fp8BlockPipeline:
     gather g3, quantize its rows and columns, W2 DGRAD GEMM -> u = g3 W2 (bf16), one pass from
     u and the saved h1 bundle (quant_fp8.swiglu_bwd_rows: SwiGLU backward, score-gradient
     parts) -> grad_h1 and h2 (bf16), quantize grad_h1 (rows, columns) and h2 (columns), W2
-    WGRAD, W13 DGRAD + scatter, W13 WGRAD. Execution.fp8_gemm: the W13 FPROP, the WGRADs and the two DGRADs'
-    GEMMs on CUTLASS (the W13 DGRAD's scatter then a separate launch), or all of them on
-    Triton.
+    WGRAD, W13 DGRAD + scatter, W13 WGRAD. Execution.fp8_gemm: the W13 FPROP, the WGRADs and
+    the two DGRADs' GEMMs on CUTLASS (the W13 DGRAD's scatter then a separate launch), or all
+    of them on Triton.
 
     Weights are quantized by every forward (`prepare`: both orientations, one byte per element
     each); its backward reuses that forward's copies. Across calls only through the caller's
