@@ -37,6 +37,7 @@ from megatron_dist_moe.execution import parse_overrides  # noqa: E402
 from baselines import a2a_grouped_mm_experts  # noqa: E402
 from bench_layer import (  # noqa: E402
     CASES,
+    FP8_CHECK,
     check_against_reference,
     dist_moe_fns,
     layer_config,
@@ -131,9 +132,11 @@ def main():
         ctxs.append(ctx)
         y = dm.routed_experts(x, ids, s, w13, w2, ctx)
         gx, = torch.autograd.grad(y, (x,), gy)
+        quant = ctx.config.precision != "bf16"    # block-scaled: bench_layer's FP8 band
         if not check_against_reference(f"{name} ({args.a if name == 'A' else args.b} "
                                        f"{args.pipeline})".replace("( ", "("),
-                                       y.detach(), gx, ref_y, ref_gx, rank):
+                                       y.detach(), gx, ref_y, ref_gx, rank,
+                                       FP8_CHECK if quant else (0.0, 2e-2)):
             sys.exit(1)
         del y, gx
         fwd, fwdbwd = dist_moe_fns(ctx, inp)
@@ -155,7 +158,9 @@ def main():
         for name, sw in (("A", f"{args.a} {args.a_config}".strip()),
                          ("B", f"{args.b} {args.b_config}".strip())):
             ms = summ[f"{name.lower()}_ms"]
-            rows.append(dict(commit=commit, gpu=gpu, ep=EP, case=args.case, T=T, D=D, F=F, K=K,
+            rows.append(dict(commit=commit, gpu=gpu, ep=EP, case=args.case,
+                             precision=ctxs["AB".index(name)].config.precision,
+                             T=T, D=D, F=F, K=K,
                              E_local=E_local, imbalance=c["imbalance"],
                              path=f"dist_moe_{args.pipeline}[{name}]", mode=mode,
                              ms=round(ms, 4), ms_min=round(min(times[name]), 4),

@@ -273,7 +273,8 @@ def create_context(group=None, config: Config | None = None,
     from .kernels.grouped_gemm import nvfp4_decode
     from .kernels.grouped_gemm_sm90 import fp8_gemm_loads
     execution = Execution.resolve(config, device, execution_overrides,
-                                  cutlass_loads=fp8_gemm_loads, nvfp4_loads=nvfp4_decode.loads)
+                                  cutlass_loads=fp8_gemm_loads, nvfp4_loads=nvfp4_decode.loads,
+                                  ep_size=ep)
     if ep > 1:
         from .execution import agree_engines
         execution = agree_engines(execution, group)

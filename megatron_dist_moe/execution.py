@@ -24,6 +24,12 @@ Development overrides select the plain-torch twins that the tests and baselines 
                   cached) | "triton" (our kernels, the default elsewhere, and on every rank of
                   a group where some rank cannot load the library). The W2 FPROP is Triton
                   either way (the scatter to the owners in its epilogue)
+    fp8_gather    how fp8_block's quantizers get x's (backward: grad_y's) rows: "quantizer"
+                  (the row quantizer reads each row where it lies, one read per route, no bf16
+                  copy; the default at EP = 1, where every row is on this GPU) | "fanout" (the
+                  fan-out copy into x_g / g3, each token row read once over NVLink, then the
+                  quantizer; the default at EP > 1: the bf16 fan-out measured -0.13 ms per
+                  forward against one read per route at EP = 2)
     nvfp4_gemm    nvfp4 inference's GEMMs: "cuda" (our CUDA C++ GEMMs: the decode GEMM up to
                   32 rows per expert, csrc/nvfp4_decode_mm.cu, and the wgmma GEMM above,
                   csrc/nvfp4_wgmma_mm.cu; the default on a Hopper GPU where their library
@@ -62,6 +68,7 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "bookkeeping": ("triton", "torch"),
     "fp8_gemm": ("cutlass", "triton"),
     "nvfp4_gemm": ("cuda", "triton"),
+    "fp8_gather": ("quantizer", "fanout"),
 }
 ENV_OVERRIDES = "DIST_MOE_EXECUTION"
 
@@ -147,17 +154,20 @@ class Execution:
     bookkeeping: str = "triton"
     fp8_gemm: str = "triton"     # fp8_block on the cuda backend; see the module docstring
     nvfp4_gemm: str = "triton"   # nvfp4 inference on the cuda backend; see the docstring
+    fp8_gather: str = "fanout"   # fp8_block on the cuda backend; see the module docstring
 
     @classmethod
     def resolve(cls, config, device: torch.device,
                 overrides: Mapping[str, str] | None = None,
                 cutlass_loads: Callable[[torch.device], bool] | None = None,
-                nvfp4_loads: Callable[[torch.device], bool] | None = None) -> "Execution":
+                nvfp4_loads: Callable[[torch.device], bool] | None = None,
+                ep_size: int = 1) -> "Execution":
         """The execution of `config` on `device`. overrides: see the module docstring; the
         DIST_MOE_EXECUTION variable applies first, explicit overrides on top. cutlass_loads /
         nvfp4_loads: whether a csrc/ library loads on `device` (create_context passes
         grouped_gemm_sm90.fp8_gemm_loads and grouped_gemm.nvfp4_decode.loads; without them
-        the engines default to Triton)."""
+        the engines default to Triton). ep_size: the group's ranks (what the gathers read
+        over NVLink)."""
         from .errors import ConfigError
 
         backend = config.backend
@@ -179,6 +189,8 @@ class Execution:
         if backend == "cuda" and config.precision == "fp8_block" and "fp8_gemm" not in chosen:
             cutlass = cutlass_loads is not None and cutlass_loads(device)
             chosen["fp8_gemm"] = "cutlass" if cutlass else "triton"
+        if backend == "cuda" and config.precision == "fp8_block" and "fp8_gather" not in chosen:
+            chosen["fp8_gather"] = "quantizer" if ep_size == 1 else "fanout"
         if backend == "cuda" and config.precision == "nvfp4" and "nvfp4_gemm" not in chosen:
             cuda = nvfp4_loads is not None and nvfp4_loads(device)
             chosen["nvfp4_gemm"] = "cuda" if cuda else "triton"
@@ -191,6 +203,11 @@ class Execution:
                                            or self.precision != "fp8_block"):
             raise ValueError(f"fp8_gemm='cutlass' is fp8_block's CUDA-backend GEMMs; this "
                              f"context runs precision={self.precision!r} on {self.backend!r}")
+        if self.fp8_gather == "quantizer" and (self.backend != "cuda"
+                                                 or self.precision != "fp8_block"):
+            raise ValueError(f"fp8_gather='quantizer' is fp8_block's CUDA-backend quantizer; "
+                             f"this context runs precision={self.precision!r} on "
+                             f"{self.backend!r}")
         if self.nvfp4_gemm == "cuda" and (self.backend != "cuda" or self.precision != "nvfp4"):
             raise ValueError(f"nvfp4_gemm='cuda' is nvfp4's CUDA-backend GEMMs; this "
                              f"context runs precision={self.precision!r} on {self.backend!r}")
@@ -207,9 +224,16 @@ class Execution:
 
     # -- what the choices mean --------------------------------------------------------------
     @property
+    def quantizer_gathers(self) -> bool:
+        return self.fp8_gather == "quantizer"
+
+    @property
     def x_gather(self) -> str:
         if self.backend == "reference":
             return "all_to_all_single"
+        if self.quantizer_gathers:
+            return ("inside the quantizer: x's rows (backward: grad_y's) read where they lie "
+                    "and quantized, no bf16 copy (EP = 1: every row is on this GPU)")
         if self.pipeline == "staged" and self.gemm_engine == "triton":
             return "claimed inside the W13 GEMM (each m-tile copied once, in column slices)"
         return "fan-out: each token row read once and written to all of its rows"
@@ -272,7 +296,9 @@ class Execution:
                      ("bookkeeping", "Triton, 1 launch" if self.bookkeeping == "triton"
                       else "torch planner functions (oracle)")]
             if self.precision == "fp8_block":
-                rows += [("quantization", "x_g rows (and columns, saved) after the gather; "
+                rows += [("quantization", "x_g rows (and columns, saved) "
+                          + ("read by the quantizer where they lie; " if self.quantizer_gathers
+                             else "after the gather; ") +
                           "SwiGLU writes the h2 row bundle (and the saved h1 row bundle); "
                           "weights by every forward (both orientations), reused by its "
                           "backward, or once per step into the context's weight cache "

@@ -109,6 +109,23 @@ def check_quantize_rows_cols(device, big=False):
             _bits_equal(f"row scales K={K}", s, rs)
             _bits_equal(f"cols K={K} pow2={pow2}", qc[:, :used], cq[:, :used])
             _bits_equal(f"col scales K={K}", sc[:used // 128], cs[:used // 128])
+            # the gather fused in: row i read from an address table into a shuffled source
+            # (its peer's token rows), row 5's address 0: a row of zeros, as gather_rows copies
+            perm = torch.randperm(R, generator=g).to(device)
+            src = torch.empty_like(x)
+            src[perm] = x
+            ptrs = src.data_ptr() + perm.long() * (K * 2)
+            ptrs[5] = 0
+            xz = x.clone()
+            xz[5] = 0
+            quantize_rows_cols(None, offs, R + 5, K, rows=(q, s), cols=(qc, sc), recipe=rc,
+                               row_ptrs=ptrs)
+            rq, rs = Q.quantize_rows(xz, rc)
+            cq, cs = Q.quantize_cols(xz, offs.long(), Rp, rc)
+            _bits_equal(f"gathered rows K={K} pow2={pow2}", q, rq)
+            _bits_equal(f"gathered row scales K={K}", s, rs)
+            _bits_equal(f"gathered cols K={K}", qc[:, :used], cq[:, :used])
+            _bits_equal(f"gathered col scales K={K}", sc[:used // 128], cs[:used // 128])
 
 
 def check_swiglu_quant(device, big=False):

@@ -134,10 +134,10 @@ def padded_block(offsets_ptr, E, E_PAD: tl.constexpr, pb):
 
 
 @triton.jit
-def _quant_rows_cols_kernel(x_addr, offsets_ptr, q_addr, s_addr, qc_addr, sc_addr, K, E, n_pb,
-                            E_PAD: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+def _quant_rows_cols_kernel(x_addr, row_ptrs, offsets_ptr, q_addr, s_addr, qc_addr, sc_addr, K, E,
+                            n_pb, E_PAD: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
                             POW2: tl.constexpr, EPS: tl.constexpr, HW: tl.constexpr,
-                            CHUNK: tl.constexpr, GROUP_R: tl.constexpr):
+                            CHUNK: tl.constexpr, GROUP_R: tl.constexpr, GATHER: tl.constexpr):
     # One program per 128-row block of the padded row space x 128 columns, walked in column
     # chunks of CHUNK: each chunk's column blocks are final at once, and the row amax grows
     # over the chunks; the rows are then quantized from a second read of the same 32 KB (an
@@ -151,11 +151,20 @@ def _quant_rows_cols_kernel(x_addr, offsets_ptr, q_addr, s_addr, qc_addr, sc_add
     local = p0 - pstart + i                     # row within the expert's segment
     ok = local < n
     rows = start + local                        # compact row
-    x_rows = load_ptr(x_addr, tl.bfloat16) + rows[:, None] * K
+    if GATHER:
+        # row i read from the address row_ptrs[i] (a peer's token row; 0: a row of zeros), as
+        # rows.gather_rows would have copied it; 16-byte aligned rows (the hint on the int ->
+        # pointer cast, common.load_ptr), so the loads vectorize
+        src = tl.load(row_ptrs + rows, mask=ok, other=0)
+        x_rows = tl.multiple_of(src.to(tl.pointer_type(tl.bfloat16)), [16])[:, None]
+        ld = ok & (src != 0)
+    else:
+        x_rows = load_ptr(x_addr, tl.bfloat16) + rows[:, None] * K
+        ld = ok
     amax_r = tl.zeros((128,), tl.float32)
     for c in tl.static_range(128 // CHUNK):
         cols = cb * 128 + c * CHUNK + tl.arange(0, CHUNK)
-        x = tl.load(x_rows + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        x = tl.load(x_rows + cols[None, :], mask=ld[:, None], other=0.0).to(tl.float32)
         if ROWS:
             amax_r = tl.maximum(amax_r, block_amax(x, 1))
         if COLS:
@@ -171,7 +180,7 @@ def _quant_rows_cols_kernel(x_addr, offsets_ptr, q_addr, s_addr, qc_addr, sc_add
         q_rows = load_ptr(q_addr, tl.float8e4nv) + rows[:, None] * K
         for c in tl.static_range(128 // CHUNK):
             cols = cb * 128 + c * CHUNK + tl.arange(0, CHUNK)
-            x = tl.load(x_rows + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+            x = tl.load(x_rows + cols[None, :], mask=ld[:, None], other=0.0).to(tl.float32)
             tl.store(q_rows + cols[None, :], to_e4m3(x * scale[:, None], HW), mask=ok[:, None])
         s_base = load_ptr(s_addr, tl.float32)
         tl.store(s_base + rows * (K // 128) + cb, s_inv, mask=ok)
@@ -179,8 +188,12 @@ def _quant_rows_cols_kernel(x_addr, offsets_ptr, q_addr, s_addr, qc_addr, sc_add
 
 def quantize_rows_cols(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows=None,
                        cols=None, recipe: BlockScaling = BlockScaling(),
-                       group_rows: int = GROUP_ROWS) -> None:
+                       group_rows: int = GROUP_ROWS, row_ptrs: torch.Tensor | None = None
+                       ) -> None:
     """Quantize bf16 rows x [R, K] (tensor or device pointer; R = offsets[-1] on the device).
+    With row_ptrs (int64 [>= R] device addresses, 16-byte aligned; x then None): row i is read
+    from row_ptrs[i] (zeros where 0), the gather fused into the quantizer (rows.gather_rows
+    followed by this function, without the bf16 copy).
 
     rows = (q, s): the row bundle, q [>= R, K] e4m3, s [>= R, K/128] fp32 (tensors or device
     pointers); cols = (q_t, s_t): the column bundle over each expert's segment padded to 128
@@ -193,7 +206,8 @@ def quantize_rows_cols(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows=
     from ..layout import padded_rows
     Rp = padded_rows(max_rows, E)
     dummy = offsets
-    xa = as_device_ptr(x, "x", torch.bfloat16)
+    assert (x is None) != (row_ptrs is None), "pass x or row_ptrs"
+    xa = as_device_ptr(x, "x", torch.bfloat16) if x is not None else dummy
     q, s = (as_device_ptr(rows[0], "q"), as_device_ptr(rows[1], "s")) if rows else (dummy, dummy)
     qc, sc = (as_device_ptr(cols[0], "q_t"), as_device_ptr(cols[1], "s_t")) if cols else (
         dummy, dummy)
@@ -205,10 +219,10 @@ def quantize_rows_cols(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows=
     if interpreting():
         chunk = 128     # the interpreter's cost is per loop step and per program, not per byte
     _quant_rows_cols_kernel[grouped_grid(n_pb, K // BLOCK, group_rows)](
-        xa, offsets, q, s, qc, sc, K, E, n_pb, E_PAD=max(2, triton.next_power_of_2(E)),
-        ROWS=rows is not None, COLS=cols is not None, POW2=recipe.power_2_scales,
-        EPS=float(recipe.amax_epsilon), HW=_hw(offsets), CHUNK=chunk, GROUP_R=group_rows,
-        num_warps=warps)
+        xa, row_ptrs if row_ptrs is not None else dummy, offsets, q, s, qc, sc, K, E, n_pb,
+        E_PAD=max(2, triton.next_power_of_2(E)), ROWS=rows is not None, COLS=cols is not None,
+        POW2=recipe.power_2_scales, EPS=float(recipe.amax_epsilon), HW=_hw(offsets),
+        CHUNK=chunk, GROUP_R=group_rows, GATHER=row_ptrs is not None, num_warps=warps)
 
 
 @triton.jit

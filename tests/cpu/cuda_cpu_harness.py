@@ -92,11 +92,13 @@ def make_backend(cfg: dm.Config, group: ThreadGroup,
                                 num_local_experts=cfg.num_local_experts(group.size),
                                 planner=PlannerState.create(plan, "cpu"),
                                 weight_cache=WeightCache(cfg.precision))
+    chosen = check_overrides(overrides or {}, "variant")
+    if cfg.precision == "fp8_block":    # Execution.resolve's default
+        chosen.setdefault("fp8_gather", "quantizer" if group.size == 1 else "fanout")
     execution = Execution(backend="cuda", precision=cfg.precision,
                           pipeline=cfg.pipeline,
                           inference=cfg.inference, save_route_outputs=cfg.save_route_outputs,
-                          wait_timeout_s=cfg.wait_timeout_s,
-                          **check_overrides(overrides or {}, "variant"))
+                          wait_timeout_s=cfg.wait_timeout_s, **chosen)
     return cb.CudaBackend(ctx, execution)
 
 

@@ -393,9 +393,10 @@ class Fp8BlockKernels:
                 for M, N in ((2 * F, D), (D, F)):
                     self.cutlass_wgrad.reserve(M, N)
 
-    def quantize(self, x, offs, K: int, rows=None, cols=None):
+    def quantize(self, x, offs, K: int, rows=None, cols=None, row_ptrs=None):
         from ...kernels.quant_fp8 import quantize_rows_cols
-        quantize_rows_cols(x, offs, self.max_rows, K, rows=rows, cols=cols, recipe=self.recipe)
+        quantize_rows_cols(x, offs, self.max_rows, K, rows=rows, cols=cols, recipe=self.recipe,
+                           row_ptrs=row_ptrs)
 
     def swiglu_quant(self, h1, nrows, h2q, h1q=None):
         from ...kernels.quant_fp8 import swiglu_quant
@@ -464,10 +465,11 @@ class Fp8BlockKernels:
 
 
 class Fp8BlockPipeline:
-    """fp8_block, standard order. Forward: gather x_g (bf16), quantize its rows (and, training,
-    its columns: the saved x_c), W13 FP8 GEMM -> h1 (bf16), SwiGLU + quantization (h2 row
+    """fp8_block, standard order. Forward: quantize x's gathered rows (and, training, their
+    columns: the saved x_c), read by the quantizer where they lie at EP = 1 or from a bf16
+    fan-out copy x_g (Execution.quantizer_gathers), W13 FP8 GEMM -> h1 (bf16), SwiGLU + quantization (h2 row
     bundle; training: the saved h1 row bundle), W2 FP8 GEMM + scatter to the owners. Backward:
-    gather g3, quantize its rows and columns, W2 DGRAD GEMM -> u = g3 W2 (bf16), one pass from
+    quantize g3's rows and columns (gathered as x is), W2 DGRAD GEMM -> u = g3 W2 (bf16), one pass from
     u and the saved h1 bundle (quant_fp8.swiglu_bwd_rows: SwiGLU backward, score-gradient
     parts) -> grad_h1 and h2 (bf16), quantize grad_h1 (rows, columns) and h2 (columns), W2
     WGRAD, W13 DGRAD + scatter, W13 WGRAD. Execution.fp8_gemm: the W13 FPROP, the WGRADs and
@@ -481,7 +483,6 @@ class Fp8BlockPipeline:
     Megatron's optimizer, which writes the weights through `.data` (docs/decisions.md)."""
 
     name = "standard"
-    uses_fanout = True
 
     def __init__(self, cfg: Config, execution: Execution, num_local_experts: int, max_rows: int,
                  device: torch.device, rank: int):
@@ -490,6 +491,22 @@ class Fp8BlockPipeline:
                                  training=not execution.inference)
         self.bf = Bf16Kernels(cfg, num_local_experts, max_rows, execution.wait_timeout_s, rank)
         self.score_parts = self.k.score_parts(device)
+        self.quantizer_gathers = execution.quantizer_gathers
+
+    @property
+    def uses_fanout(self) -> bool:
+        """Whether the routing tables must carry the fan-out table (`rows.fanout_rows`)."""
+        return not self.quantizer_gathers
+
+    def _gather_quantize(self, tabs, row_ptrs, token_rows_at, bf16_rows, offs, nrows, **bundles):
+        """The row (and column) bundles of the rows at row_ptrs: read by the quantizer where
+        they lie (Execution.quantizer_gathers), or gathered into bf16_rows first."""
+        D = self.cfg.hidden_dim
+        if self.quantizer_gathers:
+            self.k.quantize(None, offs, D, row_ptrs=row_ptrs, **bundles)
+            return
+        self.bf.gather(tabs, row_ptrs, bf16_rows, nrows, token_rows_at)
+        self.k.quantize(bf16_rows, offs, D, **bundles)
 
     def prepare(self, w13_E2FD, w2_EDF, training: bool, into=None):
         """The Fp8Weights of these weights (see the class docstring), written into `into`."""
@@ -497,12 +514,11 @@ class Fp8BlockPipeline:
 
     def forward(self, tabs: RoutingTables, w13_E2FD, w2_EDF, scatter_ptrs, at: dict,
                 rows=None, prepared=None, training: bool = True) -> None:
-        D = self.cfg.hidden_dim
         offs, nrows = rows if rows is not None else (tabs.expert_offsets, tabs.num_rows)
         W = prepared if prepared is not None else self.prepare(w13_E2FD, w2_EDF, training)
-        self.bf.gather(tabs, tabs.fwd_gather_ptrs, at["x_g"], nrows, "dispatch")
-        self.k.quantize(at["x_g"], offs, D, rows=(at["xq"], at["xq_s"]),
-                        cols=(at["x_c"], at["x_c_s"]) if training else None)
+        self._gather_quantize(tabs, tabs.fwd_gather_ptrs, "dispatch", at["x_g"], offs, nrows,
+                              rows=(at["xq"], at["xq_s"]),
+                              cols=(at["x_c"], at["x_c_s"]) if training else None)
         self.k.mm((at["xq"], at["xq_s"]), W.w13, W.w13_s, offs, "store", out=at["h1"])
         self.k.swiglu_quant(at["h1"], nrows, (at["h2q"], at["h2q_s"]),
                             (at["h1q"], at["h1q_s"]) if training else None)
@@ -519,10 +535,9 @@ class Fp8BlockPipeline:
         at = ba.at
         W = prepared if prepared is not None else self.prepare(w13_E2FD, w2_EDF, True)
         out_dtype = wgrad_store_dtype(wgrad_dtype, w13_E2FD.dtype)
-        self.bf.gather(tabs, gather_ptrs, at["g3"], nrows,
-                       "combine" if score_ptrs is not None else None)
-        self.k.quantize(at["g3"], offs, D, rows=(at["g3q"], at["g3q_s"]),
-                        cols=(at["g3c"], at["g3c_s"]))
+        self._gather_quantize(tabs, gather_ptrs, "combine" if score_ptrs is not None else None,
+                              at["g3"], offs, nrows, rows=(at["g3q"], at["g3q_s"]),
+                              cols=(at["g3c"], at["g3c_s"]))
         sc = {} if score_ptrs is None else dict(score_ptrs=score_ptrs,
                                                score_grad_delta=score_grad_delta,
                                                part_stride=part_stride)

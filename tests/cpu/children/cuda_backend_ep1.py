@@ -143,8 +143,10 @@ VARIANTS = {
     # fp8_block: FP8 block-scaled kernels (quantization, GEMMs, fused SwiGLU backward)
     "fp8_block,standard": dict(overrides={}, pipeline="standard",
                                cfg=dict(precision="fp8_block")),
-    "fp8_block,clamped,saved_routes,torch_tables": dict(
-        overrides=dict(TORCH_TABLES), pipeline="standard", activation="swiglu_clamped",
+    # (the fan-out copy then the quantizer, as at EP > 1; the others read rows in the quantizer)
+    "fp8_block,clamped,saved_routes,torch_tables,fanout": dict(
+        overrides=dict(TORCH_TABLES, fp8_gather="fanout"), pipeline="standard",
+        activation="swiglu_clamped",
         cfg=dict(precision="fp8_block", save_route_outputs=True)),
     "fp8_block,wgrad_into,fp32_scales": dict(
         overrides={}, pipeline="standard", wgrad_into=True,
