@@ -30,6 +30,13 @@ Development overrides select the plain-torch twins that the tests and baselines 
                   fan-out copy into x_g / g3, each token row read once over NVLink, then the
                   quantizer; the default at EP > 1: the bf16 fan-out measured -0.13 ms per
                   forward against one read per route at EP = 2)
+    fp8_combine   where fp8_block's W2 FPROP puts the route outputs: "scatter" (our Triton GEMM
+                  stores each row into its owner's combine buffer from its epilogue) | "pull"
+                  (the GEMM stores dense rows, on CUTLASS where fp8_gemm says so, and the
+                  combine kernel reads each route's row where it lies; the default at EP = 1
+                  without save_route_outputs; refused at EP > 1, where the rows would stay on
+                  the expert's GPU, and with save_route_outputs, whose backward reads the
+                  combine buffer)
     nvfp4_gemm    nvfp4 inference's GEMMs: "cuda" (our CUDA C++ GEMMs: the decode GEMM up to
                   32 rows per expert, csrc/nvfp4_decode_mm.cu, and the wgmma GEMM above,
                   csrc/nvfp4_wgmma_mm.cu; the default on a Hopper GPU where their library
@@ -69,6 +76,7 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "fp8_gemm": ("cutlass", "triton"),
     "nvfp4_gemm": ("cuda", "triton"),
     "fp8_gather": ("quantizer", "fanout"),
+    "fp8_combine": ("pull", "scatter"),
 }
 ENV_OVERRIDES = "DIST_MOE_EXECUTION"
 
@@ -155,6 +163,7 @@ class Execution:
     fp8_gemm: str = "triton"     # fp8_block on the cuda backend; see the module docstring
     nvfp4_gemm: str = "triton"   # nvfp4 inference on the cuda backend; see the docstring
     fp8_gather: str = "fanout"   # fp8_block on the cuda backend; see the module docstring
+    fp8_combine: str = "scatter"  # likewise
 
     @classmethod
     def resolve(cls, config, device: torch.device,
@@ -191,6 +200,13 @@ class Execution:
             chosen["fp8_gemm"] = "cutlass" if cutlass else "triton"
         if backend == "cuda" and config.precision == "fp8_block" and "fp8_gather" not in chosen:
             chosen["fp8_gather"] = "quantizer" if ep_size == 1 else "fanout"
+        if chosen.get("fp8_combine") == "pull" and ep_size > 1:
+            raise ValueError(f"fp8_combine='pull' runs at EP = 1 only (this group has {ep_size} "
+                             "ranks: the owners' route rows would stay on the experts' GPUs)")
+        if (backend == "cuda" and config.precision == "fp8_block"
+                and "fp8_combine" not in chosen):
+            chosen["fp8_combine"] = ("pull" if ep_size == 1 and not config.save_route_outputs
+                                     else "scatter")
         if backend == "cuda" and config.precision == "nvfp4" and "nvfp4_gemm" not in chosen:
             cuda = nvfp4_loads is not None and nvfp4_loads(device)
             chosen["nvfp4_gemm"] = "cuda" if cuda else "triton"
@@ -208,6 +224,13 @@ class Execution:
             raise ValueError(f"fp8_gather='quantizer' is fp8_block's CUDA-backend quantizer; "
                              f"this context runs precision={self.precision!r} on "
                              f"{self.backend!r}")
+        if self.fp8_combine == "pull" and (self.backend != "cuda"
+                                           or self.precision != "fp8_block"
+                                           or self.save_route_outputs):
+            raise ValueError(f"fp8_combine='pull' is fp8_block's CUDA-backend combine without "
+                             f"save_route_outputs; this context runs precision="
+                             f"{self.precision!r} on {self.backend!r}, save_route_outputs="
+                             f"{self.save_route_outputs}")
         if self.nvfp4_gemm == "cuda" and (self.backend != "cuda" or self.precision != "nvfp4"):
             raise ValueError(f"nvfp4_gemm='cuda' is nvfp4's CUDA-backend GEMMs; this "
                              f"context runs precision={self.precision!r} on {self.backend!r}")
@@ -256,11 +279,14 @@ class Execution:
             if self.precision == "fp8_block":
                 gemms = ("FP8 block-scaled grouped GEMMs (E4M3, 1x128 activation / 128x128 "
                          "weight scales, fp32 promotion every 128 of K): ")
-                gemms += ("the W13 FPROP on CUTLASS's sm_90a blockwise-scaled ptr-array kernel "
-                          "(csrc/, 128x128x128 cooperative tiles), the W2 FPROP on our Triton "
-                          "kernel with the scatter to the owners in its epilogue"
-                          if self.fp8_gemm == "cutlass" else
-                          "Triton persistent kernels; scatter to the owners in the W2 epilogue")
+                engine = ("CUTLASS's sm_90a blockwise-scaled ptr-array kernel (csrc/, "
+                          "128x128x128 cooperative tiles)" if self.fp8_gemm == "cutlass"
+                          else "our Triton persistent kernel")
+                gemms += f"the W13 FPROP on {engine}, "
+                gemms += (f"the W2 FPROP on {engine} storing dense rows, which the combine "
+                          "kernel reads where they lie (EP = 1)" if self.fp8_combine == "pull"
+                          else "the W2 FPROP on our Triton kernel with the scatter to the "
+                          "owners in its epilogue")
             elif self.precision == "mxfp8":
                 gemms = ("Triton persistent bf16 grouped GEMMs on the MXFP8 operands' bf16 "
                          "copies (exact: Hopper has no MXFP8 instruction); scatter to the "

@@ -228,9 +228,10 @@ def copy_rows(src_addr: torch.Tensor, dst_addr: torch.Tensor, num_rows: torch.Te
 
 # -- owner side: combine, backward publication, reduction ------------------------------------
 @triton.jit
-def _combine_routes_kernel(routes_ptr, ids_ptr, scores_ptr, y_ptr, save_addr, save_flag_ptr, T,
-                           D: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr,
-                           ODT: tl.constexpr, SAVE: tl.constexpr):
+def _combine_routes_kernel(routes_ptr, ids_ptr, scores_ptr, y_ptr, save_addr, save_flag_ptr,
+                           src_addr, src_rows_ptr, T, D: tl.constexpr, K: tl.constexpr,
+                           BLOCK_D: tl.constexpr, ODT: tl.constexpr, SAVE: tl.constexpr,
+                           PULL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     dblk = tl.program_id(1)
     d = dblk * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -239,35 +240,49 @@ def _combine_routes_kernel(routes_ptr, ids_ptr, scores_ptr, y_ptr, save_addr, sa
     if SAVE:
         keep = tl.load(save_flag_ptr) != 0
         save = tl.load(save_addr).to(tl.pointer_type(tl.bfloat16))
+    if PULL:
+        src = load_ptr(src_addr, tl.bfloat16)
     for k in tl.static_range(K):
         eid = tl.load(ids_ptr + t * K + k).to(tl.int32)
         s = tl.load(scores_ptr + t * K + k).to(tl.float32)
-        r = tl.load(routes_ptr + (t * K + k) * D + d, mask=dm & (eid >= 0), other=0.0)
+        if PULL:    # the route's row where the W2 GEMM stored it
+            row = tl.load(src_rows_ptr + t * K + k).to(tl.int64)
+            r = tl.load(src + row * D + d, mask=dm & (eid >= 0) & (row >= 0), other=0.0)
+        else:
+            r = tl.load(routes_ptr + (t * K + k) * D + d, mask=dm & (eid >= 0), other=0.0)
         acc += tl.where(eid >= 0, s * r.to(tl.float32), 0.0)
         if SAVE:   # keep the route outputs for the score gradients (full-save layers)
             tl.store(save + (t * K + k) * D + d, r, mask=dm & (eid >= 0) & keep)
     tl.store(y_ptr + t * D + d, acc.to(ODT), mask=dm)
 
 
-def combine_routes(routes_TKD: torch.Tensor, ids_TK: torch.Tensor, scores_TK: torch.Tensor,
-                   y_TD: torch.Tensor, save_addr: torch.Tensor | None = None,
-                   save_flag: torch.Tensor | None = None) -> None:
+def combine_routes(routes_TKD: torch.Tensor | None, ids_TK: torch.Tensor,
+                   scores_TK: torch.Tensor, y_TD: torch.Tensor,
+                   save_addr: torch.Tensor | None = None, save_flag: torch.Tensor | None = None,
+                   pull: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """y[t] = sum over active k of scores[t,k] * routes[t,k] in fp32 (inactive routes ignored).
 
     save_addr/save_flag (device pointer, device int): when save_flag != 0, the active route rows
     are also stored to save_addr [T, K, D] (one read of the routes serves both).
+    pull = (src_addr, src_rows): route (t, k) is row src_rows[t*K + k] (int32 [T*K], -1: none)
+    of the bf16 rows [*, D] at the device pointer src_addr, where the expert GEMM stored it
+    (routes_TKD then unused: None).
     """
     T, D = y_TD.shape
     K = ids_TK.shape[1]
     if T == 0:
         return
+    if pull is not None:
+        assert pull[1].dtype == torch.int32 and pull[1].numel() >= T * K, (
+            f"pull rows: int32 [>= T*K = {T * K}], got {pull[1].dtype} [{pull[1].numel()}]")
     BLOCK_D = 1024
     grid = (T, triton.cdiv(D, BLOCK_D))
     save = save_addr is not None
-    _combine_routes_kernel[grid](routes_TKD, ids_TK, scores_TK, y_TD,
-                                 save_addr if save else ids_TK, save_flag if save else ids_TK, T,
+    _combine_routes_kernel[grid](routes_TKD if pull is None else ids_TK, ids_TK, scores_TK, y_TD,
+                                 save_addr if save else ids_TK, save_flag if save else ids_TK,
+                                 *(pull if pull is not None else (ids_TK, ids_TK)), T,
                                  D=D, K=K, BLOCK_D=BLOCK_D, ODT=_TL_DTYPE[y_TD.dtype], SAVE=save,
-                                 num_warps=4)
+                                 PULL=pull is not None, num_warps=4)
 
 
 @triton.jit

@@ -93,8 +93,10 @@ def make_backend(cfg: dm.Config, group: ThreadGroup,
                                 planner=PlannerState.create(plan, "cpu"),
                                 weight_cache=WeightCache(cfg.precision))
     chosen = check_overrides(overrides or {}, "variant")
-    if cfg.precision == "fp8_block":    # Execution.resolve's default
+    if cfg.precision == "fp8_block":    # Execution.resolve's defaults
         chosen.setdefault("fp8_gather", "quantizer" if group.size == 1 else "fanout")
+        chosen.setdefault("fp8_combine", "pull" if group.size == 1
+                          and not cfg.save_route_outputs else "scatter")
     execution = Execution(backend="cuda", precision=cfg.precision,
                           pipeline=cfg.pipeline,
                           inference=cfg.inference, save_route_outputs=cfg.save_route_outputs,

@@ -308,6 +308,39 @@ def test_fp8_gemm_engine_is_chosen_at_creation(monkeypatch):
             assert got.fp8_gemm == engine, (inference, loads)
 
 
+def test_fp8_rows_stay_where_they_lie_at_ep1():
+    """fp8_block at EP = 1: the quantizer reads the token rows where they lie and the combine
+    reads the W2 FPROP's dense rows (shown by explain()); at EP > 1 the fan-out copy and the
+    scatter; the pulling combine is refused at EP > 1 and with save_route_outputs, the quantizer
+    gather for other precisions."""
+    import torch
+    from megatron_dist_moe import execution as X
+    from megatron_dist_moe.config import Config
+
+    cfg = Config(num_local_input_tokens=16, hidden_dim=256, intermediate_dim=128,
+                 num_experts=4, top_k=2, precision="fp8_block", backend="cuda")
+    cuda = torch.device("cuda", 0)
+    one = X.Execution.resolve(cfg, cuda, cutlass_loads=lambda d: True)
+    assert (one.fp8_gather, one.fp8_combine) == ("quantizer", "pull")
+    text = one.explain()
+    assert "inside the quantizer" in text and "which the combine kernel reads" in text, text
+    two = X.Execution.resolve(cfg, cuda, cutlass_loads=lambda d: True, ep_size=2)
+    assert (two.fp8_gather, two.fp8_combine) == ("fanout", "scatter")
+    assert "fan-out" in two.explain() and "scatter to the owners in its epilogue" in two.explain()
+    saved = X.Execution.resolve(cfg.replace(save_route_outputs=True), cuda)
+    assert (saved.fp8_gather, saved.fp8_combine) == ("quantizer", "scatter")
+    got = X.Execution.resolve(cfg, cuda, {"fp8_gather": "fanout", "fp8_combine": "scatter"})
+    assert (got.fp8_gather, got.fp8_combine) == ("fanout", "scatter")
+    with pytest.raises(ValueError, match="fp8_combine='pull' runs at EP = 1 only"):
+        X.Execution.resolve(cfg, cuda, {"fp8_combine": "pull"}, ep_size=2)
+    with pytest.raises(ValueError, match="without save_route_outputs"):
+        one.replace(save_route_outputs=True)
+    with pytest.raises(ValueError, match="fp8_gather='quantizer' is fp8_block's"):
+        one.replace(precision="bf16", fp8_combine="scatter", fp8_gemm="triton")
+    bf16 = X.Execution.resolve(cfg.replace(precision="bf16"), cuda)
+    assert (bf16.fp8_gather, bf16.fp8_combine) == ("fanout", "scatter")
+
+
 def test_nvfp4_gemm_engine_is_chosen_at_creation(monkeypatch):
     """nvfp4 inference's decode-regime GEMMs: our CUDA C++ kernel where its library loads on a
     Hopper GPU, Triton elsewhere, shown by explain() with the variant at the context's row

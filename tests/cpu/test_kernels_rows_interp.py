@@ -95,6 +95,15 @@ BODY = textwrap.dedent(r'''
             assert torch.equal(saved[live], routes[live]), "combine save"
         else:
             assert (saved == 5).all(), "combine saved with flag 0"
+    # the pulling combine: route (t, k) read from its row of an expert GEMM's dense rows
+    perm = torch.randperm(T * Kk)
+    dense = torch.full((T * Kk + 3, D), float("nan")).to(bf)     # rows of no route: NaN
+    dense[perm] = routes.view(T * Kk, D)
+    src_rows = perm.to(torch.int32)
+    src_rows[(ids < 0).view(-1)] = -1
+    y_pull = torch.empty(T, D, dtype=bf)
+    K.combine_routes(None, ids, s, y_pull, pull=(K.device_ptr(dense), src_rows))
+    assert torch.equal(y_pull, y), "the pulling combine differs from the combine buffer's"
     gy = torch.randn(T, D).to(bf)
     gr = routes.clone(); gs = torch.empty(T, Kk)
     K.publish_grad_routes(gy, K.device_ptr(gr), ids, s, gr, gs)

@@ -173,8 +173,12 @@ class CudaBackend:
         self.sym.barrier(1)
         y_TD = torch.empty_like(x_TD)
         routes = self._routes_view(self.sym.combine, T)
+        # where the route outputs are: the combine buffer, or (fp8_combine='pull') the expert
+        # GEMM's dense rows
+        source = getattr(self.experts, "combine_source", None)
+        pull = source(tabs, fa.at) if source is not None else None
         if not training:
-            K_rows.combine_routes(routes, ids_TK, scores_TK, y_TD)
+            K_rows.combine_routes(routes, ids_TK, scores_TK, y_TD, pull=pull)
             return y_TD, None
         # Keep the route outputs for the score gradients (full save; stored by the combine
         # kernel as it reads them; not with save_route_outputs=False) or the input x (replay);
@@ -182,7 +186,7 @@ class CudaBackend:
         keep_routes = self.cfg.save_route_outputs
         K_rows.combine_routes(routes, ids_TK, scores_TK, y_TD,
                               save_addr=fa.routes_save if keep_routes else None,
-                              save_flag=fa.save_flag if keep_routes else None)
+                              save_flag=fa.save_flag if keep_routes else None, pull=pull)
         K_rows.copy_rows(K_rows.device_ptr(x_TD), fa.x_slot, fa.x_rows, D, T)
         return y_TD, _Saved(fa.record, fa.rec_vec, tabs, ids_TK, scores_TK, w13_E2FD, w2_EDF, T,
                             prepared)

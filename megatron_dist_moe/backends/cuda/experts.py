@@ -492,11 +492,19 @@ class Fp8BlockPipeline:
         self.bf = Bf16Kernels(cfg, num_local_experts, max_rows, execution.wait_timeout_s, rank)
         self.score_parts = self.k.score_parts(device)
         self.quantizer_gathers = execution.quantizer_gathers
+        self.pull_combine = execution.fp8_combine == "pull"
 
     @property
     def uses_fanout(self) -> bool:
-        """Whether the routing tables must carry the fan-out table (`rows.fanout_rows`)."""
-        return not self.quantizer_gathers
+        """Whether the routing tables must carry the fan-out table (`rows.fanout_rows`; its
+        route -> row map also tells the pulling combine where each route's row lies)."""
+        return not self.quantizer_gathers or self.pull_combine
+
+    def combine_source(self, tabs: RoutingTables, at: dict):
+        """(rows' device pointer, route -> row int32 [T*K]) where the combine kernel reads the
+        route outputs (Execution.fp8_combine == 'pull': the W2 FPROP's dense rows in the x_g
+        region, EP = 1), or None: they are in the combine buffer."""
+        return (at["x_g"], tabs.fanout.dest_rows) if self.pull_combine else None
 
     def _gather_quantize(self, tabs, row_ptrs, token_rows_at, bf16_rows, offs, nrows, **bundles):
         """The row (and column) bundles of the rows at row_ptrs: read by the quantizer where
@@ -522,7 +530,11 @@ class Fp8BlockPipeline:
         self.k.mm((at["xq"], at["xq_s"]), W.w13, W.w13_s, offs, "store", out=at["h1"])
         self.k.swiglu_quant(at["h1"], nrows, (at["h2q"], at["h2q_s"]),
                             (at["h1q"], at["h1q_s"]) if training else None)
-        if scatter_ptrs is not None:
+        if scatter_ptrs is None:
+            return
+        if self.pull_combine:   # dense rows into x_g's region (free by now: quantized or unused)
+            self.k.mm((at["h2q"], at["h2q_s"]), W.w2, W.w2_s, offs, "store", out=at["x_g"])
+        else:
             self.k.mm((at["h2q"], at["h2q_s"]), W.w2, W.w2_s, offs, "scatter",
                       out_row_ptrs=scatter_ptrs)
 
