@@ -459,29 +459,42 @@ def sum_score_parts(parts: torch.Tensor, n_parts: int, ids_TK: torch.Tensor,
 
 
 @triton.jit
-def _reduce_routes_kernel(routes_ptr, ids_ptr, out_ptr, D: tl.constexpr, K: tl.constexpr,
-                          BLOCK_D: tl.constexpr, ODT: tl.constexpr):
+def _reduce_routes_kernel(routes_ptr, ids_ptr, out_ptr, src_addr, src_rows_ptr,
+                          D: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr,
+                          ODT: tl.constexpr, PULL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dm = d < D
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if PULL:
+        src = load_ptr(src_addr, tl.bfloat16)
     for k in tl.static_range(K):
         eid = tl.load(ids_ptr + t * K + k).to(tl.int32)
-        r = tl.load(routes_ptr + (t * K + k) * D + d, mask=dm & (eid >= 0), other=0.0)
+        if PULL:    # the route's row where the DGRAD GEMM stored it
+            row = tl.load(src_rows_ptr + t * K + k).to(tl.int64)
+            r = tl.load(src + row * D + d, mask=dm & (eid >= 0) & (row >= 0), other=0.0)
+        else:
+            r = tl.load(routes_ptr + (t * K + k) * D + d, mask=dm & (eid >= 0), other=0.0)
         acc += r.to(tl.float32)
     tl.store(out_ptr + t * D + d, acc.to(ODT), mask=dm)
 
 
-def reduce_routes(routes_TKD: torch.Tensor, ids_TK: torch.Tensor, out_TD: torch.Tensor) -> None:
-    """out[t] = sum over active k of routes[t,k] in fp32 (input gradients returned per route)."""
+def reduce_routes(routes_TKD: torch.Tensor | None, ids_TK: torch.Tensor, out_TD: torch.Tensor,
+                  pull: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """out[t] = sum over active k of routes[t,k] in fp32 (input gradients returned per route).
+    pull = (src_addr, src_rows): as combine_routes' (routes_TKD then unused: None)."""
     T, D = out_TD.shape
     K = ids_TK.shape[1]
     if T == 0:
         return
+    if pull is not None:
+        assert pull[1].dtype == torch.int32 and pull[1].numel() >= T * K, (
+            f"pull rows: int32 [>= T*K = {T * K}], got {pull[1].dtype} [{pull[1].numel()}]")
     BLOCK_D = 1024
-    _reduce_routes_kernel[(T, triton.cdiv(D, BLOCK_D))](routes_TKD, ids_TK, out_TD, D=D, K=K,
-                                                        BLOCK_D=BLOCK_D,
-                                                        ODT=_TL_DTYPE[out_TD.dtype], num_warps=4)
+    _reduce_routes_kernel[(T, triton.cdiv(D, BLOCK_D))](
+        routes_TKD if pull is None else ids_TK, ids_TK, out_TD,
+        *(pull if pull is not None else (ids_TK, ids_TK)), D=D, K=K, BLOCK_D=BLOCK_D,
+        ODT=_TL_DTYPE[out_TD.dtype], PULL=pull is not None, num_warps=4)
 
 
 # -- activation ------------------------------------------------------------------------------

@@ -156,6 +156,9 @@ BODY = textwrap.dedent(r'''
     gx = torch.empty(T, D, dtype=bf)
     K.reduce_routes(routes, ids, gx)
     assert torch.allclose(gx.float(), R.reduce_routes_ref(routes, ids), atol=2e-2, rtol=1e-2), "reduce"
+    gx_pull = torch.empty(T, D, dtype=bf)
+    K.reduce_routes(None, ids, gx_pull, pull=(K.device_ptr(dense), src_rows))
+    assert torch.equal(gx_pull, gx), "the pulling reduction differs from the dispatch buffer's"
     # activation forward / backward (both forms)
     for clamped in (False, True):
         h1 = (3 * torch.randn(9, 2 * F)).to(bf)

@@ -258,7 +258,9 @@ class CudaBackend:
             K_rows.sum_score_parts(self.sym.score_parts, self.experts.score_parts, saved.ids_TK,
                                    grad_scores)
         grad_x = torch.empty(T, D, dtype=grad_y_TD.dtype, device=grad_y_TD.device)
-        K_rows.reduce_routes(self._routes_view(self.sym.dispatch, T), saved.ids_TK, grad_x)
+        source = getattr(self.experts, "grad_source", None)
+        K_rows.reduce_routes(self._routes_view(self.sym.dispatch, T), saved.ids_TK, grad_x,
+                             pull=source(tabs, ba.at) if source is not None else None)
         return grad_x, grad_scores, grad_w13, grad_w2
 
     def reset(self) -> None:

@@ -438,7 +438,11 @@ class Fp8BlockKernels:
     def w13_dgrad(self, gh1q, W, offs, nrows, scatter_ptrs, dense):
         """grad_x_g rows to the owners' addresses. Triton: one GEMM scattering from its
         epilogue. CUTLASS: the GEMM stores the rows into `dense` (bf16 [R, D], a region free
-        by then), one copy launch scatters them."""
+        by then), one copy launch scatters them. scatter_ptrs None: the rows stay in `dense`
+        (either engine), where the owner reads them (Execution.fp8_combine == 'pull')."""
+        if scatter_ptrs is None:
+            self.mm(gh1q, W.w13_t, W.w13_t_s, offs, "store", out=dense)
+            return
         if self.cutlass_fprop is None:
             self.mm(gh1q, W.w13_t, W.w13_t_s, offs, "scatter", out_row_ptrs=scatter_ptrs)
             return
@@ -506,6 +510,11 @@ class Fp8BlockPipeline:
         region, EP = 1), or None: they are in the combine buffer."""
         return (at["x_g"], tabs.fanout.dest_rows) if self.pull_combine else None
 
+    def grad_source(self, tabs: RoutingTables, at: dict):
+        """As combine_source for the route input gradients: the W13 DGRAD's dense rows in g3's
+        region (free once g3 is quantized), or None: they are in the dispatch buffer."""
+        return (at["g3"], tabs.fanout.dest_rows) if self.pull_combine else None
+
     def _gather_quantize(self, tabs, row_ptrs, token_rows_at, bf16_rows, offs, nrows, **bundles):
         """The row (and column) bundles of the rows at row_ptrs: read by the quantizer where
         they lie (Execution.quantizer_gathers), or gathered into bf16_rows first."""
@@ -561,7 +570,8 @@ class Fp8BlockPipeline:
         grad_w2 = wgrad_output(wgrad_into, 1, (self.E, D, F), out_dtype, self.device)
         self.k.wgrad((at["g3c"], at["g3c_s"]), (at["h2c"], at["h2c_s"]), offs, grad_w2)
         # (g3's bf16 rows are dead once quantized: the CUTLASS W13 DGRAD's dense rows go there)
-        self.k.w13_dgrad((at["gh1q"], at["gh1q_s"]), W, offs, nrows, scatter_ptrs, at["g3"])
+        self.k.w13_dgrad((at["gh1q"], at["gh1q_s"]), W, offs, nrows,
+                         None if self.pull_combine else scatter_ptrs, at["g3"])
         grad_w13 = wgrad_output(wgrad_into, 0, (self.E, 2 * F, D), out_dtype, self.device)
         self.k.wgrad((at["gh1c"], at["gh1c_s"]), (at["x_c"], at["x_c_s"]), offs, grad_w13)
         if wgrad_into is not None:
