@@ -42,6 +42,10 @@ one per 128 values):
     backward        g3 | g3q | g3c | gh1 (grad_h1, bf16) | gh1q | gh1c | h2 (bf16) | h2c
                     (g3 is dead once quantized: the CUTLASS W13 DGRAD stores its dense rows
                     there; h2 first holds the W2 DGRAD's u = g3 W2)
+                    x_g and g3 hold the bf16 fan-out copies the quantizer reads at EP > 1; at
+                    EP = 1 the quantizer reads the token rows in place (Execution.fp8_gather),
+                    and x_g holds the W2 FPROP's dense rows for the combine instead, g3 the
+                    W13 DGRAD's for the route reduction (Execution.fp8_combine)
     replay          the train_forward regions, then the backward ones
 
 mxfp8 (quant/mxfp8.py; bundles hold E8M0 bytes per 32 values: the same bytes as fp8_block's).
