@@ -24,7 +24,8 @@ Development overrides select the plain-torch twins that the tests and baselines 
                   cached) | "triton" (our kernels, the default elsewhere, and on every rank of
                   a group where some rank cannot load the library). The W2 FPROP is Triton
                   either way (the scatter to the owners in its epilogue)
-    fp8_gather    how fp8_block's quantizers get x's (backward: grad_y's) rows: "quantizer"
+    fp8_gather    how fp8_block's and mxfp8's quantizers get x's (backward: grad_y's) rows:
+                  "quantizer"
                   (the row quantizer reads each row where it lies, one read per route, no bf16
                   copy; the default at EP = 1, where every row is on this GPU) | "fanout" (the
                   fan-out copy into x_g / g3, each token row read once over NVLink, then the
@@ -198,7 +199,8 @@ class Execution:
         if backend == "cuda" and config.precision == "fp8_block" and "fp8_gemm" not in chosen:
             cutlass = cutlass_loads is not None and cutlass_loads(device)
             chosen["fp8_gemm"] = "cutlass" if cutlass else "triton"
-        if backend == "cuda" and config.precision == "fp8_block" and "fp8_gather" not in chosen:
+        if (backend == "cuda" and config.precision in ("fp8_block", "mxfp8")
+                and "fp8_gather" not in chosen):
             chosen["fp8_gather"] = "quantizer" if ep_size == 1 else "fanout"
         if chosen.get("fp8_combine") == "pull" and ep_size > 1:
             raise ValueError(f"fp8_combine='pull' runs at EP = 1 only (this group has {ep_size} "
@@ -220,8 +222,9 @@ class Execution:
             raise ValueError(f"fp8_gemm='cutlass' is fp8_block's CUDA-backend GEMMs; this "
                              f"context runs precision={self.precision!r} on {self.backend!r}")
         if self.fp8_gather == "quantizer" and (self.backend != "cuda"
-                                                 or self.precision != "fp8_block"):
-            raise ValueError(f"fp8_gather='quantizer' is fp8_block's CUDA-backend quantizer; "
+                                                 or self.precision not in ("fp8_block", "mxfp8")):
+            raise ValueError(f"fp8_gather='quantizer' is fp8_block's and mxfp8's CUDA-backend "
+                             f"quantizers; "
                              f"this context runs precision={self.precision!r} on "
                              f"{self.backend!r}")
         if self.fp8_combine == "pull" and (self.backend != "cuda"
@@ -330,7 +333,9 @@ class Execution:
                           "backward, or once per step into the context's weight cache "
                           "(routed_experts(is_first_microbatch=True), reused by False calls)")]
             if self.precision == "mxfp8":
-                rows += [("quantization", "x_g after the gather (fake rows in place; training: "
+                rows += [("quantization", "x_g " + ("read by the quantizer where its rows lie"
+                                                    if self.quantizer_gathers else
+                                                    "after the gather") + " (fake rows; training: "
                           "the saved column bundle); SwiGLU writes h2's fake rows (and the "
                           "saved h1 row bundle); backward: g3 and grad_h1 rows and the WGRAD "
                           "operands' columns; weights (32 x 32 tiles) by every forward, reused by its "

@@ -108,6 +108,25 @@ def check_quantize(device, big=False):
         quantize(y, offs, R, K, rows_fake=y, cols_fake=cf2)
         _bits_equal(f"fake rows in place + fake cols K={K}", y, MX.fake_rows(x))
         _bits_equal(f"fake cols beside in-place rows K={K}", cf2, MX.fake_cols(x, offs.long().cpu()))
+        # the gather fused in: row i read through an address table into a shuffled source
+        # (row 5's address 0: a row of zeros, as gather_rows copies), every output
+        g = torch.Generator().manual_seed(K)
+        perm = torch.randperm(R, generator=g).to(device)
+        src = torch.empty_like(x)
+        src[perm] = x
+        ptrs = src.data_ptr() + perm.long() * (K * 2)
+        ptrs[5] = 0
+        xz = x.clone()
+        xz[5] = 0
+        rf3, cf3 = torch.full_like(rf, float("nan")), torch.full_like(cf, float("nan"))
+        qc3, ec3 = torch.empty_like(qc), torch.empty_like(ec)
+        quantize(None, offs, R + 5, K, rows_fake=rf3, cols=(qc3, ec3), cols_fake=cf3,
+                 row_ptrs=ptrs)
+        zq, ze = MX.quantize_cols(xz, offs.long().cpu(), Rp)
+        _bits_equal(f"gathered fake rows K={K}", rf3, MX.fake_rows(xz))
+        _bits_equal(f"gathered cols K={K}", qc3[:, :used], zq[:, :used])
+        _bits_equal(f"gathered col exponents K={K}", ec3[:used // 32], ze[:used // 32])
+        _bits_equal(f"gathered fake cols K={K}", cf3, MX.fake_cols(xz, offs.long().cpu()))
 
 
 def check_quantize_tiles(device, big=False):

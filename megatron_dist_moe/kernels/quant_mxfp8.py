@@ -92,10 +92,10 @@ def _e4m3_value(b, HW: tl.constexpr):
 
 
 @triton.jit
-def _quant_kernel(x_addr, offsets_ptr, rf_addr, cq_addr, ce_addr, cf_addr, K, E, n_rb,
+def _quant_kernel(x_addr, row_ptrs, offsets_ptr, rf_addr, cq_addr, ce_addr, cf_addr, K, E, n_rb,
                   E_PAD: tl.constexpr, ROWS_FAKE: tl.constexpr, COLS: tl.constexpr,
                   COLS_FAKE: tl.constexpr, HW: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_C: tl.constexpr, GROUP_R: tl.constexpr):
+                  BLOCK_C: tl.constexpr, GROUP_R: tl.constexpr, GATHER: tl.constexpr):
     # one program per BLOCK_R rows (32, 64 or 128, inside one 128-row block) of the padded row
     # space x BLOCK_C columns: the 32-row column blocks of every expert start at a multiple of
     # 32 from its first row
@@ -109,14 +109,20 @@ def _quant_kernel(x_addr, offsets_ptr, rf_addr, cq_addr, ce_addr, cf_addr, K, E,
     # Each direction loads its own 3-d view of the tile (the second load mostly hits L2), so
     # the 32-value blocks are an axis of the loaded tensor: reshaping one 2-d tile into both
     # views made the kernel run at ~0.3 TB/s.
-    x_base = load_ptr(x_addr, tl.bfloat16)
+    if not GATHER:
+        x_base = load_ptr(x_addr, tl.bfloat16)
     if COLS or COLS_FAKE:
         i3 = tl.arange(0, NRB)[:, None, None] * 32 + tl.arange(0, 32)[None, :, None]
         local3 = p0 - pstart + i3
         ok3 = local3 < n
         rows3 = start + local3
         c3 = (cb * BLOCK_C + tl.arange(0, BLOCK_C))[None, None, :]                  # [1, 1, BC]
-        xc = tl.load(x_base + rows3 * K + c3, mask=ok3, other=0.0).to(tl.float32)  # [NRB, 32, BC]
+        if GATHER:   # row i at the address row_ptrs[i] (0: zeros), 16-byte aligned rows
+            src3 = tl.load(row_ptrs + rows3, mask=ok3, other=0)
+            xc = tl.load(tl.multiple_of(src3.to(tl.pointer_type(tl.bfloat16)), [16, 16, 16])
+                         + c3, mask=ok3 & (src3 != 0), other=0.0).to(tl.float32)
+        else:
+            xc = tl.load(x_base + rows3 * K + c3, mask=ok3, other=0.0).to(tl.float32)  # [NRB, 32, BC]
         ec = e8m0(block_amax(xc, 1))                                                # [NRB, BC]
         ec3 = tl.broadcast_to(ec[:, None, :], (NRB, 32, BLOCK_C))
         if COLS:
@@ -140,7 +146,12 @@ def _quant_kernel(x_addr, offsets_ptr, rf_addr, cq_addr, ce_addr, cf_addr, K, E,
         rows = (start + local)[:, None, None]                                       # [BR, 1, 1]
         j3 = (cb * BLOCK_C + tl.arange(0, BLOCK_C // 32)[None, :, None] * 32
               + tl.arange(0, 32)[None, None, :])                                    # [1, BC/32, 32]
-        xr = tl.load(x_base + rows * K + j3, mask=ok, other=0.0).to(tl.float32)
+        if GATHER:
+            src = tl.load(row_ptrs + rows, mask=ok, other=0)
+            xr = tl.load(tl.multiple_of(src.to(tl.pointer_type(tl.bfloat16)), [16, 16, 16])
+                         + j3, mask=ok & (src != 0), other=0.0).to(tl.float32)
+        else:
+            xr = tl.load(x_base + rows * K + j3, mask=ok, other=0.0).to(tl.float32)
         er = e8m0(block_amax(xr, 2))                                                # [BR, BC/32]
         f = _fake(xr, tl.broadcast_to(er[:, :, None], (BLOCK_R, BLOCK_C // 32, 32)), HW)
         rf_base = load_ptr(rf_addr, tl.bfloat16)
@@ -161,9 +172,12 @@ QUANT_TILES = ((128, 32, 4), (128, 32, 8), (64, 32, 2), (64, 32, 4), (32, 32, 1)
 
 
 def quantize(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows_fake=None, cols=None,
-             cols_fake=None, group_rows: int = GROUP_ROWS, tile: tuple | None = None) -> None:
+             cols_fake=None, group_rows: int = GROUP_ROWS, tile: tuple | None = None,
+             row_ptrs: torch.Tensor | None = None) -> None:
     """MXFP8 quantization of bf16 rows x [R, K] (tensor or device pointer; R = offsets[-1] on
-    the device), in one launch (one read of x per direction):
+    the device), in one launch (one read of x per direction). With row_ptrs (int64 [>= R]
+    device addresses, 16-byte aligned; x then None): row i is read from row_ptrs[i] (zeros
+    where 0), the gather fused in (quant_fp8.quantize_rows_cols likewise):
 
     rows_fake  bf16 [>= R, K] (may be x itself): quant/mxfp8.fake_rows(x)
     cols       (q_t, e_t): the column bundle, q_t [K, Rp] e4m3 and e_t [Rp/32, K] uint8 with
@@ -190,12 +204,14 @@ def quantize(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows_fake=None,
     if interpreting() and tile is None:
         block_r, block_c = 128, 64    # the interpreter's cost is per program
     n_rb = max(1, Rp // block_r)
+    assert (x is None) != (row_ptrs is None), "pass x or row_ptrs"
+    xa = as_device_ptr(x, "x", torch.bfloat16) if x is not None else dummy
     _quant_kernel[grouped_grid(n_rb, K // block_c, group_rows)](
-        as_device_ptr(x, "x", torch.bfloat16), offsets, rf, cq, ce, cf, K, E, n_rb,
+        xa, row_ptrs if row_ptrs is not None else dummy, offsets, rf, cq, ce, cf, K, E, n_rb,
         E_PAD=max(2, triton.next_power_of_2(E)), ROWS_FAKE=rows_fake is not None,
         COLS=cols is not None, COLS_FAKE=cols_fake is not None, HW=_hw(offsets),
         BLOCK_R=block_r, BLOCK_C=block_c, GROUP_R=group_rows * (128 // block_r),
-        num_warps=warps)
+        GATHER=row_ptrs is not None, num_warps=warps)
 
 
 @triton.jit

@@ -93,8 +93,9 @@ def make_backend(cfg: dm.Config, group: ThreadGroup,
                                 planner=PlannerState.create(plan, "cpu"),
                                 weight_cache=WeightCache(cfg.precision))
     chosen = check_overrides(overrides or {}, "variant")
-    if cfg.precision == "fp8_block":    # Execution.resolve's defaults
+    if cfg.precision in ("fp8_block", "mxfp8"):   # Execution.resolve's defaults
         chosen.setdefault("fp8_gather", "quantizer" if group.size == 1 else "fanout")
+    if cfg.precision == "fp8_block":
         chosen.setdefault("fp8_combine", "pull" if group.size == 1
                           and not cfg.save_route_outputs else "scatter")
     execution = Execution(backend="cuda", precision=cfg.precision,

@@ -309,7 +309,8 @@ def test_fp8_gemm_engine_is_chosen_at_creation(monkeypatch):
 
 
 def test_fp8_rows_stay_where_they_lie_at_ep1():
-    """fp8_block at EP = 1: the quantizer reads the token rows where they lie and the combine
+    """fp8_block (and mxfp8's quantizer) at EP = 1: the quantizer reads the token rows where they
+    lie and the combine
     reads the W2 FPROP's dense rows (shown by explain()); at EP > 1 the fan-out copy and the
     scatter; the pulling combine is refused at EP > 1 and with save_route_outputs, the quantizer
     gather for other precisions."""
@@ -339,6 +340,11 @@ def test_fp8_rows_stay_where_they_lie_at_ep1():
         one.replace(precision="bf16", fp8_combine="scatter", fp8_gemm="triton")
     bf16 = X.Execution.resolve(cfg.replace(precision="bf16"), cuda)
     assert (bf16.fp8_gather, bf16.fp8_combine) == ("fanout", "scatter")
+    mx = X.Execution.resolve(cfg.replace(precision="mxfp8"), cuda)
+    assert (mx.fp8_gather, mx.fp8_combine) == ("quantizer", "scatter")
+    assert "read by the quantizer where its rows lie" in mx.explain()
+    assert X.Execution.resolve(cfg.replace(precision="mxfp8"), cuda,
+                               ep_size=2).fp8_gather == "fanout"
 
 
 def test_nvfp4_gemm_engine_is_chosen_at_creation(monkeypatch):

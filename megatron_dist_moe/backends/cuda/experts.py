@@ -589,9 +589,11 @@ class Mxfp8Kernels:
         self.act = dict(activation=cfg.activation, swiglu_alpha=cfg.swiglu_alpha,
                         swiglu_limit=cfg.swiglu_limit)
 
-    def quantize(self, x, offs, K: int, rows_fake=None, cols=None, cols_fake=None):
+    def quantize(self, x, offs, K: int, rows_fake=None, cols=None, cols_fake=None,
+                 row_ptrs=None):
         from ...kernels.quant_mxfp8 import quantize
-        quantize(x, offs, self.max_rows, K, rows_fake=rows_fake, cols=cols, cols_fake=cols_fake)
+        quantize(x, offs, self.max_rows, K, rows_fake=rows_fake, cols=cols, cols_fake=cols_fake,
+                 row_ptrs=row_ptrs)
 
     def swiglu_quant(self, h1, nrows, h2_fake, h1q=None):
         from ...kernels.quant_mxfp8 import swiglu_quant
@@ -619,7 +621,9 @@ class Mxfp8Kernels:
 
 class Mxfp8Pipeline(StandardPipeline):
     """mxfp8, standard order, with the bf16 GEMMs of StandardPipeline on MXFP8 operands (their
-    bf16 copies, exact). Forward: gather x_g, quantize it (x_g's fake rows in place; training:
+    bf16 copies, exact). The gathers as Fp8BlockPipeline's (Execution.fp8_gather: at EP = 1 the
+    quantizer reads the token rows where they lie and writes x_g's fake rows, no bf16 copy
+    first). Forward: gather x_g, quantize it (x_g's fake rows in place; training:
     the saved column bundle x_c), W13 -> h1, SwiGLU + quantization (h2q: fake rows of h2;
     training: the saved h1 row bundle), W2 + scatter. Backward: gather g3, quantize it (fake
     columns g3_wg, then fake rows in place), h1 from the saved bundle into gh1, W2 DGRAD with
@@ -631,6 +635,22 @@ class Mxfp8Pipeline(StandardPipeline):
     def __init__(self, cfg, execution, num_local_experts, max_rows, device, rank):
         super().__init__(cfg, execution, num_local_experts, max_rows, device, rank)
         self.mx = Mxfp8Kernels(cfg, max_rows)
+        self.quantizer_gathers = execution.quantizer_gathers
+
+    @property
+    def uses_fanout(self) -> bool:
+        return not self.quantizer_gathers
+
+    def _gather_quantize(self, tabs, row_ptrs, token_rows_at, rows_fake, offs, nrows, **outs):
+        """rows_fake (bf16 [R, D]) := the fake rows of the rows at row_ptrs, with the other
+        outputs of Mxfp8Kernels.quantize: read by the quantizer where they lie
+        (Execution.quantizer_gathers), or gathered into rows_fake first and quantized there."""
+        D = self.cfg.hidden_dim
+        if self.quantizer_gathers:
+            self.mx.quantize(None, offs, D, rows_fake=rows_fake, row_ptrs=row_ptrs, **outs)
+            return
+        self.k.gather(tabs, row_ptrs, rows_fake, nrows, token_rows_at)
+        self.mx.quantize(rows_fake, offs, D, rows_fake=rows_fake, **outs)
 
     def prepare(self, w13_E2FD, w2_EDF, training: bool, into=None):
         return self.mx.weights(w13_E2FD, w2_EDF, into)    # one copy serves both directions
@@ -638,12 +658,10 @@ class Mxfp8Pipeline(StandardPipeline):
     def forward(self, tabs: RoutingTables, w13_E2FD, w2_EDF, scatter_ptrs, at: dict,
                 rows=None, prepared=None, training: bool = True) -> None:
         from ...kernels.grouped_gemm import grouped_mm_fwd
-        D = self.cfg.hidden_dim
         offs, nrows = rows if rows is not None else (tabs.expert_offsets, tabs.num_rows)
         w13, w2 = prepared if prepared is not None else self.prepare(w13_E2FD, w2_EDF, training)
-        self.k.gather(tabs, tabs.fwd_gather_ptrs, at["x_g"], nrows, "dispatch")
-        self.mx.quantize(at["x_g"], offs, D, rows_fake=at["x_g"],
-                         cols=(at["x_c"], at["x_c_s"]) if training else None)
+        self._gather_quantize(tabs, tabs.fwd_gather_ptrs, "dispatch", at["x_g"], offs, nrows,
+                              cols=(at["x_c"], at["x_c_s"]) if training else None)
         tails = {} if training else self.inference_tails
         grouped_mm_fwd(w=w13, expert_offsets=offs, max_rows=self.max_rows, a=at["x_g"],
                        epilogue="store", out=at["h1"], a_tail_rows=tails.get("x_g", 0))
@@ -662,9 +680,8 @@ class Mxfp8Pipeline(StandardPipeline):
         w13, w2 = prepared if prepared is not None else self.prepare(w13_E2FD, w2_EDF, True)
         out_dtype = wgrad_store_dtype(wgrad_dtype, w13_E2FD.dtype)
         score = None if score_ptrs is None else (score_ptrs, score_grad_delta, part_stride)
-        self.k.gather(tabs, gather_ptrs, at["g3"], nrows,
-                      "combine" if score is not None else None)
-        self.mx.quantize(at["g3"], offs, D, rows_fake=at["g3"], cols_fake=at["g3_wg"])
+        self._gather_quantize(tabs, gather_ptrs, "combine" if score is not None else None,
+                              at["g3"], offs, nrows, cols_fake=at["g3_wg"])
         self.mx.dequantize_rows(at["h1q"], at["h1q_s"], nrows, 2 * F, out=at["gh1"])
         self.k.w2_dgrad_swiglu_bwd(w2, offs, at["g3"], at["gh1"], at["h2"], score)
         self.mx.quantize(at["gh1"], offs, 2 * F, rows_fake=at["gh1"], cols_fake=at["gh1_wg"])

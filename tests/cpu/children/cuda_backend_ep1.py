@@ -153,8 +153,9 @@ VARIANTS = {
         cfg=dict(precision="fp8_block", fp8_power_2_scales=False)),
     # mxfp8: quantization kernels around the bf16 GEMMs (exact on the MXFP8 values)
     "mxfp8,standard": dict(overrides={}, pipeline="standard", cfg=dict(precision="mxfp8")),
-    "mxfp8,clamped,saved_routes,torch_tables": dict(
-        overrides=dict(TORCH_TABLES), pipeline="standard", activation="swiglu_clamped",
+    "mxfp8,clamped,saved_routes,torch_tables,fanout": dict(
+        overrides=dict(TORCH_TABLES, fp8_gather="fanout"), pipeline="standard",
+        activation="swiglu_clamped",
         cfg=dict(precision="mxfp8", save_route_outputs=True)),
     "mxfp8,wgrad_into": dict(overrides={}, pipeline="standard", wgrad_into=True,
                              cfg=dict(precision="mxfp8")),
