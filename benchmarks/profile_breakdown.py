@@ -27,11 +27,14 @@ import sys
 
 from plotting import pyplot
 
-# (part, pattern on the kernel name), first match wins
+# (part, pattern on the kernel name), first match wins. The CUTLASS units (fp8_block's FPROP,
+# DGRAD and WGRAD) are one kernel template: the profiler shows it demangled or, when the name is
+# too long, mangled (_ZN7cutlass13device_kernel...), and truncated either way, so their WGRADs
+# fall into the first part too
 PARTS = [
     ("grouped GEMMs (FPROP, DGRAD)",
      r"^_grouped_mm_kernel|^_fp8_mm_kernel|^_nvfp4_mm_kernel|^_mega_fwd_kernel"
-     r"|^(void\s+)?cutlass::device_kernel|fill_\w*args"
+     r"|^(void\s+)?cutlass::device_kernel|^_ZN7cutlass13device_kernel|fill_\w*args"
      r"|^(void\s+)?dm_nvfp4::(\w+::)?nvfp4_(decode|wgmma)_mm_kernel"),
     ("grouped WGRAD", r"^_grouped_mm_wgrad_(persistent_)?kernel|^_fp8_wgrad_kernel"),
     ("weight quantization (every forward)", r"^_(quant_weight|fake_weight)_kernel"),
