@@ -23,7 +23,7 @@ Development overrides select the plain-torch twins that the tests and baselines 
                   default on a Hopper GPU where their library loads: built on first use,
                   cached) | "triton" (our kernels, the default elsewhere, and on every rank of
                   a group where some rank cannot load the library). The W2 FPROP is Triton
-                  either way (the scatter to the owners in its epilogue)
+                  (the scatter to the owners in its epilogue) unless fp8_combine is "pull"
     fp8_gather    how fp8_block's and mxfp8's quantizers get x's (backward: grad_y's) rows:
                   "quantizer"
                   (the row quantizer reads each row where it lies, one read per route, no bf16
@@ -355,6 +355,9 @@ class Execution:
                              "scattering them to the owners"
                              if self.precision == "fp8_block" and self.fp8_gemm == "cutlass"
                              else "W13 DGRAD scattering to the owners")
+                if self.fp8_combine == "pull":
+                    w13_dgrad = ("W13 DGRAD storing dense rows, which the route reduction "
+                                 "reads where they lie (EP = 1)")
                 rows += [("backward", f"{w2_dgrad}, W2 WGRAD, {w13_dgrad}, W13 WGRAD"
                           if self.gemm_engine == "triton" else "torch._grouped_mm")]
                 if self.precision == "fp8_block":

@@ -229,7 +229,8 @@ def copy_rows(src_addr: torch.Tensor, dst_addr: torch.Tensor, num_rows: torch.Te
 # -- owner side: combine, backward publication, reduction ------------------------------------
 @triton.jit
 def _combine_routes_kernel(routes_ptr, ids_ptr, scores_ptr, y_ptr, save_addr, save_flag_ptr,
-                           src_addr, src_rows_ptr, T, D: tl.constexpr, K: tl.constexpr,
+                           src_addr, src_rows_ptr, src_n_ptr, T, D: tl.constexpr,
+                           K: tl.constexpr,
                            BLOCK_D: tl.constexpr, ODT: tl.constexpr, SAVE: tl.constexpr,
                            PULL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -242,12 +243,15 @@ def _combine_routes_kernel(routes_ptr, ids_ptr, scores_ptr, y_ptr, save_addr, sa
         save = tl.load(save_addr).to(tl.pointer_type(tl.bfloat16))
     if PULL:
         src = load_ptr(src_addr, tl.bfloat16)
+        n_src = tl.load(src_n_ptr).to(tl.int64)
     for k in tl.static_range(K):
         eid = tl.load(ids_ptr + t * K + k).to(tl.int32)
         s = tl.load(scores_ptr + t * K + k).to(tl.float32)
-        if PULL:    # the route's row where the W2 GEMM stored it
+        if PULL:    # the route's row where the W2 GEMM stored it (rows < n_src only: a call
+            # whose routing check failed has n_src = 0 and unwritten route -> row entries)
             row = tl.load(src_rows_ptr + t * K + k).to(tl.int64)
-            r = tl.load(src + row * D + d, mask=dm & (eid >= 0) & (row >= 0), other=0.0)
+            r = tl.load(src + row * D + d, mask=dm & (eid >= 0) & (row >= 0) & (row < n_src),
+                        other=0.0)
         else:
             r = tl.load(routes_ptr + (t * K + k) * D + d, mask=dm & (eid >= 0), other=0.0)
         acc += tl.where(eid >= 0, s * r.to(tl.float32), 0.0)
@@ -259,14 +263,14 @@ def _combine_routes_kernel(routes_ptr, ids_ptr, scores_ptr, y_ptr, save_addr, sa
 def combine_routes(routes_TKD: torch.Tensor | None, ids_TK: torch.Tensor,
                    scores_TK: torch.Tensor, y_TD: torch.Tensor,
                    save_addr: torch.Tensor | None = None, save_flag: torch.Tensor | None = None,
-                   pull: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                   pull: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """y[t] = sum over active k of scores[t,k] * routes[t,k] in fp32 (inactive routes ignored).
 
     save_addr/save_flag (device pointer, device int): when save_flag != 0, the active route rows
     are also stored to save_addr [T, K, D] (one read of the routes serves both).
-    pull = (src_addr, src_rows): route (t, k) is row src_rows[t*K + k] (int32 [T*K], -1: none)
-    of the bf16 rows [*, D] at the device pointer src_addr, where the expert GEMM stored it
-    (routes_TKD then unused: None).
+    pull = (src_addr, src_rows, num_rows): route (t, k) is row src_rows[t*K + k] (int32 [T*K],
+    -1: none) of the bf16 rows [num_rows (device int), D] at the device pointer src_addr, where
+    the expert GEMM stored it (routes_TKD then unused: None); rows >= num_rows read as zeros.
     """
     T, D = y_TD.shape
     K = ids_TK.shape[1]
@@ -280,7 +284,7 @@ def combine_routes(routes_TKD: torch.Tensor | None, ids_TK: torch.Tensor,
     save = save_addr is not None
     _combine_routes_kernel[grid](routes_TKD if pull is None else ids_TK, ids_TK, scores_TK, y_TD,
                                  save_addr if save else ids_TK, save_flag if save else ids_TK,
-                                 *(pull if pull is not None else (ids_TK, ids_TK)), T,
+                                 *(pull if pull is not None else (ids_TK, ids_TK, ids_TK)), T,
                                  D=D, K=K, BLOCK_D=BLOCK_D, ODT=_TL_DTYPE[y_TD.dtype], SAVE=save,
                                  PULL=pull is not None, num_warps=4)
 
@@ -459,7 +463,7 @@ def sum_score_parts(parts: torch.Tensor, n_parts: int, ids_TK: torch.Tensor,
 
 
 @triton.jit
-def _reduce_routes_kernel(routes_ptr, ids_ptr, out_ptr, src_addr, src_rows_ptr,
+def _reduce_routes_kernel(routes_ptr, ids_ptr, out_ptr, src_addr, src_rows_ptr, src_n_ptr,
                           D: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr,
                           ODT: tl.constexpr, PULL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -468,11 +472,13 @@ def _reduce_routes_kernel(routes_ptr, ids_ptr, out_ptr, src_addr, src_rows_ptr,
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     if PULL:
         src = load_ptr(src_addr, tl.bfloat16)
+        n_src = tl.load(src_n_ptr).to(tl.int64)
     for k in tl.static_range(K):
         eid = tl.load(ids_ptr + t * K + k).to(tl.int32)
-        if PULL:    # the route's row where the DGRAD GEMM stored it
+        if PULL:    # the route's row where the DGRAD GEMM stored it (as combine_routes')
             row = tl.load(src_rows_ptr + t * K + k).to(tl.int64)
-            r = tl.load(src + row * D + d, mask=dm & (eid >= 0) & (row >= 0), other=0.0)
+            r = tl.load(src + row * D + d, mask=dm & (eid >= 0) & (row >= 0) & (row < n_src),
+                        other=0.0)
         else:
             r = tl.load(routes_ptr + (t * K + k) * D + d, mask=dm & (eid >= 0), other=0.0)
         acc += r.to(tl.float32)
@@ -480,9 +486,9 @@ def _reduce_routes_kernel(routes_ptr, ids_ptr, out_ptr, src_addr, src_rows_ptr,
 
 
 def reduce_routes(routes_TKD: torch.Tensor | None, ids_TK: torch.Tensor, out_TD: torch.Tensor,
-                  pull: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                  pull: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """out[t] = sum over active k of routes[t,k] in fp32 (input gradients returned per route).
-    pull = (src_addr, src_rows): as combine_routes' (routes_TKD then unused: None)."""
+    pull = (src_addr, src_rows, num_rows): as combine_routes' (routes_TKD then unused: None)."""
     T, D = out_TD.shape
     K = ids_TK.shape[1]
     if T == 0:
@@ -493,7 +499,7 @@ def reduce_routes(routes_TKD: torch.Tensor | None, ids_TK: torch.Tensor, out_TD:
     BLOCK_D = 1024
     _reduce_routes_kernel[(T, triton.cdiv(D, BLOCK_D))](
         routes_TKD if pull is None else ids_TK, ids_TK, out_TD,
-        *(pull if pull is not None else (ids_TK, ids_TK)), D=D, K=K, BLOCK_D=BLOCK_D,
+        *(pull if pull is not None else (ids_TK, ids_TK, ids_TK)), D=D, K=K, BLOCK_D=BLOCK_D,
         ODT=_TL_DTYPE[out_TD.dtype], PULL=pull is not None, num_warps=4)
 
 

@@ -37,9 +37,9 @@ NAMES = ["torch_gemm", "torch_gemm,torch_routing,torch_bookkeeping,saved_routes"
          "expert_score_grads,torch_gemm", "wgrad_into,triton_gemm,standard",
          "wgrad_into,torch_gemm", "offset_weight_views,triton_gemm,staged",
          "mega,expert_score_grads", "mega,clamped,saved_routes", "mega,wgrad_into"]
-QUANT_NAMES = ["fp8_block,standard", "fp8_block,clamped,saved_routes,torch_tables,fanout",
-               "fp8_block,wgrad_into,fp32_scales", "mxfp8,standard",
-               "mxfp8,clamped,saved_routes,torch_tables,fanout", "mxfp8,wgrad_into"]
+QUANT_NAMES = ["fp8_block,standard", "fp8_block,clamped,saved_routes,torch_tables",
+               "fp8_block,wgrad_into,fp32_scales,fanout,torch_tables", "mxfp8,standard",
+               "mxfp8,clamped,saved_routes,torch_tables", "mxfp8,wgrad_into,fanout"]
 
 
 # The interpreted child runs every variant in one process: ~10 min on an idle 2-core machine,

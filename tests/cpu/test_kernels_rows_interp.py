@@ -101,9 +101,24 @@ BODY = textwrap.dedent(r'''
     dense[perm] = routes.view(T * Kk, D)
     src_rows = perm.to(torch.int32)
     src_rows[(ids < 0).view(-1)] = -1
+    n_dense = torch.tensor([T * Kk], dtype=torch.int32)
     y_pull = torch.empty(T, D, dtype=bf)
-    K.combine_routes(None, ids, s, y_pull, pull=(K.device_ptr(dense), src_rows))
+    K.combine_routes(None, ids, s, y_pull, pull=(K.device_ptr(dense), src_rows, n_dense))
     assert torch.equal(y_pull, y), "the pulling combine differs from the combine buffer's"
+    # an active route whose row is -1 or past the row count reads zeros (a failed routing
+    # check leaves R = 0 and unwritten entries)
+    t1, k1 = int(torch.nonzero(ids[1:] >= 0)[0, 0]) + 1, int(torch.nonzero(ids[1:] >= 0)[0, 1])
+    odd = src_rows.clone()
+    odd[t1 * Kk + k1] = -1
+    zeroed = routes.clone()
+    zeroed[t1, k1] = 0
+    y_ref = torch.empty(T, D, dtype=bf)
+    K.combine_routes(zeroed, ids, s, y_ref)
+    K.combine_routes(None, ids, s, y_pull, pull=(K.device_ptr(dense), odd, n_dense))
+    assert torch.equal(y_pull, y_ref), "the pulling combine read a route whose row is -1"
+    K.combine_routes(None, ids, s, y_pull, pull=(K.device_ptr(dense), src_rows,
+                                                 torch.tensor([0], dtype=torch.int32)))
+    assert (y_pull == 0).all(), "the pulling combine read rows past the row count"
     gy = torch.randn(T, D).to(bf)
     gr = routes.clone(); gs = torch.empty(T, Kk)
     K.publish_grad_routes(gy, K.device_ptr(gr), ids, s, gr, gs)
@@ -157,7 +172,7 @@ BODY = textwrap.dedent(r'''
     K.reduce_routes(routes, ids, gx)
     assert torch.allclose(gx.float(), R.reduce_routes_ref(routes, ids), atol=2e-2, rtol=1e-2), "reduce"
     gx_pull = torch.empty(T, D, dtype=bf)
-    K.reduce_routes(None, ids, gx_pull, pull=(K.device_ptr(dense), src_rows))
+    K.reduce_routes(None, ids, gx_pull, pull=(K.device_ptr(dense), src_rows, n_dense))
     assert torch.equal(gx_pull, gx), "the pulling reduction differs from the dispatch buffer's"
     # activation forward / backward (both forms)
     for clamped in (False, True):

@@ -58,6 +58,9 @@ class CudaBackend:
         self.ctx = ctx
         self.cfg = cfg
         self.execution = execution
+        if execution.fp8_combine == "pull" and ctx.ep_size != 1:
+            raise ValueError(f"fp8_combine='pull' runs at EP = 1 only (this group has "
+                             f"{ctx.ep_size} ranks)")
         dev = ctx.device
         # (a CPU device only in the CPU tests of this orchestration: Triton interpreter, torch
         # GEMM engine, a single-rank stand-in for symmetric memory)

@@ -505,15 +505,16 @@ class Fp8BlockPipeline:
         return not self.quantizer_gathers or self.pull_combine
 
     def combine_source(self, tabs: RoutingTables, at: dict):
-        """(rows' device pointer, route -> row int32 [T*K]) where the combine kernel reads the
+        """(rows' device pointer, route -> row int32 [T*K], R) where the combine kernel reads the
         route outputs (Execution.fp8_combine == 'pull': the W2 FPROP's dense rows in the x_g
         region, EP = 1), or None: they are in the combine buffer."""
-        return (at["x_g"], tabs.fanout.dest_rows) if self.pull_combine else None
+        return ((at["x_g"], tabs.fanout.dest_rows, tabs.num_rows) if self.pull_combine
+                else None)
 
     def grad_source(self, tabs: RoutingTables, at: dict):
         """As combine_source for the route input gradients: the W13 DGRAD's dense rows in g3's
         region (free once g3 is quantized), or None: they are in the dispatch buffer."""
-        return (at["g3"], tabs.fanout.dest_rows) if self.pull_combine else None
+        return (at["g3"], tabs.fanout.dest_rows, tabs.num_rows) if self.pull_combine else None
 
     def _gather_quantize(self, tabs, row_ptrs, token_rows_at, bf16_rows, offs, nrows, **bundles):
         """The row (and column) bundles of the rows at row_ptrs: read by the quantizer where

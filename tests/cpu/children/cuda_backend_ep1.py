@@ -143,22 +143,21 @@ VARIANTS = {
     # fp8_block: FP8 block-scaled kernels (quantization, GEMMs, fused SwiGLU backward)
     "fp8_block,standard": dict(overrides={}, pipeline="standard",
                                cfg=dict(precision="fp8_block")),
-    # (the fan-out copy then the quantizer, as at EP > 1; the others read rows in the quantizer)
-    "fp8_block,clamped,saved_routes,torch_tables,fanout": dict(
-        overrides=dict(TORCH_TABLES, fp8_gather="fanout"), pipeline="standard",
-        activation="swiglu_clamped",
+    "fp8_block,clamped,saved_routes,torch_tables": dict(
+        overrides=dict(TORCH_TABLES), pipeline="standard", activation="swiglu_clamped",
         cfg=dict(precision="fp8_block", save_route_outputs=True)),
-    "fp8_block,wgrad_into,fp32_scales": dict(
-        overrides={}, pipeline="standard", wgrad_into=True,
+    # (the fan-out copy then the quantizer, as at EP > 1, with the pulling combine and the
+    # torch routing tables' route -> row map; the others read rows in the quantizer)
+    "fp8_block,wgrad_into,fp32_scales,fanout,torch_tables": dict(
+        overrides=dict(TORCH_TABLES, fp8_gather="fanout"), pipeline="standard", wgrad_into=True,
         cfg=dict(precision="fp8_block", fp8_power_2_scales=False)),
     # mxfp8: quantization kernels around the bf16 GEMMs (exact on the MXFP8 values)
     "mxfp8,standard": dict(overrides={}, pipeline="standard", cfg=dict(precision="mxfp8")),
-    "mxfp8,clamped,saved_routes,torch_tables,fanout": dict(
-        overrides=dict(TORCH_TABLES, fp8_gather="fanout"), pipeline="standard",
-        activation="swiglu_clamped",
+    "mxfp8,clamped,saved_routes,torch_tables": dict(
+        overrides=dict(TORCH_TABLES), pipeline="standard", activation="swiglu_clamped",
         cfg=dict(precision="mxfp8", save_route_outputs=True)),
-    "mxfp8,wgrad_into": dict(overrides={}, pipeline="standard", wgrad_into=True,
-                             cfg=dict(precision="mxfp8")),
+    "mxfp8,wgrad_into,fanout": dict(overrides=dict(fp8_gather="fanout"), pipeline="standard",
+                                    wgrad_into=True, cfg=dict(precision="mxfp8")),
     # the Mega forward (one persistent launch for W13 + SwiGLU and W2 + scatter; standard
     # backward)
     "mega,expert_score_grads": dict(overrides=dict(TRITON), pipeline="mega",
