@@ -67,7 +67,9 @@ def _pipeline(precision: str, pipeline: str, monkeypatch):
     cls = {("bf16", "standard"): X.StandardPipeline, ("bf16", "mega"): X.MegaPipeline,
            ("bf16", "staged"): X.StagedPipeline,
            ("mxfp8", "standard"): X.Mxfp8Pipeline}[(precision, pipeline)]
-    pipe = cls(cfg, SimpleNamespace(wait_timeout_s=10.0), 2, 8, torch.device("cpu"), 0)
+    # (mxfp8: the EP = 1 default, the quantizer reading the rows where they lie)
+    pipe = cls(cfg, SimpleNamespace(wait_timeout_s=10.0, quantizer_gathers=True), 2, 8,
+               torch.device("cpu"), 0)
     rec = _Recorder()
     import megatron_dist_moe.kernels.grouped_gemm as G
     from megatron_dist_moe.kernels.grouped_gemm import mega
