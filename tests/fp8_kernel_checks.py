@@ -25,6 +25,7 @@ from megatron_dist_moe.kernels.quant_fp8 import _hw, round_bf16, to_e4m3
 from megatron_dist_moe.layout import padded_rows
 from megatron_dist_moe.quant import fp8_block as Q
 from kernel_checks import close as _close  # noqa: E402  (tests/ on sys.path)
+from kernel_checks import scattered_rows  # noqa: E402
 
 U8 = torch.uint8
 F8 = torch.float8_e4m3fn
@@ -111,13 +112,7 @@ def check_quantize_rows_cols(device, big=False):
             _bits_equal(f"col scales K={K}", sc[:used // 128], cs[:used // 128])
             # the gather fused in: row i read from an address table into a shuffled source
             # (its peer's token rows), row 5's address 0: a row of zeros, as gather_rows copies
-            perm = torch.randperm(R, generator=g).to(device)
-            src = torch.empty_like(x)
-            src[perm] = x
-            ptrs = src.data_ptr() + perm.long() * (K * 2)
-            ptrs[5] = 0
-            xz = x.clone()
-            xz[5] = 0
+            ptrs, xz, _src = scattered_rows(x, g)
             quantize_rows_cols(None, offs, R + 5, K, rows=(q, s), cols=(qc, sc), recipe=rc,
                                row_ptrs=ptrs)
             rq, rs = Q.quantize_rows(xz, rc)

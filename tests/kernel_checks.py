@@ -27,6 +27,21 @@ def all_checks(interpreter: bool = False) -> dict:
     return out
 
 
+def scattered_rows(x: torch.Tensor, generator: torch.Generator, zero_row: int = 5):
+    """(row addresses, x as read through them): x's rows placed in a shuffled copy (kept alive
+    by the returned table's owner: the copy is returned too) and an int64 address per row, row
+    `zero_row`'s address 0, which a gathering kernel reads as a row of zeros."""
+    R, K = x.shape
+    perm = torch.randperm(R, generator=generator).to(x.device)
+    src = torch.empty_like(x)
+    src[perm] = x
+    ptrs = src.data_ptr() + perm.long() * (K * x.element_size())
+    ptrs[zero_row] = 0
+    xz = x.clone()
+    xz[zero_row] = 0
+    return ptrs, xz, src
+
+
 def close(name, got, want, tol):
     """max |got - want| <= tol x max |want| (no NaN in got: an unwritten output)."""
     g, w = got.double().cpu(), want.double().cpu()

@@ -15,6 +15,7 @@ import torch
 from megatron_dist_moe.activation import Activation
 from megatron_dist_moe.layout import padded_rows
 from megatron_dist_moe.quant import mxfp8 as MX
+from kernel_checks import scattered_rows  # noqa: E402  (tests/ on sys.path)
 
 U8 = torch.uint8
 F8 = torch.float8_e4m3fn
@@ -110,14 +111,7 @@ def check_quantize(device, big=False):
         _bits_equal(f"fake cols beside in-place rows K={K}", cf2, MX.fake_cols(x, offs.long().cpu()))
         # the gather fused in: row i read through an address table into a shuffled source
         # (row 5's address 0: a row of zeros, as gather_rows copies), every output
-        g = torch.Generator().manual_seed(K)
-        perm = torch.randperm(R, generator=g).to(device)
-        src = torch.empty_like(x)
-        src[perm] = x
-        ptrs = src.data_ptr() + perm.long() * (K * 2)
-        ptrs[5] = 0
-        xz = x.clone()
-        xz[5] = 0
+        ptrs, xz, _src = scattered_rows(x, torch.Generator().manual_seed(K))
         rf3, cf3 = torch.full_like(rf, float("nan")), torch.full_like(cf, float("nan"))
         qc3, ec3 = torch.empty_like(qc), torch.empty_like(ec)
         quantize(None, offs, R + 5, K, rows_fake=rf3, cols=(qc3, ec3), cols_fake=cf3,
