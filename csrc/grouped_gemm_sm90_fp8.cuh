@@ -49,6 +49,8 @@
 
 #include "cutlass/detail/blockwise_scale_layout.hpp"
 
+#include "fp8_promotion_overlap.cuh"
+
 namespace dm_sm90 {
 
 using ElementFp8 = cutlass::float_e4m3_t;
@@ -87,12 +89,17 @@ struct Fp8ArgsLayout {
   }
 };
 
+// CUTLASS's mainloop as its builder makes it, or Fp8PromotionOverlapMainloop over it.
+template <class Built>
+using BuiltMainloop = Built;
+
 // One configuration: the scale layout (Fp8WgradScales or Fp8FpropScales), ElementD out (bf16 or
 // fp32), with a source operand C = D when kSource (the accumulating fp32 units), on the given
-// tile, cluster and kernel / epilogue schedules. A is row-major M x K, B "column-major" K x N
-// (both K contiguous), D row-major.
+// tile, cluster and kernel / epilogue schedules and mainloop form. A is row-major M x K, B
+// "column-major" K x N (both K contiguous), D row-major.
 template <class Scales, class ElementD_, bool kSource, class TileShape_, class ClusterShape_,
-          class KernelSchedule_, class EpilogueSchedule_>
+          class KernelSchedule_, class EpilogueSchedule_,
+          template <class> class Mainloop_ = BuiltMainloop>
 struct Fp8Gemm {
   using ScaleConfig = Scales;
   using LayoutSFA = decltype(Scales::deduce_layoutSFA());
@@ -109,14 +116,14 @@ struct Fp8Gemm {
       ElementD, LayoutD*, kAlignmentD, EpilogueSchedule_,
       cutlass::epilogue::fusion::LinearCombination<ElementD, float>>::CollectiveOp;
 
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using CollectiveMainloop = Mainloop_<typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
       ElementFp8, cute::tuple<cutlass::layout::RowMajor*, LayoutSFA*>, kFp8Alignment,
       ElementFp8, cute::tuple<cutlass::layout::ColumnMajor*, LayoutSFB*>, kFp8Alignment,
       float, TileShape_, ClusterShape_,
       cutlass::gemm::collective::StageCountAutoCarveout<
           static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      KernelSchedule_>::CollectiveOp;
+      KernelSchedule_>::CollectiveOp>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
                                                       CollectiveEpilogue>;
@@ -159,14 +166,15 @@ struct Fp8Gemm {
 };
 
 template <class ElementD, bool kSource, class TileShape, class ClusterShape, class KernelSchedule,
-          class EpilogueSchedule>
+          class EpilogueSchedule, template <class> class Mainloop = BuiltMainloop>
 using Fp8WgradGemm = Fp8Gemm<Fp8WgradScales, ElementD, kSource, TileShape, ClusterShape,
-                             KernelSchedule, EpilogueSchedule>;
+                             KernelSchedule, EpilogueSchedule, Mainloop>;
 
 // The FPROP units store bf16 and have no source operand.
-template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
+template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule,
+          template <class> class Mainloop = BuiltMainloop>
 using Fp8FpropGemm = Fp8Gemm<Fp8FpropScales, cutlass::bfloat16_t, false, TileShape, ClusterShape,
-                             KernelSchedule, EpilogueSchedule>;
+                             KernelSchedule, EpilogueSchedule, Mainloop>;
 
 // Rp of this call, layout.padded_rows(R, E) with R = offsets[E]: the column bundles' row stride.
 __device__ inline int64_t padded_rows(const int32_t* offsets, int E) {

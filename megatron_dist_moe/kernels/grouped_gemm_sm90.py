@@ -48,15 +48,18 @@ __all__ = ["CONFIGS", "WGRAD_CONFIGS", "FP8_FPROP_CONFIGS", "FP8_WGRAD_CONFIGS",
 CONFIGS = ("coop", "pingpong")
 WGRAD_CONFIGS = ("coop",)   # pingpong ran even with it on 2xH200 and was dropped
 _WGRAD_DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
-# FP8 block-scaled WGRAD, csrc/grouped_gemm_sm90_fp8_wgrad_<name>_<bf16|f32>.cu: "coop" 128x128x128
-# tiles, 1x2 clusters; the f32 unit can also accumulate (C = D). A ping-pong unit (64x128x128)
-# ran even with our Triton WGRAD on one H200 and was dropped (docs/decisions.md)
-FP8_WGRAD_CONFIGS = ("coop",)
-# FP8 block-scaled FPROP (bf16 out), csrc/grouped_gemm_sm90_fp8_fprop_<name>.cu: "coop" 128x128x128
-# tiles, 1x2 clusters (the token-row tile multicast), as the WGRAD unit. 2x1 clusters (the weight
-# tile multicast) ran even with it on one H200 (two runs, +-4 % either way) and were dropped
-# (docs/decisions.md)
-FP8_FPROP_CONFIGS = ("coop",)
+# FP8 block-scaled WGRAD, csrc/grouped_gemm_sm90_fp8_wgrad_<name>_<bf16|f32>.cu: "overlap" and
+# "coop", 128x128x128 tiles, 1x2 clusters, cooperative; "overlap" promotes each 128-token block
+# while the next block's wgmmas run (csrc/fp8_promotion_overlap.cuh), "coop" is CUTLASS's
+# mainloop (wgmmas, wait, promote). The f32 units can also accumulate (C = D). The first is the
+# backend's. A ping-pong unit (64x128x128) ran even with our Triton WGRAD on one H200 and was
+# dropped (docs/decisions.md)
+FP8_WGRAD_CONFIGS = ("overlap", "coop")
+# FP8 block-scaled FPROP (bf16 out), csrc/grouped_gemm_sm90_fp8_fprop_<name>.cu: "overlap" and
+# "coop", 128x128x128 tiles, 1x2 clusters (the token-row tile multicast), the two mainloops of
+# the WGRAD units. The first is the backend's. 2x1 clusters (the weight tile multicast) ran even
+# with "coop" on one H200 (two runs, +-4 % either way) and were dropped (docs/decisions.md)
+FP8_FPROP_CONFIGS = ("overlap", "coop")
 _UNITS = ([f"grouped_gemm_sm90_{c}" for c in CONFIGS]
           + [f"grouped_gemm_sm90_wgrad_{c}_{d}" for c in WGRAD_CONFIGS
              for d in _WGRAD_DTYPES.values()]
@@ -64,7 +67,7 @@ _UNITS = ([f"grouped_gemm_sm90_{c}" for c in CONFIGS]
              for d in _WGRAD_DTYPES.values()]
           + [f"grouped_gemm_sm90_fp8_fprop_{c}" for c in FP8_FPROP_CONFIGS])
 _HEADER = "grouped_gemm_sm90.cuh"
-_HEADERS = (_HEADER, "grouped_gemm_sm90_fp8.cuh")
+_HEADERS = (_HEADER, "grouped_gemm_sm90_fp8.cuh", "fp8_promotion_overlap.cuh")
 _NVCC_FLAGS = csrc_build.NVCC_FLAGS
 _ZERO_ROWS = 8   # kZeroRows in csrc/grouped_gemm_sm90.cuh: the rows an empty expert reads
 _STATUS = {
@@ -425,7 +428,7 @@ class GroupedFp8FpropSm90(_GroupedCallSm90):
     a CUDA graph.
     """
 
-    def __init__(self, num_experts: int, device, config: str = "coop"):
+    def __init__(self, num_experts: int, device, config: str = FP8_FPROP_CONFIGS[0]):
         if config not in FP8_FPROP_CONFIGS:
             raise ValueError(f"config={config!r}: expected one of {FP8_FPROP_CONFIGS}")
         self.config = config
@@ -485,7 +488,7 @@ class GroupedFp8WgradSm90:
     (make the first call of a shape outside the capture: it sizes the zero block).
     """
 
-    def __init__(self, num_experts: int, device, config: str = "coop"):
+    def __init__(self, num_experts: int, device, config: str = FP8_WGRAD_CONFIGS[0]):
         if config not in FP8_WGRAD_CONFIGS:
             raise ValueError(f"config={config!r}: expected one of {FP8_WGRAD_CONFIGS}")
         device = _hopper_device(device)

@@ -381,9 +381,9 @@ class Fp8BlockKernels:
             from ...kernels.grouped_gemm_sm90 import GroupedFp8FpropSm90, GroupedFp8WgradSm90
             D, F = cfg.hidden_dim, cfg.intermediate_dim
             try:
-                self.cutlass_fprop = GroupedFp8FpropSm90(num_local_experts, device, "coop")
+                self.cutlass_fprop = GroupedFp8FpropSm90(num_local_experts, device)
                 if training:
-                    self.cutlass_wgrad = GroupedFp8WgradSm90(num_local_experts, device, "coop")
+                    self.cutlass_wgrad = GroupedFp8WgradSm90(num_local_experts, device)
             except (RuntimeError, OSError) as err:    # nvcc, the link or the load failed
                 raise RuntimeError(f"fp8_block's CUTLASS GEMMs (Execution.fp8_gemm='cutlass') "
                                    f"could not be loaded: {err}\nRun our Triton GEMMs instead: "
