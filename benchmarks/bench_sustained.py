@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -268,7 +269,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=4.0, help="back-to-back replay time")
     ap.add_argument("--idle-s", type=float, default=3.0, help="idle pause before each workload")
     ap.add_argument("--workloads", default="dense_mm,dist_moe_fwd,dist_moe_fwdbwd",
-                    help="comma list of dense_mm, dist_moe_fwd, dist_moe_fwdbwd and the one-GPU "
+                    help="comma list of dense_mm, dist_moe[_mega|_fp8]_{fwd,fwdbwd} (the Mega "
+                         "pipeline; fp8_block with its weights quantized once) and the one-GPU "
                          f"grouped GEMMs {','.join(GEMM_WORKLOADS)}")
     args = ap.parse_args(argv)
     rank = int(os.environ.get("RANK", 0))
@@ -282,8 +284,8 @@ def main(argv=None) -> int:
     sampler = ClockSampler(local)
     series, rows, failed = {}, [], False
 
-    from bench_layer import (CASES, check_against_reference, dist_moe_fns, layer_config,
-                             make_layer_inputs, useful_flops)
+    from bench_layer import (CASES, FP8_CHECK, check_against_reference, dist_moe_fns,
+                             layer_config, make_layer_inputs, useful_flops)
     from baselines import a2a_grouped_mm_experts
 
     import megatron_dist_moe as dm
@@ -299,16 +301,26 @@ def main(argv=None) -> int:
             ok = err < 1e-2
             shape = "E=6 rows=12288 D=7168 F=3072 (one GPU)"
         else:
+            m = re.fullmatch(r"dist_moe(_mega|_fp8)?_(fwd|fwdbwd)", name)
+            if m is None:
+                raise SystemExit(f"--workloads: unknown workload {name!r}")
             c = CASES["guide"]
             inp = make_layer_inputs(c, rank, EP, dev)
             y = a2a_grouped_mm_experts(inp["x"], inp["ids"], inp["s"], inp["w13"], inp["w2"])
             ref_gx, = torch.autograd.grad(y, (inp["x"],), inp["gy"])
-            ctx = dm.create_context(config=layer_config(c, EP, inp["scratch_factor"]), device=dev)
-            y2 = dm.routed_experts(inp["x"], inp["ids"], inp["s"], inp["w13"], inp["w2"], ctx)
+            cfg = layer_config(c, EP, inp["scratch_factor"],
+                               "mega" if m.group(1) == "_mega" else "standard")
+            fp8 = m.group(1) == "_fp8"
+            if fp8:   # weights quantized on the first call only (bench_layer's _cached paths)
+                cfg = cfg.replace(precision="fp8_block")
+            ctx = dm.create_context(config=cfg, device=dev)
+            y2 = dm.routed_experts(inp["x"], inp["ids"], inp["s"], inp["w13"], inp["w2"], ctx,
+                                   is_first_microbatch=True if fp8 else None)
             gx, = torch.autograd.grad(y2, (inp["x"],), inp["gy"])
-            ok = check_against_reference(name, y2.detach(), gx, y.detach(), ref_gx, rank)
+            ok = check_against_reference(name, y2.detach(), gx, y.detach(), ref_gx, rank,
+                                         FP8_CHECK if fp8 else (0.0, 2e-2))
             err = None
-            fwd, fwdbwd = dist_moe_fns(ctx, inp)
+            fwd, fwdbwd = dist_moe_fns(ctx, inp, False if fp8 else None)
             fn = fwdbwd if name.endswith("fwdbwd") else fwd
             mode = "fwdbwd" if name.endswith("fwdbwd") else "fwd"
             flops = useful_flops(c["T"], c["K"], c["D"], c["F"], mode)

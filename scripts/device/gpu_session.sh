@@ -10,6 +10,7 @@
 #   nvkernels  the nvfp4 kernel tests alone (byte rows bit-exact, the NVFP4 GEMMs vs their twin:
 #              the Triton kernel and the CUDA GEMMs of csrc/nvfp4_decode_mm.cu, nvfp4_wgmma_mm.cu)
 #   sm90       the CUTLASS units of csrc/ (bf16 FPROP / WGRAD, FP8 FPROP / WGRAD) vs their oracles
+#              (SM90_K: a pytest -k expression, e.g. "fp8")
 #   megakernel the Mega forward kernel against the standard two launches
 #   check      dist_check on 1 GPU (and 2 when present): every gradient vs the fp64 oracle,
 #              graph replay, no host sync, bitwise repeats, inference
@@ -33,6 +34,7 @@
 #   claimsweep claim-mode variants of the staged pipeline's GEMMs
 #   ab         interleaved A/B in one process (AB_A, AB_B execution overrides; AB_ARGS)
 #   sustained  one graph replayed back to back from idle: ms next to SM clock and power
+#              (SUSTAINED_ARGS, e.g. "--workloads dist_moe_fwd,dist_moe_mega_fwd")
 #   nvlink     peer row traffic alone and next to a GEMM (2 GPUs)
 #   floor      the layer's six GEMMs alone (ours, torch's) next to the dense mm, settled
 #   weights    the Megatron plugin's weight plumbing per layer call
@@ -92,7 +94,8 @@ for s in $sections; do case $s in
   mxkernels) LIMIT=240 run mxkernels python3 -m pytest -q tests/gpu/test_kernel_checks_gpu.py -m gpu -k mxfp8 ;;
   routing) LIMIT=180 run routing python3 -m pytest -q tests/gpu/test_routing_gpu.py -m gpu ;;
   nvkernels) LIMIT=240 run nvkernels python3 -m pytest -q tests/gpu/test_kernel_checks_gpu.py -m gpu -k nvfp4 ;;
-  sm90) LIMIT=300 run sm90 python3 -m pytest -q tests/gpu/test_grouped_gemm_sm90_gpu.py -m gpu ;;
+  sm90) LIMIT=300 run sm90 python3 -m pytest -q tests/gpu/test_grouped_gemm_sm90_gpu.py -m gpu \
+            ${SM90_K:+-k "$SM90_K"} ;;
   megakernel) LIMIT=240 run megakernel python3 -m pytest -q tests/gpu/test_kernel_checks_gpu.py -m gpu -k mega ;;
   packing) LIMIT=240 run packing torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py ${PACKING_ARGS:-} ;;
   inference) LIMIT=480 run inference torchrun --nproc-per-node="$NGPU" tests/gpu/inference_check.py \
@@ -116,7 +119,8 @@ for s in $sections; do case $s in
                  --claim-sweep --csv "$OUT/claim_sweep.csv" ;;
   ab) LIMIT=200 run ab torchrun --nproc-per-node="$NGPU" benchmarks/ab_layer.py --out "$OUT" \
           --a "${AB_A:-}" --b "${AB_B:-}" ${AB_ARGS:-} ;;
-  sustained) LIMIT=150 run sustained torchrun --nproc-per-node="$NGPU" benchmarks/bench_sustained.py --out "$OUT" ;;
+  sustained) LIMIT=${SUSTAINED_LIMIT:-150} run sustained torchrun --nproc-per-node="$NGPU" \
+                 benchmarks/bench_sustained.py --out "$OUT" ${SUSTAINED_ARGS:-} ;;
   nvlink) run nvlink torchrun --nproc-per-node=2 benchmarks/bench_nvlink_rows.py --out "$OUT" --gemm ;;
   floor) LIMIT=240 run floor_sustained torchrun --nproc-per-node="$NGPU" benchmarks/bench_sustained.py \
              --out "$OUT/floor" --seconds 3 --idle-s 2 \
