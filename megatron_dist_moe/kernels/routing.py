@@ -50,7 +50,12 @@ _OVERFLOW = tl.constexpr(_checks.CHECK_SCRATCH_OVERFLOW)
 _BAD_ID = tl.constexpr(_checks.CHECK_BAD_EXPERT_ID)
 _BAD_SCORE = tl.constexpr(_checks.CHECK_INACTIVE_SCORE)
 _PEER_REJECTED = tl.constexpr(_checks.CHECK_PEER_REJECTED)
-CHUNK = 4096                        # flat routes per program (count, place)
+# flat routes per program of the two launches (count, place): the smallest power of two from
+# CHUNK_MIN whose per-chunk count table ([EP * chunks, E_PAD], every place program reads it
+# whole) stays within CHUNK_TABLE_MAX elements. Fewer routes per program: more programs, each
+# with a shorter serial loop (at the guide load 12,288 routes: 12 programs, not 3)
+CHUNK_MIN = 1024
+CHUNK_TABLE_MAX = 16384
 ONE_MAX = 2048                      # flat route slots (EP_PAD * N_PAD) of the one-launch tile
 # ... and elements of its one-hot tiles ([slots, E_PAD] over experts, [slots, EP_PAD] over
 # owners): the largest the GPU tests ran ([1024, 32]); many local experts take the two launches,
@@ -317,10 +322,15 @@ class RouteWorkspace:
     def __init__(self, ep_size: int, max_tokens: int, top_k: int, num_local_experts: int,
                  device):
         self.ep_size, self.E_local = ep_size, num_local_experts
-        self.n_chunks = max(1, triton.cdiv(max_tokens * top_k, CHUNK))
         self.E_PAD = max(2, triton.next_power_of_2(num_local_experts))
         self.EP_PAD = max(2, triton.next_power_of_2(ep_size))
-        self.NC_PAD = max(2, triton.next_power_of_2(ep_size * self.n_chunks))
+        self.chunk = CHUNK_MIN
+        while True:
+            self.n_chunks = max(1, triton.cdiv(max_tokens * top_k, self.chunk))
+            self.NC_PAD = max(2, triton.next_power_of_2(ep_size * self.n_chunks))
+            if self.NC_PAD * max(self.E_PAD, self.EP_PAD) <= CHUNK_TABLE_MAX or self.n_chunks == 1:
+                break
+            self.chunk *= 2
         nq = ep_size * self.n_chunks
         self.counts = torch.zeros(nq, self.E_PAD, dtype=torch.int32, device=device)
         self.owners = torch.zeros(nq, self.EP_PAD, dtype=torch.int32, device=device)
@@ -358,7 +368,7 @@ def route_tables(ws: RouteWorkspace, base_EP: torch.Tensor, T: int, K: int, rank
     for name, t in (("base_EP", base_EP), ("dispatch_base_EP", dispatch_base_EP),
                     ("combine_base_EP", combine_base_EP)):
         assert t.numel() == EP, f"{name}: {t.numel()} entries for EP={EP}"
-    assert T * K <= ws.n_chunks * CHUNK, "more routes than the workspace was sized for"
+    assert T * K <= ws.n_chunks * ws.chunk, "more routes than the workspace was sized for"
     offsets = torch.empty(E_local + 1, dtype=torch.int32, device=dev)
     num_rows = torch.empty(1, dtype=torch.int32, device=dev)
     rows_EP = torch.empty(EP, dtype=torch.int64, device=dev)
@@ -382,11 +392,11 @@ def route_tables(ws: RouteWorkspace, base_EP: torch.Tensor, T: int, K: int, rank
         _route_count_kernel[grid](
             base_EP, scores, ws.counts, ws.owners, ws.bad, T, K, rank, E_local, num_experts,
             ws.n_chunks, HEADER_BYTES=header_bytes, HAS_SCORES=own_scores_TK is not None,
-            CHUNK=CHUNK, BLOCK=block, E_PAD=ws.E_PAD, EP_PAD=ws.EP_PAD, num_warps=4)
+            CHUNK=ws.chunk, BLOCK=block, E_PAD=ws.E_PAD, EP_PAD=ws.EP_PAD, num_warps=4)
         _route_place_kernel[grid](
             base_EP, dispatch_base_EP, combine_base_EP, ws.counts, ws.owners, ws.bad, offsets,
             num_rows, rows_EP, fwd, comb, disp, fan, ws.status, T, K, rank, E_local, EP,
-            max_rows, row_bytes, ws.n_chunks, HEADER_BYTES=header_bytes, CHUNK=CHUNK,
+            max_rows, row_bytes, ws.n_chunks, HEADER_BYTES=header_bytes, CHUNK=ws.chunk,
             BLOCK=block, TAIL_BLOCK=1024, E_PAD=ws.E_PAD, EP_PAD=ws.EP_PAD, NC_PAD=ws.NC_PAD,
             TRAP=trap, FANOUT=fanout, num_warps=4)
     if fanout:
