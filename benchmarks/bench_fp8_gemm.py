@@ -23,8 +23,8 @@ operands; exit 1 on a mismatch), then timed as a CUDA graph with the guide's met
                   rows plus one scatter launch (rows.scatter_rows), as the layer runs them on
                   the CUTLASS engine; w2_fprop cutlass_<config>: the same split for the W2
                   FPROP, which the layer keeps on Triton (measured here only)
-                  (kernels/grouped_gemm_sm90: GroupedFp8FpropSm90, config "coop";
-                  GroupedFp8WgradSm90, "coop"), right after our Triton row; note: x
+                  (kernels/grouped_gemm_sm90: GroupedFp8FpropSm90 and GroupedFp8WgradSm90,
+                  every configuration), right after our Triton row; note: x
                   over Triton. Skipped where the library cannot be built (nvcc, CUTLASS
                   headers) or with --no-cutlass; the first run builds it (minutes)
     scaled_mm     torch._scaled_mm on ONE dense [R, D] x [D, 2F] product with the same 1x128 /

@@ -126,11 +126,11 @@ def test_wrapper_names_what_it_cannot_run(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="config='fastest'"):
         sm90.GroupedFp8WgradSm90(2, "cpu", "fastest")
     with pytest.raises(ValueError, match="device=cpu"):
-        sm90.GroupedFp8WgradSm90(2, "cpu", "coop")
+        sm90.GroupedFp8WgradSm90(2, "cpu", sm90.FP8_WGRAD_CONFIGS[0])
     with pytest.raises(ValueError, match="config='fastest'"):
         sm90.GroupedFp8FpropSm90(2, "cpu", "fastest")
     with pytest.raises(ValueError, match="device=cpu"):
-        sm90.GroupedFp8FpropSm90(2, "cpu", "coop")
+        sm90.GroupedFp8FpropSm90(2, "cpu", sm90.FP8_FPROP_CONFIGS[0])
     monkeypatch.setenv("DIST_MOE_CSRC_DIR", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="DIST_MOE_CSRC_DIR"):
         sm90.csrc_dir()
@@ -159,7 +159,7 @@ def test_wrappers_check_the_experts_and_device_they_were_built_for():
     with pytest.raises(ValueError, match="out has 3 experts; this GEMM was built for 2"):
         _built(sm90.GroupedWgradSm90, 2, config="coop", out_dtype=torch.bfloat16)(
             w[0], w[0], offs, w)
-    fp8 = _built(sm90.GroupedFp8WgradSm90, 2, config="coop")
+    fp8 = _built(sm90.GroupedFp8WgradSm90, 2, config=sm90.FP8_WGRAD_CONFIGS[0])
     with pytest.raises(ValueError, match="out has 3 experts; this GEMM was built for 2"):
         fp8._out(w, accumulate=False)
     assert fp8._out(w[:2].contiguous(), accumulate=False)[2:] == (torch.bfloat16, 128, 128)
@@ -173,7 +173,7 @@ def test_fp8_fprop_wrapper_names_the_bad_argument():
     fp8_grouped_mm(epilogue="store") before anything reaches the library."""
     f8 = torch.float8_e4m3fn
     E, N, K, R = 2, 256, 384, 40
-    fprop = _built(sm90.GroupedFp8FpropSm90, E, config="coop")
+    fprop = _built(sm90.GroupedFp8FpropSm90, E, config=sm90.FP8_FPROP_CONFIGS[0])
     w = torch.zeros(E, N, K, dtype=f8)
     ws = torch.zeros(E, N // 128, K // 128)
     offs = torch.tensor([0, 16, R], dtype=torch.int32)

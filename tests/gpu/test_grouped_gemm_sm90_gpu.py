@@ -399,7 +399,7 @@ def test_fp8_wgrad_in_cuda_graph_with_new_offsets(config):
 
 
 def test_fp8_wgrad_rejects_bad_arguments():
-    gemm = sm90.GroupedFp8WgradSm90(2, "cuda", "coop")
+    gemm = sm90.GroupedFp8WgradSm90(2, "cuda", sm90.FP8_WGRAD_CONFIGS[0])
     offs, ac, bc = _fp8_bundles([100, 60], 256, 128)
     out = torch.zeros(2, 256, 128, device="cuda")
     with pytest.raises(ValueError, match="out has 3 experts"):
@@ -525,7 +525,7 @@ def test_fp8_fprop_in_cuda_graph_with_new_offsets(config):
 
 
 def test_fp8_fprop_rejects_bad_arguments():
-    gemm = sm90.GroupedFp8FpropSm90(2, "cuda", "coop")
+    gemm = sm90.GroupedFp8FpropSm90(2, "cuda", sm90.FP8_FPROP_CONFIGS[0])
     offs, a, wq, ws, out, R = _fp8_fprop_problem([100, 60], 256, 384)
     with pytest.raises(ValueError, match="w has 3 experts"):
         gemm(a, torch.cat([wq, wq[:1]]), ws, offs, out)

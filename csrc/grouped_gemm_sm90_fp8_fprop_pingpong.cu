@@ -1,0 +1,15 @@
+// FP8 FPROP configuration "pingpong": bf16 out; 64x128x128 tiles, 1x2 clusters (the A tile, the
+// token rows, is multicast to both CTAs of a cluster), two consumer warpgroups each on its own
+// tile, their mainloops taking turns (one's epilogue runs under the other's wgmmas); each
+// 128-wide K block's promotion overlapped with the next block's wgmmas
+// (fp8_promotion_overlap.cuh).
+#include "grouped_gemm_sm90_fp8.cuh"
+
+using DmFp8Fprop = dm_sm90::Fp8FpropGemm<
+    cute::Shape<cute::_64, cute::_128, cute::_128>,
+    cute::Shape<cute::_1, cute::_2, cute::_1>,
+    cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
+    cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+    dm_sm90::Fp8PromotionOverlapMainloop>;
+
+DM_SM90_FP8_FPROP_ENTRY_POINTS(pingpong, DmFp8Fprop)
