@@ -283,7 +283,8 @@ class Execution:
                 gemms = ("FP8 block-scaled grouped GEMMs (E4M3, 1x128 activation / 128x128 "
                          "weight scales, fp32 promotion every 128 of K): ")
                 engine = ("CUTLASS's sm_90a blockwise-scaled ptr-array kernel (csrc/, "
-                          "128x128x128 cooperative tiles)" if self.fp8_gemm == "cutlass"
+                          "128x128x128 cooperative tiles, promotion overlapped)"
+                          if self.fp8_gemm == "cutlass"
                           else "our Triton persistent kernel")
                 gemms += f"the W13 FPROP on {engine}, "
                 gemms += (f"the W2 FPROP on {engine} storing dense rows, which the combine "
@@ -362,7 +363,8 @@ class Execution:
                           if self.gemm_engine == "triton" else "torch._grouped_mm")]
                 if self.precision == "fp8_block":
                     rows += [("WGRADs", "CUTLASS sm_90a FP8 blockwise-scaled grouped GEMM "
-                              "(csrc/, 128x128x128 cooperative tiles)" if self.fp8_gemm ==
+                              "(csrc/, 128x128x128 cooperative tiles, promotion overlapped)"
+                              if self.fp8_gemm ==
                               "cutlass" else "Triton FP8 block-scaled grouped WGRAD")]
             rows += [("device waits", f"give up after {self.wait_timeout_s:g} s")]
         else:

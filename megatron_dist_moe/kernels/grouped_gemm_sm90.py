@@ -49,16 +49,15 @@ CONFIGS = ("coop", "pingpong")
 WGRAD_CONFIGS = ("coop",)   # pingpong ran even with it on 2xH200 and was dropped
 _WGRAD_DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # FP8 block-scaled units (csrc/grouped_gemm_sm90_fp8_wgrad_<name>_<bf16|f32>.cu and
-# csrc/grouped_gemm_sm90_fp8_fprop_<name>.cu; the f32 WGRAD units can also accumulate, C = D),
-# all on csrc/fp8_promotion_overlap.cuh's mainloop (each 128-wide K block promoted while the
-# next block's wgmmas run): "overlap" 128x128x128 tiles, 1x2 clusters, two warpgroups on each
-# tile; "pingpong" 64x128x128 tiles, 1x2 clusters, one warpgroup per tile, their mainloops
-# taking turns. The first of each tuple is the backend's. CUTLASS's own mainloop (promotion
-# after each block's wait, "coop") measured slower at every GEMM of the guide layer (one H100:
-# W13 / W2 WGRAD 1.360 / 0.689 vs 1.302 / 0.639 ms, FPROPs and DGRADs 1-2 %) and was removed;
-# as were 2x1 clusters (even) and the ping-pong unit on that mainloop (docs/decisions.md)
-FP8_WGRAD_CONFIGS = ("pingpong", "overlap")
-FP8_FPROP_CONFIGS = ("overlap", "pingpong")
+# csrc/grouped_gemm_sm90_fp8_fprop_<name>.cu; the f32 WGRAD units can also accumulate, C = D):
+# "overlap", 128x128x128 tiles, 1x2 clusters, two warpgroups on each tile, on
+# csrc/fp8_promotion_overlap.cuh's mainloop (each 128-wide K block promoted while the next
+# block's wgmmas run). Measured on one H100 and removed (docs/decisions.md): CUTLASS's own
+# mainloop ("coop": promotion after each block's wait; slower at every GEMM of the guide
+# layer, W13 / W2 WGRAD 1.360 / 0.689 vs 1.302 / 0.639 ms), ping-pong units on the overlapped
+# mainloop (64x128x128: 12-40 % slower), 2x1 clusters (even)
+FP8_WGRAD_CONFIGS = ("overlap",)
+FP8_FPROP_CONFIGS = ("overlap",)
 _UNITS = ([f"grouped_gemm_sm90_{c}" for c in CONFIGS]
           + [f"grouped_gemm_sm90_wgrad_{c}_{d}" for c in WGRAD_CONFIGS
              for d in _WGRAD_DTYPES.values()]
@@ -421,8 +420,8 @@ class GroupedFp8FpropSm90(_GroupedCallSm90):
     `grouped_gemm.fp8.fp8_grouped_mm(epilogue="store")`, fp32 accumulation promoted every 128
     of K.
 
-    config "overlap" (128x128x128 tiles, two warpgroups on each tile) or "pingpong" (64x128x128,
-    a warpgroup per tile), 1x2 clusters. One instance
+    config "overlap": 128x128x128 tiles, two warpgroups on each tile, 1x2 clusters, each K
+    block's promotion under the next block's wgmmas. One instance
     per (device, number of experts): it owns the device argument block and workspace, so its
     calls must be ordered on one stream. Nothing is read on the host; a call can be captured in
     a CUDA graph.
@@ -482,8 +481,8 @@ class GroupedFp8WgradSm90:
     `grouped_gemm.fp8.fp8_grouped_wgrad` (1 x 128 scales along the tokens on both operands,
     fp32 accumulation promoted every 128 tokens).
 
-    config "overlap" (128x128x128 tiles, two warpgroups on each tile) or "pingpong" (64x128x128,
-    a warpgroup per tile), 1x2 clusters. One instance
+    config "overlap": 128x128x128 tiles, two warpgroups on each tile, 1x2 clusters, each K
+    block's promotion under the next block's wgmmas. One instance
     per (device, number of experts): it owns the device argument block, workspace and zero block, so its calls must be
     ordered on one stream. Nothing is read on the host; a call can be captured in a CUDA graph
     (make the first call of a shape outside the capture: it sizes the zero block).

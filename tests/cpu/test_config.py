@@ -446,7 +446,7 @@ def test_fp8_gemm_falls_back_to_triton(monkeypatch):
 
     def failing_load():
         calls.append(1)
-        raise RuntimeError("nvcc failed on grouped_gemm_sm90_fp8_wgrad_coop_f32.cu")
+        raise RuntimeError("nvcc failed on grouped_gemm_sm90_fp8_wgrad_overlap_f32.cu")
     monkeypatch.setattr(grouped_gemm_sm90.fp8_gemm_loads, "error", None)
     monkeypatch.setattr(common, "interpreting", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
