@@ -101,15 +101,12 @@ struct Fp8PromotionOverlapMainloop : Base {
       warpgroup_commit_batch();
       warpgroup_fence_operand(part);
     };
-    // The (m, n) of each accumulator of this thread within the tile.
-    Tensor tCcC = tiled_mma.get_slice(thread_idx).partition_C(
-        make_identity_tensor(make_shape(size<0>(TileShape{}), size<1>(TileShape{}))));
     // accum += part * sa * sb with the scales of `stage` (its wgmmas complete).
     auto promote = [&](auto& part, int stage) {
+      copy(tCsSFA(_, _, _, make_coord(_0{}, stage)), tCrSFA);
+      copy(tCsSFB(_, _, _, make_coord(_0{}, stage)), tCrSFB);
       warpgroup_fence_operand(part);
       if constexpr (ScaleNsPerTile == 1) {
-        copy(tCsSFA(_, _, _, make_coord(_0{}, stage)), tCrSFA);
-        copy(tCsSFB(_, _, _, make_coord(_0{}, stage)), tCrSFB);
         ElementBlockScale scale_b = tCrSFB(_0{});
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(filter_zeros(tCrSFA)); i++) {
@@ -120,25 +117,9 @@ struct Fp8PromotionOverlapMainloop : Base {
           accum(i) += part(i) * tCrSFA(i);
         }
       } else {
-        // Per-column B scales: a thread's accumulators come in fours, (m, n), (m, n+1),
-        // (m+8, n), (m+8, n+1) with n even (the wgmma F32 fragment), so one 8-byte shared load
-        // gives the two column scales of four accumulators and the two row scales are loaded
-        // once. An element-wise copy of the broadcast views issues a 4-byte load per
-        // accumulator: at 128 x 128 tiles the shared-memory pipe then carries more scale loads
-        // than wgmma operand reads.
-        static_assert(size(FrgTensorC{}) % 4 == 0, "accumulators in fours expected");
-        // one scale per column: mode 1 of the B scales is (1, ScaleNsPerTile) : (0, 1)
-        static_assert(decltype(stride<1, 1>(sSFB))::value == 1, "B scales contiguous along N");
         CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(accum); i += 4) {
-          int m0 = get<0>(tCcC(i)), m1 = get<0>(tCcC(i + 2)), n = get<1>(tCcC(i));
-          ElementBlockScale sa0 = sSFA(m0, _0{}, make_coord(_0{}, stage));
-          ElementBlockScale sa1 = sSFA(m1, _0{}, make_coord(_0{}, stage));
-          float2 sb = *reinterpret_cast<float2 const*>(&sSFB(_0{}, n, make_coord(_0{}, stage)));
-          accum(i) += part(i) * (sa0 * sb.x);
-          accum(i + 1) += part(i + 1) * (sa0 * sb.y);
-          accum(i + 2) += part(i + 2) * (sa1 * sb.x);
-          accum(i + 3) += part(i + 3) * (sa1 * sb.y);
+        for (int i = 0; i < size(accum); ++i) {
+          accum(i) += part(i) * tCrSFA(i) * tCrSFB(i);
         }
       }
       warpgroup_fence_operand(part);
