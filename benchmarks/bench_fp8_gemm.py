@@ -22,7 +22,8 @@ operands; exit 1 on a mismatch), then timed as a CUDA graph with the guide's met
                   w13_dgrad cutlass_<config>: the unit's dense
                   rows plus one scatter launch (rows.scatter_rows), as the layer runs them on
                   the CUTLASS engine; w2_fprop cutlass_<config>: the same split for the W2
-                  FPROP, which the layer keeps on Triton (measured here only)
+                  FPROP (the layer runs the unit's dense rows alone at EP = 1, where the
+                  owner's combine reads them; the scatter kernel is measured here only)
                   (kernels/grouped_gemm_sm90: GroupedFp8FpropSm90 and GroupedFp8WgradSm90,
                   every configuration), right after our Triton row; note: x
                   over Triton. Skipped where the library cannot be built (nvcc, CUTLASS

@@ -207,6 +207,9 @@ GEMM_WORKLOADS = {
     "gemms_triton": "the layer's six GEMM launches of one fwd+bwd, alone",
     "gemms_torch": "the same six GEMMs on torch._grouped_mm (no epilogue work)",
 }
+# the layer at the guide load: our standard pipeline, the Mega pipeline, fp8_block (weights
+# quantized once, as bench_layer's _cached paths), forward or forward+backward
+LAYER_WORKLOAD = r"dist_moe(_mega|_fp8)?_(fwd|fwdbwd)"
 LAYER_GEMMS = ("fwd_swiglu", "fwd_w2_scatter", "dgrad_w2_swiglu_bwd", "wgrad_w2", "dgrad_w13",
                "wgrad_w13")
 
@@ -290,6 +293,10 @@ def main(argv=None) -> int:
 
     import megatron_dist_moe as dm
 
+    unknown = [n for n in args.workloads.split(",")
+               if n != "dense_mm" and n not in GEMM_WORKLOADS and not re.fullmatch(LAYER_WORKLOAD, n)]
+    if unknown:   # before anything runs
+        raise SystemExit(f"--workloads: unknown workload(s) {unknown}")
     for name in args.workloads.split(","):
         ctx = None
         if name == "dense_mm":
@@ -301,9 +308,7 @@ def main(argv=None) -> int:
             ok = err < 1e-2
             shape = "E=6 rows=12288 D=7168 F=3072 (one GPU)"
         else:
-            m = re.fullmatch(r"dist_moe(_mega|_fp8)?_(fwd|fwdbwd)", name)
-            if m is None:
-                raise SystemExit(f"--workloads: unknown workload {name!r}")
+            m = re.fullmatch(LAYER_WORKLOAD, name)
             c = CASES["guide"]
             inp = make_layer_inputs(c, rank, EP, dev)
             y = a2a_grouped_mm_experts(inp["x"], inp["ids"], inp["s"], inp["w13"], inp["w2"])

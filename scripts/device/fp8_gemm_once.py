@@ -1,7 +1,8 @@
 """Run fp8_block's CUTLASS W13 WGRAD or W13 FPROP unit a few times at the guide shape, for a
 profiler (ncu, nsys) to look at one launch:
 
-    ncu -k regex:GemmUniversal --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+    ncu --clock-control none -k device_kernel --launch-skip 2 --launch-count 1 \
+        --section SpeedOfLight \
         python3 scripts/device/fp8_gemm_once.py --gemm wgrad
 
 Why: at 2048 tokens per expert the W13 WGRAD runs at ~830 TFLOP/s where the W13 FPROP on the
@@ -52,7 +53,7 @@ def main() -> None:
         for _ in range(args.iters):
             gemm(xq, W.w13, W.w13_s, offs, out)
     torch.cuda.synchronize()
-    print(f"{args.gemm}: {args.iters} launches of {sm90.FP8_WGRAD_CONFIGS[0]!r} done")
+    print(f"{args.gemm}: {args.iters} launches of {gemm.config!r} done")
 
 
 if __name__ == "__main__":
