@@ -89,17 +89,13 @@ struct Fp8ArgsLayout {
   }
 };
 
-// CUTLASS's mainloop as its builder makes it, or Fp8PromotionOverlapMainloop over it.
-template <class Built>
-using BuiltMainloop = Built;
-
 // One configuration: the scale layout (Fp8WgradScales or Fp8FpropScales), ElementD out (bf16 or
 // fp32), with a source operand C = D when kSource (the accumulating fp32 units), on the given
-// tile, cluster and kernel / epilogue schedules and mainloop form. A is row-major M x K, B
-// "column-major" K x N (both K contiguous), D row-major.
+// tile, cluster and kernel / epilogue schedules, on CUTLASS's mainloop with the overlapped
+// promotion (Fp8PromotionOverlapMainloop). A is row-major M x K, B "column-major" K x N (both K
+// contiguous), D row-major.
 template <class Scales, class ElementD_, bool kSource, class TileShape_, class ClusterShape_,
-          class KernelSchedule_, class EpilogueSchedule_,
-          template <class> class Mainloop_ = BuiltMainloop>
+          class KernelSchedule_, class EpilogueSchedule_>
 struct Fp8Gemm {
   using ScaleConfig = Scales;
   using LayoutSFA = decltype(Scales::deduce_layoutSFA());
@@ -116,14 +112,15 @@ struct Fp8Gemm {
       ElementD, LayoutD*, kAlignmentD, EpilogueSchedule_,
       cutlass::epilogue::fusion::LinearCombination<ElementD, float>>::CollectiveOp;
 
-  using CollectiveMainloop = Mainloop_<typename cutlass::gemm::collective::CollectiveBuilder<
+  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
       ElementFp8, cute::tuple<cutlass::layout::RowMajor*, LayoutSFA*>, kFp8Alignment,
       ElementFp8, cute::tuple<cutlass::layout::ColumnMajor*, LayoutSFB*>, kFp8Alignment,
       float, TileShape_, ClusterShape_,
       cutlass::gemm::collective::StageCountAutoCarveout<
           static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      KernelSchedule_>::CollectiveOp>;
+      KernelSchedule_>::CollectiveOp;
+  using CollectiveMainloop = Fp8PromotionOverlapMainloop<BuiltMainloop>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
                                                       CollectiveEpilogue>;
@@ -166,15 +163,14 @@ struct Fp8Gemm {
 };
 
 template <class ElementD, bool kSource, class TileShape, class ClusterShape, class KernelSchedule,
-          class EpilogueSchedule, template <class> class Mainloop = BuiltMainloop>
+          class EpilogueSchedule>
 using Fp8WgradGemm = Fp8Gemm<Fp8WgradScales, ElementD, kSource, TileShape, ClusterShape,
-                             KernelSchedule, EpilogueSchedule, Mainloop>;
+                             KernelSchedule, EpilogueSchedule>;
 
 // The FPROP units store bf16 and have no source operand.
-template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule,
-          template <class> class Mainloop = BuiltMainloop>
+template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
 using Fp8FpropGemm = Fp8Gemm<Fp8FpropScales, cutlass::bfloat16_t, false, TileShape, ClusterShape,
-                             KernelSchedule, EpilogueSchedule, Mainloop>;
+                             KernelSchedule, EpilogueSchedule>;
 
 // Rp of this call, layout.padded_rows(R, E) with R = offsets[E]: the column bundles' row stride.
 __device__ inline int64_t padded_rows(const int32_t* offsets, int E) {

@@ -8,7 +8,6 @@ using DmFp8Fprop = dm_sm90::Fp8FpropGemm<
     cute::Shape<cute::_128, cute::_128, cute::_128>,
     cute::Shape<cute::_1, cute::_2, cute::_1>,
     cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,
-    cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
-    dm_sm90::Fp8PromotionOverlapMainloop>;
+    cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
 
 DM_SM90_FP8_FPROP_ENTRY_POINTS(overlap, DmFp8Fprop)

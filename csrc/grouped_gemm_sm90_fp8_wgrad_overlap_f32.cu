@@ -9,7 +9,6 @@ using DmFp8Wgrad = dm_sm90::Fp8WgradGemm<
     cute::Shape<cute::_128, cute::_128, cute::_128>,
     cute::Shape<cute::_1, cute::_2, cute::_1>,
     cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,
-    cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
-    dm_sm90::Fp8PromotionOverlapMainloop>;
+    cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
 
 DM_SM90_FP8_WGRAD_ENTRY_POINTS(overlap_f32, DmFp8Wgrad)
