@@ -5,11 +5,13 @@ Every kernel is first checked bit for bit against its torch twin (quant/fp8_bloc
 quant/mxfp8.py) on the same inputs; a kernel that differs is reported and not timed.
 
     python benchmarks/bench_quant.py --out bench_out [--group-rows 1,4,16,0] [--tiles all]
+        [--fp8-tiles all]
 
 --group-rows: the tile launch orders to time (common.grouped_tile: this many 128-row blocks
 walk every column block together; 0 is the launchers' default). --tiles: mxfp8 `quantize`'s
 tiles to time (rows x columns x warps, e.g. 32x32x1, or "all" for quant_mxfp8.QUANT_TILES;
-default: the launcher's). Rows: bench_quant.csv (commit, gpu, precision, kernel, shape,
+default: the launcher's). --fp8-tiles: fp8_block `quantize_rows_cols`' (column chunk x warps,
+e.g. 16x1, or "all" for quant_fp8.QUANT_TILES). Rows: bench_quant.csv (commit, gpu, precision, kernel, shape,
 group_rows, tile, us, tb_s, ratio to the copy rate), a plot bench_quant.png.
 """
 
@@ -88,8 +90,8 @@ class Case:
     takes_tile: bool = False
 
     def launch(self, group_rows, tile) -> None:
-        """run() with the tile where the case takes one (tile is then None or a QUANT_TILES
-        entry; elsewhere it is ignored)."""
+        """run() with the tile where the case takes one (tile is then None or an entry of its
+        precision's QUANT_TILES; elsewhere it is ignored)."""
         self.run(group_rows, tile) if self.takes_tile else self.run(group_rows)
 
 
@@ -186,8 +188,8 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
         cb = (torch.empty(K, Rp, dtype=F8, device=dev),
               torch.empty(Rp // 128, K, device=dev)) if cols else None
 
-        def run(gr):
-            KF.quantize_rows_cols(src, offs, R, K, rows=rb, cols=cb, **order(gr))
+        def run(gr, tile=None):
+            KF.quantize_rows_cols(src, offs, R, K, rows=rb, cols=cb, **order(gr, tile))
 
         want_rb = once(lambda: QF.quantize_rows(src))
         want_cb = once(lambda: QF.quantize_cols(src.cpu(), offs_c, Rp))
@@ -205,7 +207,7 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
         nbytes = R * K * 2 + (R * K * (1 + 4 / 128) if rows else 0) + (
             used * K * (1 + 4 / 128) if cols else 0)
         outs = (list(rb) if rb else []) + (list(cb) if cb else [])
-        out[("fp8_block", name)] = Case(run, check, nbytes, f"{R}x{K}", outs)
+        out[("fp8_block", name)] = Case(run, check, nbytes, f"{R}x{K}", outs, takes_tile=True)
 
     fp8_quant("quantize_x", x, D, True, True)
     fp8_quant("quantize_gh1", gh1, 2 * F, True, True)
@@ -225,19 +227,20 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
     return out
 
 
-def parse_tiles(text: str) -> list:
-    """--tiles: [None] (the launcher's tile), QUANT_TILES for "all", else the listed RxCxW."""
+def parse_tiles(text: str, flag: str, known: tuple, form: str) -> list:
+    """--tiles / --fp8-tiles: [None] (the launcher's tile), all of `known` for "all", else the
+    listed tiles (form: "RxCxW" or "CxW")."""
     if not text:
         return [None]
     if text == "all":
-        return list(KM.QUANT_TILES)
+        return list(known)
     try:
         tiles = [tuple(int(v) for v in t.split("x")) for t in text.split(",") if t]
     except ValueError:
-        raise SystemExit(f"--tiles {text!r}: expected 'all' or RxCxW[,RxCxW...]") from None
-    bad = [t for t in tiles if t not in KM.QUANT_TILES]
+        raise SystemExit(f"{flag} {text!r}: expected 'all' or {form}[,{form}...]") from None
+    bad = [t for t in tiles if t not in known]
     if bad:
-        raise SystemExit(f"--tiles: {bad} not among quant_mxfp8.QUANT_TILES {KM.QUANT_TILES}")
+        raise SystemExit(f"{flag}: {bad} not among {known}")
     return tiles
 
 
@@ -257,6 +260,9 @@ def main() -> int:
     ap.add_argument("--tiles", default="",
                     help="mxfp8 quantize tiles RxCxW, comma-separated, or 'all' (default: the "
                          "launcher's)")
+    ap.add_argument("--fp8-tiles", default="",
+                    help="fp8_block quantize_rows_cols tiles CxW (column chunk x warps), "
+                         "comma-separated, or 'all' (default: the launcher's)")
     ap.add_argument("--kernels", default="", help="precision:kernel names to run (default all)")
     args = ap.parse_args()
     T, K, E, D, F = map(int, args.shape.split("x"))
@@ -268,7 +274,8 @@ def main() -> int:
     copy_tbs = copy_rate(R, D, dev)
     print(f"{gpu}: R={R} rows (T={T}, K={K}, E={E}); bf16 copy {copy_tbs:.2f} TB/s", flush=True)
     wanted = {k for k in args.kernels.split(",") if k}
-    tiles = parse_tiles(args.tiles)
+    tiles = {"mxfp8": parse_tiles(args.tiles, "--tiles", KM.QUANT_TILES, "RxCxW"),
+             "fp8_block": parse_tiles(args.fp8_tiles, "--fp8-tiles", KF.QUANT_TILES, "CxW")}
     rows, failed = [], 0
     print("| precision | kernel | shape | group_rows | tile | us | TB/s | of copy | equal |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -277,7 +284,7 @@ def main() -> int:
             continue
         orders = args.group_rows.split(",") if case.takes_order else ["0"]
         check, nbytes, shape = case.check, case.nbytes, case.shape
-        for gr_text, tile in [(o, t) for o in orders for t in (tiles if case.takes_tile
+        for gr_text, tile in [(o, t) for o in orders for t in (tiles[prec] if case.takes_tile
                                                                  else [None])]:
             gr = int(gr_text)
             kw = gr if gr > 0 else None   # None: the launcher's default

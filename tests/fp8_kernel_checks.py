@@ -81,9 +81,13 @@ def check_e4m3_and_bf16_rounding(device, big=False):
 
 
 def check_quantize_rows_cols(device, big=False):
-    from megatron_dist_moe.kernels.quant_fp8 import quantize_rows_cols
+    """Both bundles, read from rows in place and through an address table, with the launcher's
+    tile and with every tile of QUANT_TILES (the GPU; in the interpreter the unrolled and the
+    looped chunk walks at one and two warps), each run on poisoned outputs."""
+    from megatron_dist_moe.kernels.quant_fp8 import QUANT_TILES, quantize_rows_cols
     lens, offs, R = _segments(big, device)
     E = len(lens)
+    tiles = (None,) + (QUANT_TILES if big else ((64, 4), (16, 1), (32, 2)))
     for K in ((7168, 384) if big else (256,)):
         for pow2 in (True, False):
             rc = Q.BlockScaling(pow2)
@@ -102,25 +106,27 @@ def check_quantize_rows_cols(device, big=False):
             s = torch.empty(R, K // 128, device=device)
             qc = torch.empty(K, Rp, dtype=F8, device=device)
             sc = torch.empty(Rp // 128, K, device=device)
-            quantize_rows_cols(x, offs, R + 5, K, rows=(q, s), cols=(qc, sc), recipe=rc)
             rq, rs = Q.quantize_rows(x, rc)
             cq, cs = Q.quantize_cols(x, offs.long(), Rp, rc)
-            used = int(Q.padded_offsets(offs)[-1])
-            _bits_equal(f"rows K={K} pow2={pow2}", q, rq)
-            _bits_equal(f"row scales K={K}", s, rs)
-            _bits_equal(f"cols K={K} pow2={pow2}", qc[:, :used], cq[:, :used])
-            _bits_equal(f"col scales K={K}", sc[:used // 128], cs[:used // 128])
             # the gather fused in: row i read from an address table into a shuffled source
             # (its peer's token rows), row 5's address 0: a row of zeros, as gather_rows copies
             ptrs, xz, _src = scattered_rows(x, g)
-            quantize_rows_cols(None, offs, R + 5, K, rows=(q, s), cols=(qc, sc), recipe=rc,
-                               row_ptrs=ptrs)
-            rq, rs = Q.quantize_rows(xz, rc)
-            cq, cs = Q.quantize_cols(xz, offs.long(), Rp, rc)
-            _bits_equal(f"gathered rows K={K} pow2={pow2}", q, rq)
-            _bits_equal(f"gathered row scales K={K}", s, rs)
-            _bits_equal(f"gathered cols K={K}", qc[:, :used], cq[:, :used])
-            _bits_equal(f"gathered col scales K={K}", sc[:used // 128], cs[:used // 128])
+            zq, zs = Q.quantize_rows(xz, rc)
+            zcq, zcs = Q.quantize_cols(xz, offs.long(), Rp, rc)
+            used = int(Q.padded_offsets(offs)[-1])
+            for tile in tiles:
+                for src, want in ((x, (rq, rs, cq, cs)), (None, (zq, zs, zcq, zcs))):
+                    for t in (q, s, qc, sc):
+                        t.view(U8).fill_(0xFF)
+                    quantize_rows_cols(src, offs, R + 5, K, rows=(q, s), cols=(qc, sc),
+                                       recipe=rc, tile=tile,
+                                       row_ptrs=None if src is not None else ptrs)
+                    what = (f"{'gathered ' if src is None else ''}K={K} pow2={pow2} "
+                            f"tile={tile}")
+                    _bits_equal(f"rows {what}", q, want[0])
+                    _bits_equal(f"row scales {what}", s, want[1])
+                    _bits_equal(f"cols {what}", qc[:, :used], want[2][:, :used])
+                    _bits_equal(f"col scales {what}", sc[:used // 128], want[3][:used // 128])
 
 
 def check_swiglu_quant(device, big=False):

@@ -39,6 +39,11 @@ _BF16_MAX = tl.constexpr(BF16_MAX)
 # the guide's shapes (x 275.5 -> 270.7 us; bench_quant.py); swiglu_quant measured even and
 # keeps its 2-D grid.
 GROUP_ROWS = 1
+# (column chunk, warps) of quantize_rows_cols' programs that bench_quant.py --fp8-tiles times
+# against the launcher's choice: a 1- or 2-warp program keeps each column block's amax inside
+# a warp (no shared-memory reduction; the mxfp8 quantizer gained ~40 % from that), at the cost
+# of a loop over more chunks
+QUANT_TILES = ((128, 8), (64, 8), (64, 4), (32, 4), (32, 2), (16, 2), (16, 1))
 
 
 def _hw(t: torch.Tensor) -> bool:
@@ -134,6 +139,34 @@ def padded_block(offsets_ptr, E, E_PAD: tl.constexpr, pb):
 
 
 @triton.jit
+def _cols_chunk(x_rows, ld, amax_r, c, cb, pb, p0, i, K, Rp, qc_addr, sc_addr, ROWS: tl.constexpr,
+                COLS: tl.constexpr, POW2: tl.constexpr, EPS: tl.constexpr, HW: tl.constexpr,
+                CHUNK: tl.constexpr):
+    """Column chunk c of the tile: its column blocks quantized and stored (COLS), the row
+    amaxes grown by it (ROWS); returns the row amaxes."""
+    cols = cb * 128 + c * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(x_rows + cols[None, :], mask=ld[:, None], other=0.0).to(tl.float32)
+    if ROWS:
+        amax_r = tl.maximum(amax_r, block_amax(x, 1))
+    if COLS:
+        qc_base = load_ptr(qc_addr, tl.float8e4nv)
+        sc_base = load_ptr(sc_addr, tl.float32)
+        scale, s_inv = block_scales(block_amax(x, 0), POW2, EPS)
+        q = to_e4m3(x * scale[None, :], HW)
+        tl.store(qc_base + cols[None, :].to(tl.int64) * Rp + (p0 + i)[:, None], q)
+        tl.store(sc_base + pb.to(tl.int64) * K + cols, s_inv)
+    return amax_r
+
+
+@triton.jit
+def _rows_chunk(x_rows, ld, ok, q_rows, scale, c, cb, HW: tl.constexpr, CHUNK: tl.constexpr):
+    """Column chunk c of the tile quantized with the rows' scales and stored."""
+    cols = cb * 128 + c * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(x_rows + cols[None, :], mask=ld[:, None], other=0.0).to(tl.float32)
+    tl.store(q_rows + cols[None, :], to_e4m3(x * scale[:, None], HW), mask=ok[:, None])
+
+
+@triton.jit
 def _quant_rows_cols_kernel(x_addr, row_ptrs, offsets_ptr, q_addr, s_addr, qc_addr, sc_addr, K, E,
                             n_pb, E_PAD: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
                             POW2: tl.constexpr, EPS: tl.constexpr, HW: tl.constexpr,
@@ -142,7 +175,9 @@ def _quant_rows_cols_kernel(x_addr, row_ptrs, offsets_ptr, q_addr, s_addr, qc_ad
     # chunks of CHUNK: each chunk's column blocks are final at once, and the row amax grows
     # over the chunks; the rows are then quantized from a second read of the same 32 KB (an
     # L2 hit). Holding the whole 128 x 128 tile in fp32 registers instead leaves room for one
-    # program per SM, which then waits on each load with nothing else in flight.
+    # program per SM, which then waits on each load with nothing else in flight. Up to two
+    # chunks are unrolled; more run as a loop (unrolled, eight 16-column chunks are ~14,000
+    # SASS instructions, more than the instruction cache holds).
     pb, cb = grouped_tile(n_pb, K // 128, GROUP_R)
     found, p0, start, n, pstart, Rp = padded_block(offsets_ptr, E, E_PAD, pb)
     if not found:
@@ -161,35 +196,33 @@ def _quant_rows_cols_kernel(x_addr, row_ptrs, offsets_ptr, q_addr, s_addr, qc_ad
     else:
         x_rows = load_ptr(x_addr, tl.bfloat16) + rows[:, None] * K
         ld = ok
+    NC: tl.constexpr = 128 // CHUNK
     amax_r = tl.zeros((128,), tl.float32)
-    for c in tl.static_range(128 // CHUNK):
-        cols = cb * 128 + c * CHUNK + tl.arange(0, CHUNK)
-        x = tl.load(x_rows + cols[None, :], mask=ld[:, None], other=0.0).to(tl.float32)
-        if ROWS:
-            amax_r = tl.maximum(amax_r, block_amax(x, 1))
-        if COLS:
-            qc_base = load_ptr(qc_addr, tl.float8e4nv)
-            prow = p0 + i
-            sc_base = load_ptr(sc_addr, tl.float32)
-            scale, s_inv = block_scales(block_amax(x, 0), POW2, EPS)
-            q = to_e4m3(x * scale[None, :], HW)
-            tl.store(qc_base + cols[None, :].to(tl.int64) * Rp + prow[:, None], q)
-            tl.store(sc_base + pb.to(tl.int64) * K + cols, s_inv)
+    if NC <= 2:
+        for c in tl.static_range(NC):
+            amax_r = _cols_chunk(x_rows, ld, amax_r, c, cb, pb, p0, i, K, Rp, qc_addr, sc_addr,
+                                 ROWS, COLS, POW2, EPS, HW, CHUNK)
+    else:
+        for c in tl.range(NC):
+            amax_r = _cols_chunk(x_rows, ld, amax_r, c, cb, pb, p0, i, K, Rp, qc_addr, sc_addr,
+                                 ROWS, COLS, POW2, EPS, HW, CHUNK)
     if ROWS:
         scale, s_inv = block_scales(amax_r, POW2, EPS)
         q_rows = load_ptr(q_addr, tl.float8e4nv) + rows[:, None] * K
-        for c in tl.static_range(128 // CHUNK):
-            cols = cb * 128 + c * CHUNK + tl.arange(0, CHUNK)
-            x = tl.load(x_rows + cols[None, :], mask=ld[:, None], other=0.0).to(tl.float32)
-            tl.store(q_rows + cols[None, :], to_e4m3(x * scale[:, None], HW), mask=ok[:, None])
+        if NC <= 2:
+            for c in tl.static_range(NC):
+                _rows_chunk(x_rows, ld, ok, q_rows, scale, c, cb, HW, CHUNK)
+        else:
+            for c in tl.range(NC):
+                _rows_chunk(x_rows, ld, ok, q_rows, scale, c, cb, HW, CHUNK)
         s_base = load_ptr(s_addr, tl.float32)
         tl.store(s_base + rows * (K // 128) + cb, s_inv, mask=ok)
 
 
 def quantize_rows_cols(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows=None,
                        cols=None, recipe: BlockScaling = BlockScaling(),
-                       group_rows: int = GROUP_ROWS, row_ptrs: torch.Tensor | None = None
-                       ) -> None:
+                       group_rows: int = GROUP_ROWS, row_ptrs: torch.Tensor | None = None,
+                       tile: tuple | None = None) -> None:
     """Quantize bf16 rows x [R, K] (tensor or device pointer; R = offsets[-1] on the device).
     With row_ptrs (int64 [>= R] device addresses, 16-byte aligned; x then None): row i is read
     from row_ptrs[i] (zeros where 0), the gather fused into the quantizer (rows.gather_rows
@@ -199,8 +232,11 @@ def quantize_rows_cols(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows=
     pointers); cols = (q_t, s_t): the column bundle over each expert's segment padded to 128
     rows, q_t [K, Rp] e4m3 and s_t [Rp/128, K] fp32 with Rp = layout.padded_rows(R, E) (zeros
     in each segment's padding). max_rows: host bound on R (the grid). group_rows: 128-row
-    blocks per launch group (common.grouped_tile)."""
+    blocks per launch group (common.grouped_tile). tile: (column chunk, warps), one of
+    QUANT_TILES (for benchmarks/bench_quant.py); None: the launcher's choice per output set."""
     assert rows is not None or cols is not None
+    assert tile is None or tuple(tile) in QUANT_TILES, (
+        f"tile={tile}: expected one of {QUANT_TILES}")
     assert K % BLOCK == 0, f"K={K} must be a multiple of {BLOCK}"
     E = offsets.numel() - 1
     from ..layout import padded_rows
@@ -216,7 +252,9 @@ def quantize_rows_cols(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows=
     # one H200 (docs/decisions.md): with both bundles 64 x 4 warps, rows alone 64 x 8 (3.3 TB/s),
     # columns alone the whole tile at once, 8 warps
     chunk, warps = (64, 4) if rows and cols else (64, 8) if rows else (128, 8)
-    if interpreting():
+    if tile is not None:
+        chunk, warps = tile
+    if interpreting() and tile is None:
         chunk = 128     # the interpreter's cost is per loop step and per program, not per byte
     _quant_rows_cols_kernel[grouped_grid(n_pb, K // BLOCK, group_rows)](
         xa, row_ptrs if row_ptrs is not None else dummy, offsets, q, s, qc, sc, K, E, n_pb,

@@ -25,7 +25,8 @@
 #              (BASE_LAYER_ARGS instead of LAYER_ARGS where the old tree takes other arguments)
 #   bench      bench_grouped_gemm (BENCH_ARGS)
 #   quant      bench_quant: the fp8_block / mxfp8 activation quantizers in TB/s against the copy
-#              rate, bit-exact first (QUANT_ARGS, e.g. "--group-rows 0,1,4" or "--tiles all")
+#              rate, bit-exact first (QUANT_ARGS, e.g. "--group-rows 0,1,4", "--tiles all" or
+#              "--fp8-tiles all --kernels fp8_block:quantize_x,fp8_block:quantize_gh1")
 #   quantbase  the same bench_quant run on the tree in $BASE_TREE (QUANT_BASE_ARGS instead of
 #              QUANT_ARGS where the old tree takes other arguments)
 #   fp8gemm    bench_fp8_gemm: the fp8_block kernels beside bf16 and torch._scaled_mm (FP8_ARGS)

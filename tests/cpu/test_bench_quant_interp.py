@@ -1,6 +1,7 @@
 """benchmarks/bench_quant.py under Triton's CPU interpreter: every case it times passes its
 own bit-exactness check at small shapes (so a GPU session spends no time on a benchmark whose
-checks are wrong), and its --tiles argument accepts exactly the tiles the launcher does."""
+checks are wrong), and its --tiles / --fp8-tiles arguments accept exactly the tiles the
+launchers do."""
 
 from __future__ import annotations
 
@@ -42,15 +43,29 @@ def test_mxfp8_quantize_tiles_pass_the_check(results, tile):
         assert r is not None and r["equal"], (k, r)
 
 
+@pytest.mark.parametrize("tile", ["16x1", "128x8"])
+def test_fp8_quantize_tiles_pass_the_check(results, tile):
+    for k in ("quantize_x", "quantize_gh1", "quantize_h2_cols"):
+        r = results.get(f"fp8_block:{k}:{tile}")
+        assert r is not None and r["equal"], (k, r)
+
+
 def test_tiles_argument():
     sys.path.insert(0, BENCH)
     try:
         import bench_quant as B
-        from megatron_dist_moe.kernels import quant_mxfp8 as KM
-        assert B.parse_tiles("") == [None]
-        assert B.parse_tiles("all") == list(KM.QUANT_TILES)
-        assert B.parse_tiles("32x32x1,128x32x4") == [(32, 32, 1), (128, 32, 4)]
-        with pytest.raises(SystemExit, match="QUANT_TILES"):
-            B.parse_tiles("16x32x1")
+        from megatron_dist_moe.kernels import quant_fp8 as KF, quant_mxfp8 as KM
+        mx = ("--tiles", KM.QUANT_TILES, "RxCxW")
+        assert B.parse_tiles("", *mx) == [None]
+        assert B.parse_tiles("all", *mx) == list(KM.QUANT_TILES)
+        assert B.parse_tiles("32x32x1,128x32x4", *mx) == [(32, 32, 1), (128, 32, 4)]
+        with pytest.raises(SystemExit, match="--tiles"):
+            B.parse_tiles("16x32x1", *mx)
+        f8 = ("--fp8-tiles", KF.QUANT_TILES, "CxW")
+        assert B.parse_tiles("all", *f8) == list(KF.QUANT_TILES)
+        assert B.parse_tiles("16x1,64x4", *f8) == [(16, 1), (64, 4)]
+        for bad in ("16x3", "16x1x1", "x"):
+            with pytest.raises(SystemExit, match="--fp8-tiles"):
+                B.parse_tiles(bad, *f8)
     finally:
         sys.path.remove(BENCH)
