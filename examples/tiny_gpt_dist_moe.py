@@ -36,12 +36,16 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 import zlib
 
 import torch
 import torch.distributed as dist
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# megatron-core 0.19 warns about its own default (TransformerConfig.cuda_graph_modules="full")
+# on every config it builds; nothing here sets it
+warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
 
 PRESETS = {   # model shape and batch; any field can be overridden by its flag
     "tiny":  dict(num_layers=2, hidden_size=128, num_attention_heads=4, num_experts=4,

@@ -415,7 +415,9 @@ def _nonnegative_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_dist_moe",
+    # the console script `megatron-dist-moe` and `python -m megatron_dist_moe` run the same main
+    script = Path(sys.argv[0]).name == "megatron-dist-moe"
+    p = argparse.ArgumentParser(prog="megatron-dist-moe" if script else "python -m megatron_dist_moe",
                                 description="Dist-MoE: memory plans and a runnable demo.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -426,8 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--imbalance", metavar="M1,M2,...",
                     help="tracked rank's rows as multiples of T*K in successive layers, e.g. 1,4,8")
     pp.add_argument("--layers", type=_positive_int,
-                    help="MoE layers in the slot (default: profile length; "
-                    "raises max_moe_layers_per_activation_slot when needed)")
+                    help="MoE layers in the slot (default: profile length; the last multiple "
+                    "repeats past it; raises max_moe_layers_per_activation_slot when needed)")
     pp.add_argument("--tracked-rank", type=_nonnegative_int, default=0,
                     help="rank receiving the multiple")
     pp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

@@ -5,10 +5,11 @@ Activation (one step, before Megatron parses its arguments or builds the model):
     import megatron_dist_moe.megatron as dmm
     dmm.install()        # idempotent; dmm.uninstall() restores Megatron
 
-or launch an unmodified Megatron-LM script through
+or launch an unmodified Megatron-LM script through the launcher (one process per GPU, as
+Megatron runs; docs/megatron.md has the full command lines):
 
-    python -m megatron_dist_moe.megatron.launch pretrain_gpt.py \
-        --moe-token-dispatcher-type dist_moe ...
+    torchrun --nproc-per-node 8 -m megatron_dist_moe.megatron.launch \
+        $MEGATRON_LM_DIR/pretrain_gpt.py --moe-token-dispatcher-type dist_moe ...
 
 Then `--moe-token-dispatcher-type dist_moe` (or `moe_token_dispatcher_type: dist_moe` in a YAML
 model config) builds DistMoELayer for every MoE layer. Without install(), layer specs from
