@@ -73,6 +73,10 @@ def parse_args(argv=None):
                    help="also train bf16 repeats from perturbed weights (the noise band)")
     p.add_argument("--repeats", type=int, default=2,
                    help="with --repeat-perturb: how many bf16 repeats (each its own draw)")
+    p.add_argument("--first-repeat", type=int, default=0, metavar="N",
+                   help="the first repeat's draw (repeats N+1 ... N+repeats): more repeats for a "
+                        "seed's band without training its first ones again "
+                        "(benchmarks/lm_noise_band.py merges the runs)")
     p.add_argument("--csv", default=None, help="per-step losses of every trained model")
     p.add_argument("--json", default=None, help="write the figures here (rank 0)")
     args = p.parse_args(argv)
@@ -88,6 +92,8 @@ def parse_args(argv=None):
         p.error(f"--repeat-perturb must be in [0, 0.1), got {args.repeat_perturb}")
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.first_repeat < 0:
+        p.error(f"--first-repeat must be >= 0, got {args.first_repeat}")
     return args
 
 
@@ -238,7 +244,8 @@ def run(rank: int, world: int, args) -> dict:
         f"loss floor (the chain's entropy) {data.entropy:.3f}", flush=True)
     curves = {}
     model, curves["bf16"] = train(args, rank, world, device, data, "bf16", 0.0, say)
-    for i in range(args.repeats if args.repeat_perturb else 0):
+    for i in range(args.first_repeat,
+                   args.first_repeat + (args.repeats if args.repeat_perturb else 0)):
         _, curves[f"bf16_repeat{i + 1}"] = train(args, rank, world, device, data, "bf16",
                                                  args.repeat_perturb, say, draw=i)
     for precision in args.train_precisions[1:]:

@@ -39,3 +39,26 @@ def test_tiny_lm_trains_and_nvfp4_eval_stays_within_bound(tmp_path):
         assert res["entropy"] < last < 0.6 * start, (name, last)
     assert res["loss_bf16"] > res["entropy"] and abs(res["increase"]) <= 0.02, res
     assert res["backend"] == "reference" and res["world"] == 2
+
+
+def _losses(tmp_path, name, *extra):
+    path = tmp_path / f"{name}.csv"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "examples", "tiny_lm_nvfp4_eval.py"),
+         "--steps", "12", "--layers", "1", "--eval-batches", "1", "--repeat-perturb", "1e-3",
+         "--csv", str(path), *extra], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-4000:]
+    rows = list(csv.DictReader(open(path)))
+    return {k: [r[k] for r in rows] for k in rows[0] if k != "step"}
+
+
+def test_later_repeats_alone_reproduce_the_full_runs_columns(tmp_path):
+    """--first-repeat 1 trains repeat 2 alone, bit for bit as the run with two repeats does,
+    so benchmarks/lm_noise_band.py can merge a seed's later repeats into its first run."""
+    full = _losses(tmp_path, "full", "--repeats", "2")
+    later = _losses(tmp_path, "later", "--repeats", "1", "--first-repeat", "1")
+    assert set(full) == {"loss_bf16", "loss_bf16_repeat1", "loss_bf16_repeat2"}
+    assert set(later) == {"loss_bf16", "loss_bf16_repeat2"}
+    assert later["loss_bf16"] == full["loss_bf16"]
+    assert later["loss_bf16_repeat2"] == full["loss_bf16_repeat2"]
+    assert later["loss_bf16_repeat2"] != full["loss_bf16_repeat1"]
