@@ -10,8 +10,8 @@ quant/mxfp8.py) on the same inputs; a kernel that differs is reported and not ti
 --group-rows: the tile launch orders to time (common.grouped_tile: this many 128-row blocks
 walk every column block together; 0 is the launchers' default). --tiles: mxfp8 `quantize`'s
 tiles to time (rows x columns x warps, e.g. 32x32x1, or "all" for quant_mxfp8.QUANT_TILES;
-default: the launcher's). --fp8-tiles: fp8_block `quantize_rows_cols`' (column chunk x warps,
-e.g. 16x1, or "all" for quant_fp8.QUANT_TILES). Rows: bench_quant.csv (commit, gpu, precision, kernel, shape,
+default: the launcher's). --fp8-tiles: fp8_block `quantize_rows_cols`' tiles (column chunk x
+warps, e.g. 16x1, or "all" for quant_fp8.QUANT_TILES). Rows: bench_quant.csv (commit, gpu, precision, kernel, shape,
 group_rows, tile, us, tb_s, ratio to the copy rate), a plot bench_quant.png.
 """
 
@@ -240,7 +240,7 @@ def parse_tiles(text: str, flag: str, known: tuple, form: str) -> list:
         raise SystemExit(f"{flag} {text!r}: expected 'all' or {form}[,{form}...]") from None
     bad = [t for t in tiles if t not in known]
     if bad:
-        raise SystemExit(f"{flag}: {bad} not among {known}")
+        raise SystemExit(f"{flag}: {bad} not among the launcher's QUANT_TILES {known}")
     return tiles
 
 

@@ -4,22 +4,26 @@
 
 Each CSV is an `examples/tiny_lm_nvfp4_eval.py --csv` run (columns step, loss_bf16,
 loss_bf16_repeatN, loss_fp8_block, loss_mxfp8). One seed's runs are merged by column: a seed
-trained once more with `--first-repeat N --repeats M` adds repeats N+1 ... N+M to its first
-run. A column present in two of a seed's files must hold the same losses to the last digit
-(the same code and the same batches reproduce a CPU run bit for bit); otherwise the runs are
-not from the same code and merging them is refused.
+trained once more with `--first-repeat N --repeats M` (and the same `--repeat-perturb`, which
+the CSV does not record) adds repeats N+1 ... N+M to its first run. A column present in two of
+a seed's files must hold the same losses to the CSV's last digit, as reruns of the same code on
+CPU do (GPU runs need not reproduce bit for bit: merge CPU runs); otherwise, or where a file
+adds no column, the merge is refused.
 
 Per seed, from the 10-step moving averages (testing.moving_average):
 - band: the largest gap between two bf16 curves (the unperturbed one and its perturbed repeats),
   the rule of examples/tiny_lm_nvfp4_eval.py and benchmarks/megatron_loss_noise.py; a precision
   is within it when its largest gap to the unperturbed bf16 curve is no larger;
 - rank: where a precision's gap to the unperturbed curve falls among the repeats' gaps to it
-  (1 = smallest of the n + 1). If a precision's curve behaved like one more perturbed repeat,
-  its rank would be uniform on 1 ... n + 1 over seeds; ranks piling up at n + 1 say it strays
-  further than the noise.
+  (1 = smallest of the n + 1; ties count half). If a precision's curve behaved like one more
+  perturbed repeat, its rank would be uniform on 1 ... n + 1 over seeds; ranks piling up at
+  n + 1 say it strays further than the noise. The band, a maximum over every bf16 pair, widens
+  as repeats are added while the precision's gap stays one sample: the rank is the sounder
+  of the two.
 
 Writes OUTDIR/lm_noise_band.csv (one row per seed and precision) and OUTDIR/lm_noise_band.png;
-exits 1 when a precision is outside the band at some seed.
+exits 1 when a precision is outside the band at some seed, 2 when a seed has no precision to
+judge.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ def load_seed(paths: list[str]) -> dict[str, list[float]]:
         if not rows or "loss_bf16" not in rows[0]:
             raise ValueError(f"{path}: expected an examples/tiny_lm_nvfp4_eval.py --csv file "
                              "(a loss_bf16 column)")
-        s = [int(r["step"]) for r in rows]
+        s, new = [int(r["step"]) for r in rows], False
         if steps is not None and s != steps:
             raise ValueError(f"{path}: steps {s[0]}..{s[-1]} differ from {paths[0]}'s")
         steps = s
@@ -64,8 +68,13 @@ def load_seed(paths: list[str]) -> dict[str, list[float]]:
                 bad = next(i for i, (a, b) in enumerate(zip(curves[name], v)) if a != b)
                 raise ValueError(
                     f"{path}: {col} differs from {origin[name]}'s from step {steps[bad]} "
-                    f"({v[bad]} vs {curves[name][bad]}): not runs of the same code, cannot merge")
+                    f"({v[bad]} vs {curves[name][bad]}): the runs do not reproduce each other "
+                    "(other code, or GPU runs), cannot merge")
+            new = new or name not in curves
             curves[name], origin[name] = v, path
+        if not new:
+            raise ValueError(f"{path}: adds no curve to {', '.join(paths[:paths.index(path)])} "
+                             "(a rerun without --first-repeat?)")
     return curves
 
 
@@ -84,7 +93,9 @@ def judge(curves: dict[str, list[float]]) -> list[dict]:
     for q in (k for k in curves if k not in bf16):
         gap = max_gap(curves[q], curves["bf16"])
         out.append(dict(precision=q, gap=round(gap, 4), band=round(band, 4),
-                        within=gap <= band, rank=1 + sum(g < gap for g in repeat_gaps),
+                        within=gap <= band,
+                        rank=1 + sum(g < gap for g in repeat_gaps)
+                        + 0.5 * sum(g == gap for g in repeat_gaps),
                         of=len(repeat_gaps) + 1, bf16_curves=len(bf16),
                         repeat_gaps=repeat_gaps))
     return out
@@ -95,9 +106,12 @@ def parse_seed(text: str) -> tuple[int, list[str]]:
     if not sep or not files:
         raise argparse.ArgumentTypeError(f"--seed {text!r}: expected SEED=a.csv[,b.csv...]")
     try:
-        return int(seed), [p for p in files.split(",") if p]
+        seed, files = int(seed), [p for p in files.split(",") if p]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--seed {text!r}: SEED must be an integer") from None
+    if not files:
+        raise argparse.ArgumentTypeError(f"--seed {text!r}: no file")
+    return seed, files
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -119,7 +133,7 @@ def plot(rows: list[dict], path: str) -> None:
                        label=r["precision"] if i == 0 else None)
     ax.set_xticks(range(len(seeds)), [f"seed {s}" for s in seeds])
     ax.set_ylabel("largest 10-step moving-average gap to bf16")
-    ax.set_title("tiny MoE LM, 300 steps: precisions against the bf16 noise band", fontsize=9)
+    ax.set_title("tiny MoE LM: precisions against the bf16 noise band", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -131,19 +145,29 @@ def main(argv=None) -> int:
                     metavar="SEED=a.csv[,b.csv]", help="one seed's runs (repeat per seed)")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args(argv)
+    seeds = [seed for seed, _ in args.seed]
+    if len(set(seeds)) != len(seeds):
+        ap.error(f"--seed: a seed given twice in {seeds} (list all of its files in one --seed)")
     rows = []
     for seed, paths in args.seed:
-        for r in judge(load_seed(paths)):
-            rows.append(dict(seed=seed, **r))
+        verdicts = judge(load_seed(paths))
+        if not verdicts:
+            print(f"seed {seed}: no precision besides bf16 in {paths}: nothing to judge",
+                  file=sys.stderr)
+            return 2
+        rows += [dict(seed=seed, **r) for r in verdicts]
     print("| seed | precision | gap to bf16 | band | within | rank among the repeats | bf16 curves |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['seed']} | {r['precision']} | {r['gap']:.4f} | {r['band']:.4f} | "
-              f"{'yes' if r['within'] else 'NO'} | {r['rank']} of {r['of']} | {r['bf16_curves']} |")
+              f"{'yes' if r['within'] else 'NO'} | {r['rank']:g} of {r['of']} | "
+              f"{r['bf16_curves']} |")
     for q in dict.fromkeys(r["precision"] for r in rows):
         mine = [r for r in rows if r["precision"] == q]
         print(f"{q}: within the band at {sum(r['within'] for r in mine)} of {len(mine)} seeds; "
-              f"ranks {[r['rank'] for r in mine]} (of {[r['of'] for r in mine]})")
+              f"ranks {[r['rank'] for r in mine]} (of {[r['of'] for r in mine]}; "
+              f"{sum(r['rank'] for r in mine) / len(mine):.2f} on average, "
+              f"{sum((r['of'] + 1) / 2 for r in mine) / len(mine):.2f} for noise)")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "lm_noise_band.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")

@@ -18,6 +18,8 @@ weights times (1 + EPS N(0, 1)), each its own draw: the run-to-run noise band. A
 "within the bf16 noise band" when the largest gap between its 10-step moving-average loss and
 bf16's is no larger than the largest gap between two of the bf16 curves (the rule of
 benchmarks/megatron_loss_noise.py); the script then also exits 1 for a precision outside it.
+`--first-repeat N` trains repeats N+1 ... N+repeats only (with the unperturbed bf16 model):
+benchmarks/lm_noise_band.py merges them into the seed's first run for a wider band sample.
 `--csv` writes the per-step losses (and, with matplotlib, a plot of their moving averages next
 to it).
 

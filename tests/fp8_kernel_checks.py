@@ -82,8 +82,9 @@ def check_e4m3_and_bf16_rounding(device, big=False):
 
 def check_quantize_rows_cols(device, big=False):
     """Both bundles, read from rows in place and through an address table, with the launcher's
-    tile and with every tile of QUANT_TILES (the GPU; in the interpreter the unrolled and the
-    looped chunk walks at one and two warps), each run on poisoned outputs."""
+    tile and with every tile of QUANT_TILES (the GPU; in the interpreter, which ignores the warp
+    count, the unrolled and the looped chunk walks), and each bundle alone; every run on
+    poisoned outputs."""
     from megatron_dist_moe.kernels.quant_fp8 import QUANT_TILES, quantize_rows_cols
     lens, offs, R = _segments(big, device)
     E = len(lens)
@@ -114,17 +115,24 @@ def check_quantize_rows_cols(device, big=False):
             zq, zs = Q.quantize_rows(xz, rc)
             zcq, zcs = Q.quantize_cols(xz, offs.long(), Rp, rc)
             used = int(Q.padded_offsets(offs)[-1])
-            for tile in tiles:
-                for src, want in ((x, (rq, rs, cq, cs)), (None, (zq, zs, zcq, zcs))):
-                    for t in (q, s, qc, sc):
-                        t.view(U8).fill_(0xFF)
-                    quantize_rows_cols(src, offs, R + 5, K, rows=(q, s), cols=(qc, sc),
-                                       recipe=rc, tile=tile,
-                                       row_ptrs=None if src is not None else ptrs)
-                    what = (f"{'gathered ' if src is None else ''}K={K} pow2={pow2} "
-                            f"tile={tile}")
+            # both bundles, in place and gathered; each bundle alone (in place) at the
+            # launcher's tile and a looped one
+            runs = [(t, src, want, out) for t in tiles
+                    for src, want, out in ((x, (rq, rs, cq, cs), "rc"),
+                                           (None, (zq, zs, zcq, zcs), "rc"))]
+            runs += [(t, x, (rq, rs, cq, cs), out) for t in (None, (16, 1)) for out in "rc"]
+            for tile, src, want, out in runs:
+                for t in (q, s, qc, sc):
+                    t.view(U8).fill_(0xFF)
+                quantize_rows_cols(src, offs, R + 5, K, rows=(q, s) if "r" in out else None,
+                                   cols=(qc, sc) if "c" in out else None, recipe=rc, tile=tile,
+                                   row_ptrs=None if src is not None else ptrs)
+                what = (f"{'gathered ' if src is None else ''}K={K} pow2={pow2} tile={tile} "
+                        f"outputs={out}")
+                if "r" in out:
                     _bits_equal(f"rows {what}", q, want[0])
                     _bits_equal(f"row scales {what}", s, want[1])
+                if "c" in out:
                     _bits_equal(f"cols {what}", qc[:, :used], want[2][:, :used])
                     _bits_equal(f"col scales {what}", sc[:used // 128], want[3][:used // 128])
 

@@ -40,9 +40,9 @@ _BF16_MAX = tl.constexpr(BF16_MAX)
 # keeps its 2-D grid.
 GROUP_ROWS = 1
 # (column chunk, warps) of quantize_rows_cols' programs that bench_quant.py --fp8-tiles times
-# against the launcher's choice: a 1- or 2-warp program keeps each column block's amax inside
-# a warp (no shared-memory reduction; the mxfp8 quantizer gained ~40 % from that), at the cost
-# of a loop over more chunks
+# against the launcher's choice: fewer warps per 128-row tile mean fewer barriers and
+# shared-memory reductions per column block (none at one warp, where each block's amax stays
+# inside the warp) and more programs per SM, at the cost of a loop over narrower chunks
 QUANT_TILES = ((128, 8), (64, 8), (64, 4), (32, 4), (32, 2), (16, 2), (16, 1))
 
 
@@ -139,7 +139,7 @@ def padded_block(offsets_ptr, E, E_PAD: tl.constexpr, pb):
 
 
 @triton.jit
-def _cols_chunk(x_rows, ld, amax_r, c, cb, pb, p0, i, K, Rp, qc_addr, sc_addr, ROWS: tl.constexpr,
+def _cols_chunk(x_rows, ld, amax_r, c, cb, pb, p0, i, K, Rp, qc_base, sc_base, ROWS: tl.constexpr,
                 COLS: tl.constexpr, POW2: tl.constexpr, EPS: tl.constexpr, HW: tl.constexpr,
                 CHUNK: tl.constexpr):
     """Column chunk c of the tile: its column blocks quantized and stored (COLS), the row
@@ -149,8 +149,6 @@ def _cols_chunk(x_rows, ld, amax_r, c, cb, pb, p0, i, K, Rp, qc_addr, sc_addr, R
     if ROWS:
         amax_r = tl.maximum(amax_r, block_amax(x, 1))
     if COLS:
-        qc_base = load_ptr(qc_addr, tl.float8e4nv)
-        sc_base = load_ptr(sc_addr, tl.float32)
         scale, s_inv = block_scales(block_amax(x, 0), POW2, EPS)
         q = to_e4m3(x * scale[None, :], HW)
         tl.store(qc_base + cols[None, :].to(tl.int64) * Rp + (p0 + i)[:, None], q)
@@ -197,14 +195,19 @@ def _quant_rows_cols_kernel(x_addr, row_ptrs, offsets_ptr, q_addr, s_addr, qc_ad
         x_rows = load_ptr(x_addr, tl.bfloat16) + rows[:, None] * K
         ld = ok
     NC: tl.constexpr = 128 // CHUNK
+    if COLS:    # the column bundle's base addresses, loaded once (not per chunk of the loop)
+        qc_base = load_ptr(qc_addr, tl.float8e4nv)
+        sc_base = load_ptr(sc_addr, tl.float32)
+    else:
+        qc_base, sc_base = qc_addr, sc_addr    # unused
     amax_r = tl.zeros((128,), tl.float32)
     if NC <= 2:
         for c in tl.static_range(NC):
-            amax_r = _cols_chunk(x_rows, ld, amax_r, c, cb, pb, p0, i, K, Rp, qc_addr, sc_addr,
+            amax_r = _cols_chunk(x_rows, ld, amax_r, c, cb, pb, p0, i, K, Rp, qc_base, sc_base,
                                  ROWS, COLS, POW2, EPS, HW, CHUNK)
     else:
         for c in tl.range(NC):
-            amax_r = _cols_chunk(x_rows, ld, amax_r, c, cb, pb, p0, i, K, Rp, qc_addr, sc_addr,
+            amax_r = _cols_chunk(x_rows, ld, amax_r, c, cb, pb, p0, i, K, Rp, qc_base, sc_base,
                                  ROWS, COLS, POW2, EPS, HW, CHUNK)
     if ROWS:
         scale, s_inv = block_scales(amax_r, POW2, EPS)

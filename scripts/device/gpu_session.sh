@@ -26,7 +26,8 @@
 #   bench      bench_grouped_gemm (BENCH_ARGS)
 #   quant      bench_quant: the fp8_block / mxfp8 activation quantizers in TB/s against the copy
 #              rate, bit-exact first (QUANT_ARGS, e.g. "--group-rows 0,1,4", "--tiles all" or
-#              "--fp8-tiles all --kernels fp8_block:quantize_x,fp8_block:quantize_gh1")
+#              "--fp8-tiles all --kernels fp8_block:quantize_x,fp8_block:quantize_gh1,
+#              fp8_block:quantize_h2_cols", without the line break)
 #   quantbase  the same bench_quant run on the tree in $BASE_TREE (QUANT_BASE_ARGS instead of
 #              QUANT_ARGS where the old tree takes other arguments)
 #   fp8gemm    bench_fp8_gemm: the fp8_block kernels beside bf16 and torch._scaled_mm (FP8_ARGS)

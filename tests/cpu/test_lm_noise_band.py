@@ -72,3 +72,23 @@ def test_bad_arguments(tmp_path):
     _write(tmp_path / "lone.csv", dict(bf16=_curve(20), mxfp8=_curve(20, 0.1)))
     with pytest.raises(ValueError, match="repeat"):
         lnb.main(["--seed", f"1={tmp_path / 'lone.csv'}", "--out", str(tmp_path / "o")])
+
+
+def test_refusals_and_ties(tmp_path):
+    n = 30
+    base = _curve(n)
+    _write(tmp_path / "a.csv", dict(bf16=base, bf16_repeat1=_curve(n, 0.02),
+                                    mxfp8=_curve(n, 0.02)))
+    # a rerun that adds nothing (no --first-repeat) is refused, not merged silently
+    with pytest.raises(ValueError, match="adds no curve"):
+        lnb.load_seed([str(tmp_path / "a.csv"), str(tmp_path / "a.csv")])
+    # a tie with a repeat's gap counts half
+    (r,) = lnb.judge(lnb.load_seed([str(tmp_path / "a.csv")]))
+    assert r["rank"] == 1.5 and r["of"] == 2 and r["within"]
+    # bf16 runs alone give no verdict: exit 2, not a vacuous pass
+    _write(tmp_path / "b.csv", dict(bf16=base, bf16_repeat1=_curve(n, 0.01)))
+    assert lnb.main(["--seed", f"3={tmp_path / 'b.csv'}", "--out", str(tmp_path / "o")]) == 2
+    with pytest.raises(SystemExit):     # one seed given twice
+        lnb.main(["--seed", f"3={tmp_path / 'a.csv'}", "--seed", f"3={tmp_path / 'b.csv'}"])
+    with pytest.raises(SystemExit):
+        lnb.main(["--seed", "3=,"])

@@ -47,14 +47,18 @@ def _losses(tmp_path, name, *extra):
         [sys.executable, os.path.join(REPO, "examples", "tiny_lm_nvfp4_eval.py"),
          "--steps", "12", "--layers", "1", "--eval-batches", "1", "--repeat-perturb", "1e-3",
          "--csv", str(path), *extra], capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-4000:]
-    rows = list(csv.DictReader(open(path)))
+    # no training precision but bf16, so only the 2 % NVFP4 bound can fail a 12-step run
+    assert proc.returncode == 0 or "FAIL: nvfp4" in proc.stdout, (
+        proc.stdout[-3000:] + proc.stderr[-4000:])
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
     return {k: [r[k] for r in rows] for k in rows[0] if k != "step"}
 
 
 def test_later_repeats_alone_reproduce_the_full_runs_columns(tmp_path):
-    """--first-repeat 1 trains repeat 2 alone, bit for bit as the run with two repeats does,
-    so benchmarks/lm_noise_band.py can merge a seed's later repeats into its first run."""
+    """--first-repeat 1 trains repeat 2 alone, to the CSV's last digit as the run with two
+    repeats does, so benchmarks/lm_noise_band.py can merge a seed's later repeats into its
+    first run."""
     full = _losses(tmp_path, "full", "--repeats", "2")
     later = _losses(tmp_path, "later", "--repeats", "1", "--first-repeat", "1")
     assert set(full) == {"loss_bf16", "loss_bf16_repeat1", "loss_bf16_repeat2"}
