@@ -50,7 +50,7 @@
 #   lmeval     examples/tiny_lm_nvfp4_eval.py on the CUDA backend: bf16 / fp8_block / mxfp8
 #              training against the bf16 noise band (six perturbed repeats; then
 #              benchmarks/lm_noise_band.py's verdicts), then the held-out loss with nvfp4 experts
-#              (LMEVAL_ARGS; LMEVAL_SEED: the --seed among them, default 1234)
+#              (LMEVAL_SEEDS, e.g. "1234 7 11 23 42", default 1234; LMEVAL_ARGS)
 #   pack       fold everything under $OUT into one archive (the device tool brings back few files)
 # GIT_COMMIT: the commit of the tree that travels (the device copy's git HEAD is the last
 # landed commit, not the working tree's), written into every CSV row; pass it in the command.
@@ -145,12 +145,16 @@ for s in $sections; do case $s in
                 ${PERTURB:+--repeat-perturb "$PERTURB"} ${MEGATRON_ARGS:-} \
                 --csv "$OUT/megatron_cmp_${MOE_BACKEND:-cuda}_$seed.csv"
             done ;;
-  lmeval) LIMIT=600 run lmeval torchrun --nproc-per-node="$NGPU" examples/tiny_lm_nvfp4_eval.py \
-              --device cuda --hidden 1024 --ffn 2048 --experts 8 --steps 300 \
-              --train-precisions bf16,fp8_block,mxfp8 --repeat-perturb 1e-3 --repeats 6 \
-              --csv "$OUT/tiny_lm.csv" --json "$OUT/tiny_lm.json" ${LMEVAL_ARGS:-}
-          python3 benchmarks/lm_noise_band.py --seed "${LMEVAL_SEED:-1234}=$OUT/tiny_lm.csv" \
-              --out "$OUT" | tee "$OUT/lm_noise_band.log" ;;
+  lmeval) band_args=""   # one run per seed (~10 s per model on one H200), then the verdicts
+          for seed in ${LMEVAL_SEEDS:-1234}; do
+            LIMIT=300 run lmeval_seed$seed torchrun --nproc-per-node="$NGPU" \
+              examples/tiny_lm_nvfp4_eval.py --device cuda --hidden 1024 --ffn 2048 --experts 8 \
+              --steps 300 --train-precisions bf16,fp8_block,mxfp8 --repeat-perturb 1e-3 \
+              --repeats 6 --seed "$seed" --csv "$OUT/tiny_lm_seed$seed.csv" \
+              --json "$OUT/tiny_lm_seed$seed.json" ${LMEVAL_ARGS:-}
+            band_args="$band_args --seed $seed=$OUT/tiny_lm_seed$seed.csv"
+          done
+          run lm_noise_band python3 benchmarks/lm_noise_band.py $band_args --out "$OUT" ;;
   pack) tar czf /tmp/session.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/session.tgz "$OUT/" \
           && ls -la "$OUT" ;;
   *) echo "unknown section $s" ;;
