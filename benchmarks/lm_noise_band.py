@@ -10,7 +10,7 @@ a seed's files must hold the same losses to the CSV's last digit, as reruns of t
 CPU do (GPU runs need not reproduce bit for bit: merge CPU runs); otherwise, or where a file
 adds no column, the merge is refused.
 
-Per seed, from the 10-step moving averages (testing.moving_average):
+Per seed, from the 10-step moving averages (testing.moving_average_gap, testing.noise_band):
 - band: the largest gap between two bf16 curves (the unperturbed one and its perturbed repeats),
   the rule of examples/tiny_lm_nvfp4_eval.py and benchmarks/megatron_loss_noise.py; a precision
   is within it when its largest gap to the unperturbed bf16 curve is no larger;
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import itertools
 import os
 import sys
 
@@ -38,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from plotting import pyplot  # noqa: E402
 
-from megatron_dist_moe.testing import moving_average  # noqa: E402
+from megatron_dist_moe.testing import moving_average_gap, noise_band  # noqa: E402
 
 FIELDS = ["seed", "precision", "gap", "band", "within", "rank", "of", "bf16_curves"]
 
@@ -78,20 +77,16 @@ def load_seed(paths: list[str]) -> dict[str, list[float]]:
     return curves
 
 
-def max_gap(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) for x, y in zip(moving_average(a), moving_average(b)))
-
-
 def judge(curves: dict[str, list[float]]) -> list[dict]:
     """One row per precision other than bf16: its gap to bf16, the band, within, rank."""
     bf16 = [k for k in curves if k == "bf16" or k.startswith("bf16_repeat")]
     if len(bf16) < 2:
         raise ValueError("a band needs the bf16 curve and at least one perturbed repeat")
-    band = max(max_gap(curves[a], curves[b]) for a, b in itertools.combinations(bf16, 2))
-    repeat_gaps = [max_gap(curves[k], curves["bf16"]) for k in bf16 if k != "bf16"]
+    band = noise_band([curves[k] for k in bf16])
+    repeat_gaps = [moving_average_gap(curves[k], curves["bf16"]) for k in bf16 if k != "bf16"]
     out = []
     for q in (k for k in curves if k not in bf16):
-        gap = max_gap(curves[q], curves["bf16"])
+        gap = moving_average_gap(curves[q], curves["bf16"])
         out.append(dict(precision=q, gap=round(gap, 4), band=round(band, 4),
                         within=gap <= band,
                         rank=1 + sum(g < gap for g in repeat_gaps)

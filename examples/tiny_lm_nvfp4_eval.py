@@ -45,7 +45,8 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 import megatron_dist_moe as dm  # noqa: E402
-from megatron_dist_moe.testing import moving_average  # noqa: E402
+from megatron_dist_moe.testing import (moving_average, moving_average_gap,  # noqa: E402
+                                       noise_band)
 
 BF = torch.bfloat16
 
@@ -190,10 +191,6 @@ def evaluate(model, ctxs, data, args, device, rank, prepared=None) -> float:
     return float(total) / (args.eval_batches * dist.get_world_size())
 
 
-def max_gap(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) for x, y in zip(moving_average(a), moving_average(b)))
-
-
 def train(args, rank, world, device, data, precision: str, perturb: float, say, draw=0):
     """One model trained from the seed's weights (times 1 + perturb N(0, 1), the draw's) on
     the seed's batches; returns (model, per-step mean losses over the ranks)."""
@@ -253,9 +250,9 @@ def run(rank: int, world: int, args) -> dict:
     for precision in args.train_precisions[1:]:
         _, curves[precision] = train(args, rank, world, device, data, precision, 0.0, say)
     bf16_curves = [v for k, v in curves.items() if k.startswith("bf16")]
-    band = (max(max_gap(a, b) for i, a in enumerate(bf16_curves) for b in bf16_curves[i + 1:])
+    band = (noise_band(bf16_curves)
             if len(bf16_curves) > 1 else None)
-    gaps = {q: max_gap(curves[q], curves["bf16"]) for q in args.train_precisions[1:]}
+    gaps = {q: moving_average_gap(curves[q], curves["bf16"]) for q in args.train_precisions[1:]}
     for q, gap in gaps.items():
         say(f"[tiny-lm] {q}: largest 10-step moving-average gap to bf16 {gap:.4f}"
             + (f" (largest gap between the bf16 curves: {band:.4f}; "

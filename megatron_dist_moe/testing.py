@@ -35,7 +35,7 @@ __all__ = [
     "nvfp4_emulation",
     "nvfp4_oracle_y",
     "spawn", "SpawnedRankDied", "run_child_checks", "assert_child_check", "RESULT_NAMES",
-    "moving_average",
+    "moving_average", "moving_average_gap", "noise_band",
 ]
 
 RESULT_NAMES = ("y", "grad_x", "grad_scores", "grad_w13", "grad_w2")
@@ -553,3 +553,14 @@ def moving_average(v: list[float], width: int = 10) -> list[float]:
         acc += x - (v[i - width] if i >= width else 0.0)
         out.append(acc / min(i + 1, width))
     return out
+
+
+def moving_average_gap(a: list[float], b: list[float], width: int = 10) -> float:
+    """The largest gap between two loss curves' `width`-step moving averages."""
+    return max(abs(x - y) for x, y in zip(moving_average(a, width), moving_average(b, width)))
+
+
+def noise_band(curves: list[list[float]]) -> float:
+    """The run-to-run noise band of repeated curves: their largest pairwise
+    `moving_average_gap` (examples/tiny_lm_nvfp4_eval.py, benchmarks/lm_noise_band.py)."""
+    return max(moving_average_gap(a, b) for i, a in enumerate(curves) for b in curves[i + 1:])
