@@ -8,6 +8,7 @@ launch flag without reading the source.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -48,6 +49,16 @@ def _positive_int(name: str, value: Any) -> None:
         raise ConfigError(name, f"must be an int, got {type(value).__name__} {value!r}")
     if value <= 0:
         raise ConfigError(name, f"must be > 0, got {value}")
+
+
+def _finite_number(name: str, value: Any, optional: bool = False) -> None:
+    """A float field: an int or float (not a bool, not a string read from YAML), finite."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(name, f"must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ConfigError(name, f"must be finite, got {value}")
 
 
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -143,6 +154,10 @@ class Config:
         _choice("activation", self.activation, ACTIVATIONS)
         _choice("backend", self.backend, BACKENDS)
         _choice("wgrad_dtype", self.wgrad_dtype, WGRAD_DTYPES)
+        for name in ("device_scratch_capacity_factor", "swiglu_alpha", "swiglu_limit"):
+            _finite_number(name, getattr(self, name))
+        for name in ("activation_slot_capacity_factor", "host_scratch_capacity_factor"):
+            _finite_number(name, getattr(self, name), optional=True)
         if not isinstance(self.inference, bool):
             raise ConfigError("inference", f"must be a bool, got {self.inference!r}")
         if not isinstance(self.save_route_outputs, bool):

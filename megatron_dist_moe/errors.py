@@ -23,8 +23,10 @@ class ConfigError(ValueError):
 
 
 class RoutedExpertsInputError(ValueError):
-    """An argument of routed_experts (named in the message) is invalid. Nothing was written."""
+    """An argument of routed_experts (named in the message) is invalid. Nothing was written.
+    The public functions that prepare routed_experts' arguments (prepare_expert_weights) raise
+    it too, under their own name (`function`)."""
 
-    def __init__(self, arg: str, message: str):
+    def __init__(self, arg: str, message: str, function: str = "routed_experts"):
         self.arg = arg
-        super().__init__(f"routed_experts({arg}): {message}")
+        super().__init__(f"{function}({arg}): {message}")

@@ -93,6 +93,8 @@ def validate_inputs(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: 
         if tuple(w13.shape) != (E_local, 2, F, D):
             raise RoutedExpertsInputError("w13", f"expected [E_local={E_local}, 2, F={F}, D={D}] or "
                                           f"[E_local, 2F={2 * F}, D], got {list(w13.shape)}")
+        if not w13.is_contiguous():     # reshape would copy: the kernels and the weight cache
+            raise RoutedExpertsInputError("w13", "must be contiguous")   # need the caller's
         w13 = w13.reshape(E_local, 2 * F, D)
     elif tuple(w13.shape) != (E_local, 2 * F, D):
         raise RoutedExpertsInputError("w13", f"expected [E_local={E_local}, 2F={2 * F}, D={D}] or "
@@ -123,7 +125,37 @@ def validate_inputs(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: 
                 "(expert_ids == -1): inactive routes must have score 0")
         if not bool(torch.isfinite(scores_TK).all()):
             raise RoutedExpertsInputError("scores", "contains NaN or Inf")
+        for name, w in (("w13", w13), ("w2", w2_EDF)) if prepared else ():
+            g = w.global_scale     # an encode scale: finite and > 0 (quant/nvfp4.py)
+            if not bool((torch.isfinite(g) & (g > 0)).all()):
+                raise RoutedExpertsInputError(
+                    name, f"global scales must be finite and > 0, got {g.tolist()}")
     return w13
+
+
+def _check_grad_mode(x_TD, scores_TK, w13, w2_EDF, ctx: Context) -> bool:
+    """Whether this call trains (records for backward); raises where the context cannot. Runs
+    before the cross-rank agreement, so a rank that refuses here does not leave its peers
+    waiting in the exchange."""
+    if isinstance(w13, PreparedWeight):
+        # inference on prepared weights: nothing to differentiate, so no registered op pair
+        if torch.is_grad_enabled() and x_TD.requires_grad:
+            raise RoutedExpertsInputError(
+                "x", f"precision={ctx.config.precision!r} runs inference only: call under "
+                "torch.no_grad() (or detach x)")
+        return False
+    training = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (x_TD, scores_TK, w13, w2_EDF))
+    if training and library.in_checkpoint_recompute():
+        # Non-reentrant activation-checkpoint recomputation: the first pass already saved this
+        # layer's state in its slot and its backward uses that snapshot; this call only rebuilds
+        # y for the other ops of the region, so it must not touch the planner (library.py).
+        training = False
+    if training and ctx.config.inference:
+        raise RoutedExpertsInputError(
+            "ctx", "this context was created with Config.inference=True and keeps no state for "
+            "backward; call under torch.no_grad() or create a training context")
+    return training
 
 
 def validate_wgrad_into(wgrad_into, ctx: Context) -> tuple[list, list]:
@@ -217,6 +249,7 @@ def routed_experts(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: t
         try:
             validate_inputs(x_TD, expert_ids_TK, scores_TK, w13, w2_EDF, ctx,
                             check_values=False if fake else None)
+            training = _check_grad_mode(x_TD, scores_TK, w13, w2_EDF, ctx)
             if wgrad_into is not None:
                 if fake or tracing:
                     # the accumulators travel beside the registered op (see below), which a
@@ -239,28 +272,12 @@ def routed_experts(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: t
     if local_error is not None:
         raise local_error
     if isinstance(w13, PreparedWeight):
-        # inference on prepared weights: nothing to differentiate, so no registered op pair
-        if torch.is_grad_enabled() and x_TD.requires_grad:
-            raise RoutedExpertsInputError(
-                "x", f"precision={ctx.config.precision!r} runs inference only: call under "
-                "torch.no_grad() (or detach x)")
         y_TD, _ = ctx.backend.forward(x_TD, expert_ids_TK, scores_TK, w13, w2_EDF,
                                       training=False)
         return y_TD
     cache_code = {None: -1, False: 0, True: 1}[cache_mode]
     if w13.dim() == 4:       # [E_local, 2, F, D] -> [E_local, 2F, D], a view (traced)
         w13 = w13.reshape(w13.shape[0], -1, w13.shape[-1])
-    training = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (x_TD, scores_TK, w13, w2_EDF))
-    if training and library.in_checkpoint_recompute():
-        # Non-reentrant activation-checkpoint recomputation: the first pass already saved this
-        # layer's state in its slot and its backward uses that snapshot; this call only rebuilds
-        # y for the other ops of the region, so it must not touch the planner (library.py).
-        training = False
-    if training and ctx.config.inference:
-        raise RoutedExpertsInputError(
-            "ctx", "this context was created with Config.inference=True and keeps no state for "
-            "backward; call under torch.no_grad() or create a training context")
     # the accumulators travel as the op's tensor-list arguments; its saved record keeps them
     into = wgrad_into if training and not fake and wgrad_into is not None else ([], [])
     y_TD, _ = torch.ops.dist_moe.routed_experts_fwd(x_TD, expert_ids_TK, scores_TK, w13, w2_EDF,

@@ -105,14 +105,22 @@ class PreparedExperts:
         return PreparedExperts(self.w13.to(device), self.w2.to(device))
 
 
+def _error(arg: str, message: str) -> RoutedExpertsInputError:
+    return RoutedExpertsInputError(arg, message, function="prepare_expert_weights")
+
+
 def _weight(name: str, w, ndim_ok: tuple[int, ...]) -> torch.Tensor:
     if not isinstance(w, torch.Tensor):
-        raise RoutedExpertsInputError(name, f"expected a torch.Tensor, got {type(w).__name__}")
+        raise _error(name, f"expected a torch.Tensor, got {type(w).__name__}")
     if w.dim() not in ndim_ok:
-        raise RoutedExpertsInputError(name, f"expected {' or '.join(f'{d}-d' for d in ndim_ok)}"
-                                      f", got shape {list(w.shape)}")
+        raise _error(name, f"expected {' or '.join(f'{d}-d' for d in ndim_ok)}, got shape "
+                     f"{list(w.shape)}")
     if w.dtype not in (torch.bfloat16, torch.float32):
-        raise RoutedExpertsInputError(name, f"dtype {w.dtype}: expected bfloat16 or float32")
+        raise _error(name, f"dtype {w.dtype}: expected bfloat16 or float32")
+    if w.device.type == "meta":
+        raise _error(name, "is a meta tensor: prepare weights that hold values")
+    if w.numel() == 0:
+        raise _error(name, f"is empty (shape {list(w.shape)}): expected at least one expert")
     return w
 
 
@@ -125,26 +133,32 @@ def prepare_expert_weights(w13, w2, precision: str = "nvfp4") -> PreparedExperts
     (D for W13, F for W2) must be multiples of 16, NVFP4's block.
     """
     if precision not in PREPARED_PRECISIONS:
-        raise RoutedExpertsInputError("precision", f"{precision!r}: weights are prepared for "
-                                      f"{PREPARED_PRECISIONS} (the other precisions read the "
-                                      "bf16 weights directly)")
+        raise _error("precision", f"{precision!r}: weights are prepared for "
+                     f"{PREPARED_PRECISIONS} (the other precisions read the bf16 weights "
+                     "directly)")
     w13 = _weight("w13", w13, (3, 4))
     w2 = _weight("w2", w2, (3,))
     if w13.dim() == 4:
         if w13.shape[1] != 2:
-            raise RoutedExpertsInputError("w13", f"expected [E_local, 2, F, D], got "
-                                          f"{list(w13.shape)}")
+            raise _error("w13", f"expected [E_local, 2, F, D], got {list(w13.shape)}")
         w13 = w13.reshape(w13.shape[0], -1, w13.shape[-1])
     E, F2, D = w13.shape
     if tuple(w2.shape) != (E, D, F2 // 2):
-        raise RoutedExpertsInputError("w2", f"expected [E_local={E}, D={D}, F={F2 // 2}] to "
-                                      f"match w13 {list(w13.shape)}, got {list(w2.shape)}")
+        raise _error("w2", f"expected [E_local={E}, D={D}, F={F2 // 2}] to match w13 "
+                     f"{list(w13.shape)}, got {list(w2.shape)}")
     if w2.device != w13.device:
-        raise RoutedExpertsInputError("w2", f"is on {w2.device}, w13 on {w13.device}")
+        raise _error("w2", f"is on {w2.device}, w13 on {w13.device}")
     for name, k in (("w13", D), ("w2", F2 // 2)):
         if k % 16:
-            raise RoutedExpertsInputError(name, f"contraction width {k} is not a multiple of 16 "
-                                          "(NVFP4 block)")
+            raise _error(name, f"contraction width {k} is not a multiple of 16 (NVFP4 block)")
+    # NVFP4's amax ignores NaN and Inf sets the scale of its whole matrix: a non-finite weight
+    # would be stored as some finite value, or zero its neighbours, without a trace
+    for name, w in (("w13", w13), ("w2", w2)):
+        bad = ~torch.isfinite(w)
+        if bool(bad.any()):
+            where = [int(v) for v in bad.nonzero()[0]]
+            raise _error(name, f"holds {int(bad.sum())} NaN or Inf values (first at {where}, "
+                         f"value {float(w[tuple(where)])})")
     from .quant import nvfp4
 
     def one(w):

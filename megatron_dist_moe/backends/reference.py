@@ -148,7 +148,9 @@ class ReferenceBackend:
         bad = -1 if local_error is None else (
             ARG_NAMES.index(local_error.arg) if local_error.arg in ARG_NAMES else 0)
         T_local = x_TD.shape[0] if isinstance(x_TD, torch.Tensor) and x_TD.dim() >= 1 else -1
-        t = torch.tensor([T_local, bad], dtype=torch.int64, device=ctx.device)
+        # x's dtype too: rows of different widths would break the exchange itself
+        dt = self.supported_dtypes.index(x_TD.dtype) if local_error is None else -1
+        t = torch.tensor([T_local, bad, dt], dtype=torch.int64, device=ctx.device)
         got = [torch.empty_like(t) for _ in range(ctx.ep_size)]
         dist.all_gather(got, t, group=ctx.group)
         if local_error is not None:
@@ -164,6 +166,11 @@ class ReferenceBackend:
             raise RoutedExpertsInputError(
                 "x", f"every rank must pass the same number of rows T (pad with all-inactive "
                 f"rows); this is rank {ctx.rank} with T={x_TD.shape[0]}, per-rank T = {Ts}")
+        dtypes = [str(self.supported_dtypes[int(v[2])]) for v in got]
+        if len(set(dtypes)) > 1:
+            raise RoutedExpertsInputError(
+                "x", f"every rank must pass x (and its weights) in the same dtype; this is rank "
+                f"{ctx.rank} with {x_TD.dtype}, per-rank dtypes = {dtypes}")
 
     def _exchange(self, rows: torch.Tensor, send_counts: list[int],
                   recv_counts: list[int]) -> torch.Tensor:

@@ -51,6 +51,15 @@ BAD = [
     ("device_scratch_capacity_factor", dict(device_scratch_capacity_factor=0.0)),
     ("host_scratch_capacity_factor", dict(host_scratch_capacity_factor=1.0)),  # below device 2.0
     ("swiglu_limit", dict(activation="swiglu_clamped", swiglu_limit=0.0)),
+    # float fields: numbers (a YAML string such as "inf" is not one), finite
+    ("device_scratch_capacity_factor", dict(device_scratch_capacity_factor="2")),
+    ("device_scratch_capacity_factor", dict(device_scratch_capacity_factor=float("inf"))),
+    ("activation_slot_capacity_factor", dict(activation_slot_capacity_factor="1")),
+    ("activation_slot_capacity_factor", dict(activation_slot_capacity_factor=float("inf"))),
+    ("host_scratch_capacity_factor", dict(host_scratch_capacity_factor=float("inf"))),
+    ("swiglu_limit", dict(activation="swiglu_clamped", swiglu_limit="7")),
+    ("swiglu_alpha", dict(swiglu_alpha=float("nan"))),
+    ("swiglu_alpha", dict(swiglu_alpha="x")),
     ("wait_timeout_s", dict(wait_timeout_s=0)),
     ("wait_timeout_s", dict(wait_timeout_s="10")),
     # what no backend runs is refused when the Config is built, naming the field

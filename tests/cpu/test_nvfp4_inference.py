@@ -8,6 +8,7 @@ to that emulation itself (the same math: only summation orders and rounding flip
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pytest
@@ -49,12 +50,22 @@ def _worker(rank, ws):
                                                      prepared.w13, prepared.w13, ctx)),
                     ("x", lambda: dm.routed_experts(p.x[tok].float(), p.ids[tok],
                                                     p.scores[tok], prepared.w13, prepared.w2,
-                                                    ctx))):
+                                                    ctx)),
+                    # a corrupt global scale would zero or blow up y without a trace
+                    ("w2", lambda: dm.routed_experts(
+                        p.x[tok], p.ids[tok], p.scores[tok], prepared.w13,
+                        dataclasses.replace(prepared.w2, global_scale=torch.full_like(
+                            prepared.w2.global_scale, float("nan"))), ctx)),
+                    ("w13", lambda: dm.routed_experts(
+                        p.x[tok], p.ids[tok], p.scores[tok],
+                        dataclasses.replace(prepared.w13,
+                                            global_scale=-prepared.w13.global_scale),
+                        prepared.w2, ctx))):
                 try:
                     call()
-                    errors[arg] = "no error"
+                    errors.setdefault(arg, []).append("no error")
                 except dm.RoutedExpertsInputError as e:
-                    errors[arg] = e.arg
+                    errors.setdefault(arg, []).append(e.arg)
             with torch.no_grad():
                 y2 = dm.routed_experts(p.x[tok], p.ids[tok], p.scores[tok], prepared.w13,
                                        prepared.w2, ctx)
@@ -83,7 +94,7 @@ def test_y_within_twice_the_emulated_nvfp4_error(results, case):
 
 def test_bad_inputs_name_the_argument(results):
     for res in results:
-        assert res["random"]["errors"] == dict(w13="w13", w2="w2", x="x")
+        assert res["random"]["errors"] == dict(w13=["w13", "w13"], w2=["w2", "w2"], x=["x"])
 
 
 def test_prepared_weights_round_trip_through_torch_save():
@@ -109,6 +120,11 @@ def test_prepared_weights_round_trip_through_torch_save():
     (dict(w13=torch.zeros(4, 128, 120), w2=torch.zeros(4, 120, 64)), "w13"),
     (dict(w13=torch.zeros(4, 128, 128, dtype=torch.int32)), "w13"),
     (dict(w13="weights"), "w13"),
+    (dict(w13=torch.zeros(0, 128, 128), w2=torch.zeros(0, 128, 64)), "w13"),
+    (dict(w13=torch.zeros(4, 128, 128, device="meta")), "w13"),
+    # NVFP4's amax ignores NaN: without the check these would be stored as finite values
+    (dict(w13=torch.zeros(4, 128, 128).index_fill_(2, torch.tensor([5]), float("nan"))), "w13"),
+    (dict(w2=torch.zeros(4, 128, 64).index_fill_(1, torch.tensor([7]), float("inf"))), "w2"),
 ])
 def test_prepare_refuses_bad_weights_naming_the_argument(kw, arg):
     args = dict(w13=torch.zeros(4, 128, 128), w2=torch.zeros(4, 128, 64))
@@ -116,6 +132,7 @@ def test_prepare_refuses_bad_weights_naming_the_argument(kw, arg):
     with pytest.raises(dm.RoutedExpertsInputError) as e:
         dm.prepare_expert_weights(**args)
     assert e.value.arg == arg
+    assert str(e.value).startswith(f"prepare_expert_weights({arg}): "), str(e.value)
 
 
 def test_nvfp4_needs_an_inference_context_and_a_pipeline_that_runs_it():

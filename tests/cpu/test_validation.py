@@ -51,6 +51,9 @@ def _bad_calls(rank):
         "w13_shape": ("w13", swap(3, lambda w: w[:, :, : F // 2].contiguous())),
         "w13_dtype": ("w13", swap(3, lambda w: w.to(torch.float32))),
         "w13_local_experts": ("w13", swap(3, lambda w: torch.cat([w, w]))),
+        # a 4-d view that is not contiguous: reshaping it would copy (a fresh tensor per call)
+        "w13_4d_not_contiguous": ("w13", swap(3, lambda w: w.view(w.shape[0], 2, F, D)
+                                              .transpose(2, 3).contiguous().transpose(2, 3))),
         "w2_shape": ("w2", swap(4, lambda w: w[:, : D // 2].contiguous())),
         "w2_not_contiguous": ("w2", swap(4, lambda w: w.transpose(1, 2).contiguous().transpose(1, 2))),
         "w2_dtype": ("w2", swap(4, lambda w: w.to(torch.bfloat16))),
@@ -127,6 +130,11 @@ def _worker(rank, ws):
     attempt("one_rank_bad_ids", "expert_ids",
             lambda: dm.routed_experts(*(bad_ids if rank == 1 else valid), ctx))
 
+    # x's dtype differs across ranks (each valid alone): every rank raises instead of the
+    # exchange aborting on rows of different widths
+    as32 = tuple(t.float() if t.is_floating_point() else t for t in valid)
+    attempt("one_rank_dtype", "x", lambda: dm.routed_experts(*(as32 if rank == 1 else valid), ctx))
+
     # bad slot selections name their parameter
     attempt("slot_index", "slot", lambda: ctx.select_activation_slot(1, 1))
     attempt("slot_negative", "slot", lambda: ctx.select_activation_slot(-1, 1))
@@ -156,7 +164,8 @@ def _worker(rank, ws):
     return out
 
 
-NAMES = list(_bad_calls(0)) + ["unequal_T", "one_rank_bad_ids", "slot_index", "slot_negative", "slot_layers_zero",
+NAMES = list(_bad_calls(0)) + ["unequal_T", "one_rank_bad_ids", "one_rank_dtype", "slot_index",
+                               "slot_negative", "slot_layers_zero",
                                "slot_layers_too_many", "overflow", "wgrad_into_not_a_pair",
                                "wgrad_into_count", "wgrad_into_dtype", "wgrad_into_shape",
                                "wgrad_into_not_tensor"]
@@ -238,3 +247,37 @@ def test_config_that_differs_across_ranks_is_refused_on_every_rank():
         assert "hidden_dim (rank 0: 128, rank 1: 256)" in o["msg"], o["msg"]
         assert "top_k (rank 0: 2, rank 1: 3)" in o["msg"], o["msg"]
         assert o["after"] == 2.0
+
+
+def _inference_grad_worker(rank: int, world_size: int):
+    """On an inference context rank 0 passes an x that requires grad, rank 1 does not."""
+    import torch.distributed as dist
+    cfg = _cfg(inference=True, num_activation_slots=0)
+    problem = tt.make_problem(cfg, world_size, seed=5, dtype=torch.float64)
+    oracle = tt.oracle_results(problem, cfg)
+    tok, exp = problem.tokens(rank), problem.experts(rank)
+    x = problem.x[tok].clone().requires_grad_(rank == 0)
+    out = {}
+    with dm.create_context(config=cfg, device="cpu") as ctx:
+        try:
+            dm.routed_experts(x, problem.ids[tok], problem.scores[tok],
+                              problem.w13[exp].contiguous(), problem.w2[exp].contiguous(), ctx)
+            out.update(arg=None, msg="no error")
+        except dm.RoutedExpertsInputError as e:
+            out.update(arg=e.arg, msg=str(e))
+        res = tt.run_rank(ctx, problem, backward=False)
+        out["next_err"] = max(tt.rank_errors(res, oracle, problem, rank).values())
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    out["after"] = float(t)
+    return out
+
+
+def test_grad_mode_refused_on_one_rank_is_refused_on_every_rank():
+    """The refusal comes before the cross-rank agreement: rank 1 is told rank 0 refused instead
+    of waiting for it in the exchange; both contexts stay usable."""
+    out = tt.spawn(_inference_grad_worker, 2, timeout_s=120)
+    assert out[0]["arg"] == "ctx" and "Config.inference=True" in out[0]["msg"], out[0]
+    assert out[1]["arg"] == "ctx" and "rank 0" in out[1]["msg"], out[1]
+    for o in out:
+        assert o["next_err"] < 1e-10 and o["after"] == 2.0, o
