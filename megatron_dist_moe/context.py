@@ -260,6 +260,9 @@ def create_context(group=None, config: Config | None = None,
                            "torch.distributed.init_process_group first")
     if group is None:
         group = dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"create_context(group): expected a torch.distributed ProcessGroup or "
+                        f"None (the default group), got {type(group).__name__} {group!r}")
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
