@@ -281,3 +281,16 @@ def test_grad_mode_refused_on_one_rank_is_refused_on_every_rank():
     assert out[1]["arg"] == "ctx" and "rank 0" in out[1]["msg"], out[1]
     for o in out:
         assert o["next_err"] < 1e-10 and o["after"] == 2.0, o
+
+
+def _group_type_worker(rank: int, world_size: int):
+    try:
+        dm.create_context(group="world", config=_cfg(), device="cpu")
+    except TypeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_create_context_names_a_group_that_is_not_a_process_group():
+    out = tt.spawn(_group_type_worker, 1, timeout_s=60)
+    assert out[0].startswith("create_context(group): expected a torch.distributed ProcessGroup"), out
