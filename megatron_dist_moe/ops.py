@@ -93,8 +93,10 @@ def validate_inputs(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: 
         if tuple(w13.shape) != (E_local, 2, F, D):
             raise RoutedExpertsInputError("w13", f"expected [E_local={E_local}, 2, F={F}, D={D}] or "
                                           f"[E_local, 2F={2 * F}, D], got {list(w13.shape)}")
-        if not w13.is_contiguous():     # reshape would copy: the kernels and the weight cache
-            raise RoutedExpertsInputError("w13", "must be contiguous")   # need the caller's
+        # before the reshape, which would copy: the kernels and the weight cache need the
+        # caller's tensor
+        if not w13.is_contiguous():
+            raise RoutedExpertsInputError("w13", "must be contiguous")
         w13 = w13.reshape(E_local, 2 * F, D)
     elif tuple(w13.shape) != (E_local, 2 * F, D):
         raise RoutedExpertsInputError("w13", f"expected [E_local={E_local}, 2F={2 * F}, D={D}] or "
@@ -125,11 +127,14 @@ def validate_inputs(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: 
                 "(expert_ids == -1): inactive routes must have score 0")
         if not bool(torch.isfinite(scores_TK).all()):
             raise RoutedExpertsInputError("scores", "contains NaN or Inf")
-        for name, w in (("w13", w13), ("w2", w2_EDF)) if prepared else ():
-            g = w.global_scale     # an encode scale: finite and > 0 (quant/nvfp4.py)
-            if not bool((torch.isfinite(g) & (g > 0)).all()):
-                raise RoutedExpertsInputError(
-                    name, f"global scales must be finite and > 0, got {g.tolist()}")
+        if prepared:     # encode scales: finite and > 0 (quant/nvfp4.py); one sync for both
+            g = torch.cat([w13.global_scale, w2_EDF.global_scale])
+            ok = (torch.isfinite(g) & (g > 0)).tolist()
+            for name, w, part in (("w13", w13, ok[:E_local]), ("w2", w2_EDF, ok[E_local:])):
+                if not all(part):
+                    raise RoutedExpertsInputError(
+                        name, f"global scales must be finite and > 0, got "
+                        f"{w.global_scale.tolist()}")
     return w13
 
 

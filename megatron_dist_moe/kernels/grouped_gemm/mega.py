@@ -19,8 +19,8 @@ anything. A program claims its next item while it works on the current one, so a
 item may wait behind its program's current item; that item comes earlier in the list, so it is
 a W13 item too and waits for nothing. So every wait ends for any grid size and without
 co-residency (in the interpreter the one running program claims every W13 item before any W2
-item). The waits are bounded
-(checks.wait_until_at_least: a verdict in the status word; the launcher traps after the kernel).
+item). The waits are bounded (checks.wait_until_at_least: a verdict in the status word; the
+launcher traps after the kernel).
 
 NOTE memory ordering as the claim protocol's (claim.py): writer h2 stores (all threads) ->
 [fence.proxy.async.global, all threads] -> bar.sync -> release increment; reader acquire ->
