@@ -11,7 +11,7 @@ quant/mxfp8.py) on the same inputs; a kernel that differs is reported and not ti
 walk every column block together; 0 is the launchers' default). --tiles: mxfp8 `quantize`'s
 tiles to time (rows x columns x warps, e.g. 32x32x1, or "all" for quant_mxfp8.QUANT_TILES;
 default: the launcher's). --fp8-tiles: fp8_block `quantize_rows_cols`' tiles (column chunk x
-warps, e.g. 16x1, or "all" for quant_fp8.QUANT_TILES). Rows: bench_quant.csv (commit, gpu,
+warps, e.g. 64x4, or "all" for quant_fp8.QUANT_TILES). Rows: bench_quant.csv (commit, gpu,
 precision, kernel, shape, group_rows, tile, us, tb_s, ratio to the copy rate), a plot
 bench_quant.png.
 """

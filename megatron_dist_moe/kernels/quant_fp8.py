@@ -39,11 +39,11 @@ _BF16_MAX = tl.constexpr(BF16_MAX)
 # the guide's shapes (x 275.5 -> 270.7 us; bench_quant.py); swiglu_quant measured even and
 # keeps its 2-D grid.
 GROUP_ROWS = 1
-# (column chunk, warps) of quantize_rows_cols' programs that bench_quant.py --fp8-tiles times
-# against the launcher's choice: fewer warps per 128-row tile mean fewer barriers and
-# shared-memory reductions per column block (none at one warp, where each block's amax stays
-# inside the warp) and more programs per SM, at the cost of a loop over narrower chunks
-QUANT_TILES = ((128, 8), (64, 8), (64, 4), (32, 4), (32, 2), (16, 2), (16, 1))
+# (column chunk, warps) of quantize_rows_cols' programs, the launcher's choice per output set
+# (bench_quant.py --fp8-tiles times each against the others, bit-exact first). One-warp tiles,
+# whose column amaxes stay inside the warp, measured slower: the loop over 16-column chunks
+# costs more than the shared-memory reductions it saves (docs/decisions.md)
+QUANT_TILES = ((64, 8), (32, 2), (64, 4))
 
 
 def _hw(t: torch.Tensor) -> bool:
@@ -251,10 +251,10 @@ def quantize_rows_cols(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows=
     qc, sc = (as_device_ptr(cols[0], "q_t"), as_device_ptr(cols[1], "s_t")) if cols else (
         dummy, dummy)
     n_pb = max(1, Rp // BLOCK)
-    # (column chunk, warps) per output set, the fastest of a sweep at the guide's shapes on
-    # one H200 (docs/decisions.md): with both bundles 64 x 4 warps, rows alone 64 x 8 (3.3 TB/s),
-    # columns alone the whole tile at once, 8 warps
-    chunk, warps = (64, 4) if rows and cols else (64, 8) if rows else (128, 8)
+    # (column chunk, warps) per output set, the fastest of a sweep of seven tiles at the guide's
+    # shapes (docs/decisions.md): both bundles 32 x 2 warps, rows alone 64 x 8 (3.3 TB/s),
+    # columns alone 64 x 4
+    chunk, warps = (32, 2) if rows and cols else (64, 8) if rows else (64, 4)
     if tile is not None:
         chunk, warps = tile
     if interpreting() and tile is None:

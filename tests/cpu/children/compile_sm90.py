@@ -228,9 +228,9 @@ VARIANTS["fp8_wgrad_table"] = lambda: G8.fp8_grouped_wgrad((p, p), (p, p), offs,
     config=G8_BIG, num_programs=132)
 VARIANTS["fp8_quant_rows_cols"] = lambda: KQ.quantize_rows_cols(p, offs, R, D, rows=(p, p),
                                                                   cols=(p, p))
-# the looped column-chunk walk at one warp (a QUANT_TILES entry bench_quant.py times)
-VARIANTS["fp8_quant_rows_cols_looped"] = lambda: KQ.quantize_rows_cols(
-    p, offs, R, D, rows=(p, p), cols=(p, p), tile=(16, 1))
+# the unrolled column-chunk walk (the launcher's 32 x 2 tile above loops over four chunks)
+VARIANTS["fp8_quant_rows_cols_unrolled"] = lambda: KQ.quantize_rows_cols(
+    p, offs, R, D, rows=(p, p), cols=(p, p), tile=(64, 4))
 VARIANTS["fp8_swiglu_quant"] = lambda: KQ.swiglu_quant(p, offs[-1:], R, F, h2q=(p, p),
                                                        h1q=(p, p))
 VARIANTS["fp8_quant_weight"] = lambda: KQ.quantize_weight(torch.empty(E, 2 * F, D, dtype=bf))
@@ -305,7 +305,7 @@ JIT = {"rows_device_check": (K_checks, "_device_check_kernel"),
        "mxfp8_fake_weight": (KM, "_fake_weight_kernel"),
        "fp8_mm": (G8, "_fp8_mm_kernel"), "fp8_wgrad": (G8, "_fp8_wgrad_kernel"),
        "fp8_quant_rows_cols": (KQ, "_quant_rows_cols_kernel"),
-       "fp8_quant_rows_cols_looped": (KQ, "_quant_rows_cols_kernel"),
+       "fp8_quant_rows_cols_unrolled": (KQ, "_quant_rows_cols_kernel"),
        "fp8_swiglu_quant": (KQ, "_swiglu_quant_kernel"),
        "fp8_quant_weight": (KQ, "_quant_weight_kernel"),
        "fp8_swiglu_bwd_rows": (KQ, "_swiglu_bwd_rows_kernel"),
