@@ -15,12 +15,9 @@ and no tail between the GEMMs (guide §05).
 
 NOTE deadlock freedom: a W2 item waits only for W13 items, which come earlier in the list, so
 they were claimed before it by running programs, which compute them without waiting for
-anything. A program claims its next item while it works on the current one, so a claimed W13
-item may wait behind its program's current item; that item comes earlier in the list, so it is
-a W13 item too and waits for nothing. So every wait ends for any grid size and without
-co-residency (in the interpreter the one running program claims every W13 item before any W2
-item). The waits are bounded (checks.wait_until_at_least: a verdict in the status word; the
-launcher traps after the kernel).
+anything. So every wait ends for any grid size and without co-residency (in the interpreter the
+one running program claims every W13 item before any W2 item). The waits are bounded
+(checks.wait_until_at_least: a verdict in the status word; the launcher traps after the kernel).
 
 NOTE memory ordering as the claim protocol's (claim.py): writer h2 stores (all threads) ->
 [fence.proxy.async.global, all threads] -> bar.sync -> release increment; reader acquire ->
@@ -123,9 +120,6 @@ def _mega_fwd_kernel(xg_addr, w13_ptr, w2_ptr, offsets_ptr, h1_addr, h2_addr, ou
                                             block_shape=[BN2, BLOCK_K])
     item = tl.atomic_add(queue_ptr, 1, sem="relaxed", scope="gpu") - base
     while item < total:
-        # the next claim is issued before this item's work, so its round trip to L2 overlaps
-        # the item instead of following it (deadlock note in the module docstring)
-        nxt = tl.atomic_add(queue_ptr, 1, sem="relaxed", scope="gpu") - base
         if item < total13:
             e, row_start, row_end, m_first, pid_m, pid_n = tile_coords(
                 item, e_idx, cum13, tiles13, starts, ends, m_tiles, n13, GROUP_M)
@@ -204,7 +198,7 @@ def _mega_fwd_kernel(xg_addr, w13_ptr, w2_ptr, offsets_ptr, h1_addr, h2_addr, ou
             o_row = tl.multiple_of(o_addr.to(tl.pointer_type(DT)), [16])
             tl.store(o_row[:, None] + c2[None, :], acc3.to(DT),
                      mask=(r2_ok & (o_addr != 0))[:, None] & c2_ok[None, :])
-        item = nxt
+        item = tl.atomic_add(queue_ptr, 1, sem="relaxed", scope="gpu") - base
 
 
 def mega_fwd(*, xg, w13: torch.Tensor, w2: torch.Tensor, expert_offsets: torch.Tensor,
