@@ -242,6 +242,7 @@ class Config:
 
     def replace(self, **changes: Any) -> "Config":
         """A validated copy with `changes` applied."""
+        _check_known(changes)
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -249,11 +250,21 @@ class Config:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Config":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(unknown[0], f"unknown field(s) {unknown}; known fields: {sorted(known)}")
+        _check_known(data)
         return cls(**dict(data))
+
+
+def _check_known(names) -> None:
+    """ConfigError naming the first field name that Config does not have (with the closest
+    known names), instead of the TypeError of the dataclass constructor."""
+    import difflib
+
+    known = sorted(f.name for f in dataclasses.fields(Config))
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), known, n=3)
+        hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+        raise ConfigError(unknown[0], f"unknown field(s) {unknown}{hint} known fields: {known}")
 
 
 def load_config(path: str | Path, **overrides: Any) -> Config:

@@ -129,7 +129,21 @@ def test_from_dict_rejects_unknown_fields():
     with pytest.raises(ConfigError, match="unknown field") as info:
         dm.Config.from_dict({**SHAPE, "hiden_dim": 3})
     assert info.value.field == "hiden_dim"
+    assert "did you mean 'hidden_dim'" in str(info.value)
     assert dm.Config.from_dict(make().to_dict()) == make()
+
+
+def test_replace_and_load_config_name_an_unknown_field(tmp_path):
+    with pytest.raises(ConfigError, match="did you mean 'top_k'") as info:
+        make().replace(topk=2)
+    assert info.value.field == "topk"
+    path = tmp_path / "c.yaml"
+    path.write_text("".join(f"{k}: {v}\n" for k, v in make().to_dict().items()
+                            if not isinstance(v, (dict, list)) and v is not None))
+    assert dm.load_config(path) == make()
+    with pytest.raises(ConfigError, match="num_activation_slot") as info:
+        dm.load_config(path, num_activation_slot=2)
+    assert info.value.field == "num_activation_slot"
 
 
 PRESETS = {
