@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from .config import Config, ConfigError
 from .execution import Execution
-from .memory_plan import MemoryPlan, plan_memory
+from .memory_plan import MemoryPlan, check_plan_fits, plan_memory
 from .planner import PlannerState
 from .weight_cache import WeightCache
 
@@ -273,6 +273,14 @@ def create_context(group=None, config: Config | None = None,
     if ep > 1:
         check_same_config(config, group)
     plan = plan_memory(config, ep_size=ep)
+    # every rank's device memory in all against the plan, so that every rank raises alike
+    mine = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
+            else None)
+    everyone = [mine]
+    if ep > 1:
+        everyone = [None] * ep
+        dist.all_gather_object(everyone, mine, group=group)
+    check_plan_fits(plan, everyone)
     from .kernels.grouped_gemm import nvfp4_decode
     from .kernels.grouped_gemm_sm90 import fp8_gemm_loads
     execution = Execution.resolve(config, device, execution_overrides,

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .config import Config
+from .config import Config, ConfigError
 from .layout import call_layout, saved_bytes, scratch_bytes
 
 __all__ = ["MemoryPlan", "plan_memory", "align128", "LayerBytes", "score_parts_count",
@@ -301,7 +301,6 @@ def plan_memory(config: Config, ep_size: int) -> MemoryPlan:
             slot = align128(config.activation_slot_bytes)
             policy = f"explicit {config.activation_slot_bytes:,} B"
             if slot < slot_min:
-                from .config import ConfigError
                 raise ConfigError("activation_slot_bytes",
                                   f"{config.activation_slot_bytes:,} B is below the minimum slot "
                                   f"{slot_min:,} B ({L} layer input(s) of {input_bytes:,} B each, "
@@ -338,7 +337,7 @@ def plan_memory(config: Config, ep_size: int) -> MemoryPlan:
         notes.append(f"device scratch holds {dev_rows:,} rows, below balanced T·K={balanced:,}: "
                      "even balanced routing will overflow")
 
-    return MemoryPlan(
+    plan = MemoryPlan(
         config=config, ep_size=ep_size, num_local_experts=E_local, layer=layer,
         balanced_rows=balanced, topology_max_rows=topo, device_scratch_rows=dev_rows,
         total_scratch_rows=total_rows, input_bytes=input_bytes,
@@ -350,3 +349,40 @@ def plan_memory(config: Config, ep_size: int) -> MemoryPlan:
         total_device_bytes=act + symmetric, notes=tuple(notes),
         weight_cache_bytes_per_layer=weight_cache_bytes(config, E_local),
     )
+    if plan.total_device_bytes >= MAX_PLAN_BYTES:
+        raise ConfigError(largest_field(plan), f"the plan needs {plan.total_device_bytes:,} B on "
+                          f"each device, past the {MAX_PLAN_BYTES:,} B that the planner's int64 "
+                          "byte offsets address")
+    return plan
+
+
+# The device planner computes byte offsets in int64 tensors (sums of a slot's layers included)
+MAX_PLAN_BYTES = 2 ** 62
+
+
+def largest_field(plan: MemoryPlan) -> str:
+    """The Config field that sizes the plan's largest part: the activation slots or the scratch
+    (its capacity factor) or the token count (the symmetric buffers)."""
+    cfg = plan.config
+    slots = plan.num_slots * plan.slot_bytes
+    if slots >= max(plan.device_scratch_bytes, plan.symmetric_bytes):
+        if cfg.activation_slot_bytes is not None:
+            return "activation_slot_bytes"
+        if cfg.activation_slot_capacity_factor is not None:
+            return "activation_slot_capacity_factor"
+        return "num_activation_slots"
+    if plan.device_scratch_bytes >= plan.symmetric_bytes:
+        return "device_scratch_capacity_factor"
+    return "num_local_input_tokens"
+
+
+def check_plan_fits(plan: MemoryPlan, device_bytes: list) -> None:
+    """ConfigError (on every rank: `device_bytes` holds every rank's total device memory, None
+    for a CPU device) when the plan's buffers exceed some rank's device memory in all."""
+    short = [(r, b) for r, b in enumerate(device_bytes) if b is not None
+             and plan.total_device_bytes > b]
+    if short:
+        r, b = short[0]
+        raise ConfigError(largest_field(plan), f"the plan needs {_fmt(plan.total_device_bytes)} "
+                          f"on each device; rank {r}'s device has {_fmt(b)} in all "
+                          f"(`python -m megatron_dist_moe plan` shows where the bytes go)")

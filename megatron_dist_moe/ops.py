@@ -250,6 +250,7 @@ def routed_experts(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: t
     # cross-rank agreement, a collective, waits for the real call.
     fake = any(library.is_fake_tensor(t) for t in (x_TD, expert_ids_TK, scores_TK, w13, w2_EDF))
     tracing = library.is_tracing()
+    training = None
     with library.untraced():
         try:
             validate_inputs(x_TD, expert_ids_TK, scores_TK, w13, w2_EDF, ctx,
@@ -273,7 +274,7 @@ def routed_experts(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: t
         # reference backend makes every rank raise; the CUDA backend (no host sync) meets the
         # peers at its device barrier with a "rejected" header, and their routing traps.
         if not fake:
-            ctx.backend.check_collective(x_TD, local_error)
+            ctx.backend.check_collective(x_TD, local_error, training=training)
     if local_error is not None:
         raise local_error
     if isinstance(w13, PreparedWeight):

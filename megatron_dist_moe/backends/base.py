@@ -11,10 +11,13 @@ class Backend(Protocol):
     name: str
     supported_dtypes: tuple[torch.dtype, ...]
 
-    def check_collective(self, x_TD: torch.Tensor, local_error: Exception | None = None) -> None:
+    def check_collective(self, x_TD: torch.Tensor, local_error: Exception | None = None,
+                         training: bool | None = None) -> None:
         """Cross-rank input agreement (equal T; whether any rank's validation failed, given as
-        `local_error` on that rank). Raise a ValueError naming the argument on every rank alike;
-        return normally on the failing rank (the caller raises its own error)."""
+        `local_error` on that rank; whether the call trains and, if so, the selected activation
+        slot and its planned layer count, which every rank's planner must share). Raise a
+        ValueError naming the argument on every rank alike; return normally on the failing rank
+        (the caller raises its own error)."""
 
     def forward(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: torch.Tensor,
                 w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor, training: bool,

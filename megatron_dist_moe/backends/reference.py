@@ -49,6 +49,19 @@ from .reference_math import make_math
 __all__ = ["ReferenceBackend"]
 
 
+def _schedule_word(ctx) -> int:
+    """The selected activation slot and its planned layer count as one int (the planner's
+    device selection, read on the host: the reference backend syncs anyway)."""
+    slot, layers = (int(v) for v in ctx.planner.selected.tolist())
+    return slot * (ctx.config.max_moe_layers_per_activation_slot + 1) + layers
+
+
+def _describe_schedule(word: int, max_layers: int) -> str:
+    if word < 0:
+        return "no training forward"
+    return f"training, slot {word // (max_layers + 1)} for {word % (max_layers + 1)} layer(s)"
+
+
 # -- routing of one call -----------------------------------------------------------------------
 @dataclass
 class _Routes:
@@ -142,7 +155,8 @@ class ReferenceBackend:
 
     # -- collectives ----------------------------------------------------------------------------
     def check_collective(self, x_TD: torch.Tensor,
-                         local_error: RoutedExpertsInputError | None = None) -> None:
+                         local_error: RoutedExpertsInputError | None = None,
+                         training: bool | None = None) -> None:
 
         ctx = self.ctx
         bad = -1 if local_error is None else (
@@ -150,7 +164,11 @@ class ReferenceBackend:
         T_local = x_TD.shape[0] if isinstance(x_TD, torch.Tensor) and x_TD.dim() >= 1 else -1
         # x's dtype too: rows of different widths would break the exchange itself
         dt = self.supported_dtypes.index(x_TD.dtype) if local_error is None else -1
-        t = torch.tensor([T_local, bad, dt], dtype=torch.int64, device=ctx.device)
+        # the schedule: -1 for a call that keeps no state; for a training forward the selected
+        # slot and its planned layer count. Ranks that differ would take different save /
+        # replay decisions, and a backward would then replay on one rank only
+        sched = _schedule_word(ctx) if training else -1
+        t = torch.tensor([T_local, bad, dt, sched], dtype=torch.int64, device=ctx.device)
         got = [torch.empty_like(t) for _ in range(ctx.ep_size)]
         dist.all_gather(got, t, group=ctx.group)
         if local_error is not None:
@@ -171,6 +189,14 @@ class ReferenceBackend:
             raise RoutedExpertsInputError(
                 "x", f"every rank must pass x (and its weights) in the same dtype; this is rank "
                 f"{ctx.rank} with {x_TD.dtype}, per-rank dtypes = {dtypes}")
+        scheds = [int(v[3]) for v in got]
+        if len(set(scheds)) > 1:
+            L = ctx.config.max_moe_layers_per_activation_slot
+            said = [_describe_schedule(s, L) for s in scheds]
+            raise RoutedExpertsInputError(
+                "ctx", f"every rank must make the same call: training forwards on every rank "
+                "(or on none), each after the same ctx.select_activation_slot(slot, "
+                f"num_moe_layers_in_slot); this is rank {ctx.rank}, per rank: {said}")
 
     def _exchange(self, rows: torch.Tensor, send_counts: list[int],
                   recv_counts: list[int]) -> torch.Tensor:

@@ -157,3 +157,21 @@ def test_weight_cache_entry_bytes():
     assert mx.weight_cache_bytes_per_layer == 2 * elems
     bf = dm.plan_memory(dm.Config(**base), ep_size=1)
     assert bf.weight_cache_bytes_per_layer == 0 and "weight cache" not in bf.explain()
+
+
+def test_plans_past_int64_offsets_or_device_memory_are_refused():
+    from megatron_dist_moe.memory_plan import MAX_PLAN_BYTES, check_plan_fits
+    base = dict(num_local_input_tokens=4, hidden_dim=64, intermediate_dim=128, top_k=2,
+                num_experts=4)
+    with pytest.raises(dm.ConfigError, match="Config.activation_slot_bytes.*int64") as info:
+        dm.plan_memory(cfg(**base, activation_slot_bytes=MAX_PLAN_BYTES), ep_size=2)
+    assert info.value.field == "activation_slot_bytes"
+    with pytest.raises(dm.ConfigError, match="Config.activation_slot_capacity_factor.*int64"):
+        dm.plan_memory(cfg(**base, activation_slot_capacity_factor=1e30), ep_size=2)
+    # the scratch is capped at the rows the topology can send, whatever its factor
+    dm.plan_memory(cfg(**base, device_scratch_capacity_factor=1e30), ep_size=2)
+    plan = dm.plan_memory(cfg(**base, activation_slot_bytes=2 ** 40), ep_size=2)
+    check_plan_fits(plan, [None, 2 ** 41])            # a CPU rank, and a device that holds it
+    with pytest.raises(dm.ConfigError, match=r"Config.activation_slot_bytes: the plan needs "
+                       r"1,024.00 GiB on each device; rank 1's device has 80.00 GiB in all"):
+        check_plan_fits(plan, [2 ** 41, 80 * 2 ** 30])

@@ -294,3 +294,52 @@ def _group_type_worker(rank: int, world_size: int):
 def test_create_context_names_a_group_that_is_not_a_process_group():
     out = tt.spawn(_group_type_worker, 1, timeout_s=60)
     assert out[0].startswith("create_context(group): expected a torch.distributed ProcessGroup"), out
+
+
+def _schedule_worker(rank: int, world_size: int):
+    """Training forwards after different slot selections, then in different grad modes: every
+    rank raises naming ctx (none is left waiting, no planner moved); then a matching call works."""
+    import torch.distributed as dist
+    cfg = _cfg(max_moe_layers_per_activation_slot=2)
+    problem = tt.make_problem(cfg, world_size, seed=6, dtype=torch.float64)
+    oracle = tt.oracle_results(problem, cfg)
+    tok, exp = problem.tokens(rank), problem.experts(rank)
+    out = {}
+    with dm.create_context(config=cfg, device="cpu") as ctx:
+        w = (problem.w13[exp].contiguous().requires_grad_(),
+             problem.w2[exp].contiguous().requires_grad_())
+
+        def call(name, grad=True):
+            before = ctx.planner.buffer_offsets.clone()
+            try:
+                with torch.set_grad_enabled(grad):
+                    dm.routed_experts(problem.x[tok], problem.ids[tok], problem.scores[tok], *w,
+                                      ctx)
+                out[name] = dict(arg=None, msg="no error")
+            except dm.RoutedExpertsInputError as e:
+                out[name] = dict(arg=e.arg, msg=str(e))
+            out[name]["untouched"] = torch.equal(before, ctx.planner.buffer_offsets)
+
+        ctx.select_activation_slot(0, 2 if rank == 0 else 1)
+        call("layers")
+        ctx.select_activation_slot(0, 1)
+        call("grad_mode", grad=rank == 0)
+        res = tt.run_rank(ctx, problem)
+        out["next_err"] = max(tt.rank_errors(res, oracle, problem, rank).values())
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    out["after"] = float(t)
+    return out
+
+
+def test_ranks_with_different_schedules_raise_on_every_rank():
+    out = tt.spawn(_schedule_worker, 2, timeout_s=120)
+    for r, o in enumerate(out):
+        a = o["layers"]
+        assert a["arg"] == "ctx" and a["untouched"], a
+        assert (f"this is rank {r}, per rank: ['training, slot 0 for 2 layer(s)', "
+                "'training, slot 0 for 1 layer(s)']") in a["msg"], a["msg"]
+        g = o["grad_mode"]
+        assert g["arg"] == "ctx" and g["untouched"], g
+        assert "['training, slot 0 for 1 layer(s)', 'no training forward']" in g["msg"], g["msg"]
+        assert o["next_err"] < 1e-10 and o["after"] == 2.0, o

@@ -105,8 +105,10 @@ class CudaBackend:
             torch.distributed.barrier(group=ctx.group)
 
     # -- helpers ----------------------------------------------------------------------------
-    def check_collective(self, x_TD: torch.Tensor, local_error=None) -> None:
+    def check_collective(self, x_TD: torch.Tensor, local_error=None, training=None) -> None:
         # Equal T across ranks is checked on the device (routing header), without a host sync.
+        # The training flag and slot selection are not compared across ranks here (that would
+        # take a host sync per call); see the reference backend's check.
         # A rank whose own validation failed still meets its peers at the call's first device
         # barrier, with T = -1 in its routing header: their routing check traps, naming this
         # rank (CHECK_PEER_REJECTED), instead of waiting at the barrier for ever; this rank then
