@@ -3,8 +3,10 @@ and mode: each round's difference (this tree - the baseline tree) and their medi
 
 A lever worth a few hundredths of a millisecond hides in one bench_layer run's spread (its
 windows range over ~0.1 ms at the guide load) and in the GPU's drift from one run to the next;
-rounds that alternate the trees share that drift, and a path that both trees run unchanged
-(the control) shows how much of a difference is the trees and how much the run.
+rounds that alternate the trees share that drift, rounds that swap which tree runs first
+(`gpu_session.sh abtrees` does, every other round) cancel a bias of the order, and a path that
+both trees run unchanged (the control) shows how much of a difference is the trees and how much
+the run.
 
     python benchmarks/ab_trees.py --this out/abtrees/this_r1 out/abtrees/this_r2 ... \\
         --base out/abtrees/base_r1 out/abtrees/base_r2 ... --out out/abtrees
@@ -34,8 +36,14 @@ def load(folder: str) -> dict[tuple, dict]:
     path = os.path.join(folder, "bench_layer.csv")
     if not os.path.isfile(path):
         raise SystemExit(f"{folder}: no bench_layer.csv (did that round's run fail?)")
+    out: dict[tuple, dict] = {}
     with open(path, newline="") as f:
-        return {(r["case"], r["path"], r["mode"]): r for r in csv.DictReader(f)}
+        for r in csv.DictReader(f):
+            key = (r["case"], r["path"], r["mode"])
+            if key in out:   # bench_layer appends: a reused folder holds two runs
+                raise SystemExit(f"{path}: {key} appears twice; give each run its own folder")
+            out[key] = r
+    return out
 
 
 def compare(this: list[dict], base: list[dict]) -> list[dict]:

@@ -264,7 +264,7 @@ def _check_known(names) -> None:
     if unknown:
         close = difflib.get_close_matches(str(unknown[0]), known, n=3)
         hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
-        raise ConfigError(unknown[0], f"unknown field(s) {unknown}{hint} known fields: {known}")
+        raise ConfigError(unknown[0], f"unknown field(s) {unknown}{hint}; known fields: {known}")
 
 
 def load_config(path: str | Path, **overrides: Any) -> Config:

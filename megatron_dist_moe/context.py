@@ -239,6 +239,11 @@ def check_same_config(config: Config, group) -> None:
                       f"differ in {'; '.join(parts)}{more}")
 
 
+def _device_total_bytes(device: torch.device) -> int | None:
+    """The device's memory in all (None for a CPU device: the host allocator decides)."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+
+
 def create_context(group=None, config: Config | None = None,
                    device: torch.device | str | int | None = None, *,
                    execution_overrides: dict | None = None) -> Context:
@@ -273,13 +278,21 @@ def create_context(group=None, config: Config | None = None,
     if ep > 1:
         check_same_config(config, group)
     plan = plan_memory(config, ep_size=ep)
-    # every rank's device memory in all against the plan, so that every rank raises alike
-    mine = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
-            else None)
+    # every rank's device memory in all against the plan, so that every rank raises alike (-1:
+    # a rank that could not read it, which raises its own error after the exchange)
+    try:
+        mine, error = _device_total_bytes(device), None
+    except (RuntimeError, AssertionError, ValueError) as e:
+        mine, error = -1, e
     everyone = [mine]
     if ep > 1:
         everyone = [None] * ep
         dist.all_gather_object(everyone, mine, group=group)
+    if error is not None:
+        raise error
+    if -1 in everyone:
+        raise RuntimeError(f"create_context: rank(s) {[r for r, b in enumerate(everyone) if b == -1]}"
+                           " could not read their device's memory (their own errors say why)")
     check_plan_fits(plan, everyone)
     from .kernels.grouped_gemm import nvfp4_decode
     from .kernels.grouped_gemm_sm90 import fp8_gemm_loads

@@ -38,7 +38,7 @@ from .config import Config, ConfigError
 from .layout import call_layout, saved_bytes, scratch_bytes
 
 __all__ = ["MemoryPlan", "plan_memory", "align128", "LayerBytes", "score_parts_count",
-           "SCORE_PART_COLS"]
+           "SCORE_PART_COLS", "MAX_PLAN_BYTES", "largest_field", "check_plan_fits"]
 
 ROUTING_HEADER_BYTES = 128
 # Expert-side score gradients arrive as one fp32 part per route and per W2-DGRAD n-tile; no tile
@@ -351,13 +351,18 @@ def plan_memory(config: Config, ep_size: int) -> MemoryPlan:
     )
     if plan.total_device_bytes >= MAX_PLAN_BYTES:
         raise ConfigError(largest_field(plan), f"the plan needs {plan.total_device_bytes:,} B on "
-                          f"each device, past the {MAX_PLAN_BYTES:,} B that the planner's int64 "
-                          "byte offsets address")
+                          f"each device ({_parts(plan)}), past the {MAX_PLAN_BYTES:,} B that the "
+                          "planner's int64 byte offsets address")
     return plan
 
 
 # The device planner computes byte offsets in int64 tensors (sums of a slot's layers included)
 MAX_PLAN_BYTES = 2 ** 62
+
+
+def _parts(plan: MemoryPlan) -> str:
+    return (f"activation slots {plan.num_slots} x {_fmt(plan.slot_bytes)}, scratch "
+            f"{_fmt(plan.device_scratch_bytes)}, symmetric buffers {_fmt(plan.symmetric_bytes)}")
 
 
 def largest_field(plan: MemoryPlan) -> str:
@@ -384,5 +389,5 @@ def check_plan_fits(plan: MemoryPlan, device_bytes: list) -> None:
     if short:
         r, b = short[0]
         raise ConfigError(largest_field(plan), f"the plan needs {_fmt(plan.total_device_bytes)} "
-                          f"on each device; rank {r}'s device has {_fmt(b)} in all "
-                          f"(`python -m megatron_dist_moe plan` shows where the bytes go)")
+                          f"on each device ({_parts(plan)}); rank {r}'s device has {_fmt(b)} in "
+                          "all (`python -m megatron_dist_moe plan` shows where the bytes go)")

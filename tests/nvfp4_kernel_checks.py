@@ -52,18 +52,18 @@ def check_quantize_rows(device, big=False):
 
 
 def check_publish_quantized(device, big=False):
-    """The source rank's one-launch publication: header T, int16 IDs, byte rows 2K bytes apart,
-    bit-equal to quantize_rows' rows; nothing past T written."""
+    """The source rank's one-launch publication: header [T, schedule word -1 (inference)], int16
+    IDs, byte rows 2K bytes apart, bit-equal to quantize_rows' rows; nothing past T written."""
     from megatron_dist_moe.kernels.quant_nvfp4 import publish_quantized
     K, KI = (7168, 6) if big else (256, 3)
     for T in ((1, 8, 300) if big else (1, 5, 0)):
         x = rows_of(max(T, 6), K, seed=T, device=device)[:T].contiguous()
         ids = torch.randint(-1, 20, (T, KI), device=device)
-        header = torch.full((1,), -7, dtype=torch.int32, device=device)
+        header = torch.full((2,), -7, dtype=torch.int32, device=device)
         ids16 = torch.full((T + 2, KI), 99, dtype=torch.int16, device=device)
         disp = torch.full((T + 2, 2 * K), 0xAB, dtype=torch.uint8, device=device)
         publish_quantized(x, ids, header, ids16, disp.view(torch.bfloat16), out_stride=2 * K)
-        assert int(header) == T, f"T={T}: header {int(header)}"
+        assert header.tolist() == [T, -1], f"T={T}: header {header.tolist()}"
         assert torch.equal(ids16[:T].long().cpu(), ids.cpu()), f"T={T}: ids differ"
         assert (ids16[T:] == 99).all() and (disp[T:] == 0xAB).all(), f"T={T}: past T written"
         W = nvfp4_row_bytes(K)

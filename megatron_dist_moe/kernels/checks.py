@@ -30,7 +30,7 @@ import triton.language as tl
 
 __all__ = ["CHECK_UNEQUAL_T", "CHECK_SCRATCH_OVERFLOW", "CHECK_BAD_EXPERT_ID",
            "CHECK_INACTIVE_SCORE", "CHECK_PEER_REJECTED", "CHECK_LAYOUT_OUTSIDE_ARENA",
-           "CHECK_WAIT_TIMEOUT", "WAIT_CLAIM_SLICES", "WAIT_MEGA_READY", "MESSAGES",
+           "CHECK_WAIT_TIMEOUT", "CHECK_SCHEDULE_MISMATCH", "WAIT_CLAIM_SLICES", "WAIT_MEGA_READY", "MESSAGES",
            "trap_on_code",
            "device_check", "wait_until_at_least", "max_polls", "trap", "check_status",
            "STATUS_WORDS"]
@@ -42,6 +42,9 @@ CHECK_INACTIVE_SCORE = 4
 CHECK_PEER_REJECTED = 5      # a peer's header says T = -1: its own input validation failed
 CHECK_LAYOUT_OUTSIDE_ARENA = 6
 CHECK_WAIT_TIMEOUT = 7
+# a peer's routing header holds another schedule word: training or not, and for a training
+# forward the selected activation slot and its planned layer count (rows.schedule_word)
+CHECK_SCHEDULE_MISMATCH = 8
 
 # What a timed-out wait was waiting for (the `a` number of CHECK_WAIT_TIMEOUT, times 2**32,
 # plus the index of the thing waited on)
@@ -60,6 +63,9 @@ MESSAGES = {
                                  "bytes available, rows"),
     CHECK_WAIT_TIMEOUT: ("a device wait timed out: what (claim slices = 1, Mega W13 tiles = 2) "
                          "x 2^32 + m-tile, rank, polls (about one microsecond each)"),
+    CHECK_SCHEDULE_MISMATCH: ("EP ranks differ in grad mode or in select_activation_slot before "
+                              "this forward: peer rank, its schedule word (-1: no training "
+                              "forward; else slot x (max layers + 1) + layers)"),
 }
 
 
@@ -107,6 +113,11 @@ def trap_on_code(code, a, b, c=0):
             tl.device_print("dist_moe TRAP: a device wait timed out: what (claim slices = 1, "
                             "Mega W13 tiles = 2) x 2^32 + m-tile, rank, polls (about one "
                             "microsecond each):", a, b, c)
+        elif code == 8:
+            tl.device_print("dist_moe TRAP: EP ranks differ in grad mode or in "
+                            "select_activation_slot before this forward: peer rank, its schedule "
+                            "word (-1: no training forward; else slot x (max layers + 1) + "
+                            "layers):", a, b)
         else:
             tl.device_print("dist_moe TRAP: nonzero score on inactive route: "
                             "flat route index, score bits:", a, b)

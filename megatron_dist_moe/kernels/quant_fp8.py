@@ -251,9 +251,9 @@ def quantize_rows_cols(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows=
     qc, sc = (as_device_ptr(cols[0], "q_t"), as_device_ptr(cols[1], "s_t")) if cols else (
         dummy, dummy)
     n_pb = max(1, Rp // BLOCK)
-    # (column chunk, warps) per output set, the fastest of a sweep of seven tiles at the guide's
-    # shapes (docs/decisions.md): both bundles 32 x 2 warps, rows alone 64 x 8 (3.3 TB/s),
-    # columns alone 64 x 4
+    # (column chunk, warps) per output set: both bundles 32 x 2 warps and columns alone 64 x 4,
+    # the fastest of a sweep of seven tiles at the guide's shapes (docs/decisions.md); rows
+    # alone 64 x 8 (3.3 TB/s, from an earlier sweep; inference only)
     chunk, warps = (32, 2) if rows and cols else (64, 8) if rows else (64, 4)
     if tile is not None:
         chunk, warps = tile

@@ -28,7 +28,7 @@ import triton.language as tl
 from ..layout import nvfp4_row_bytes
 from .common import as_device_ptr, load_ptr
 from .quant_fp8 import _hw, block_amax, round_bf16, to_e4m3
-from .rows import _act_fwd, check_publish_ids, publish_ids
+from .rows import _act_fwd, check_publish_ids, publish_ids, schedule_args
 
 __all__ = ["quantize_rows", "publish_quantized", "swiglu_quant", "fanout_dequantize",
            "dequantize_rows", "DEQ_ORDERS", "e2m1_code"]
@@ -134,11 +134,11 @@ def _quant_rows_kernel(src_addr, num_rows_ptr, out_addr, a16_addr, K, out_stride
 
 
 @triton.jit
-def _publish_quant_kernel(x_ptr, ids_ptr, header_ptr, ids16_ptr, out_ptr, T, K, out_stride,
-                          KI: tl.constexpr, KI_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                          PAD: tl.constexpr, HW: tl.constexpr):
+def _publish_quant_kernel(x_ptr, ids_ptr, header_ptr, ids16_ptr, out_ptr, sched_ptr, sched_mul, T,
+                          K, out_stride, KI: tl.constexpr, KI_PAD: tl.constexpr,
+                          CHUNK: tl.constexpr, PAD: tl.constexpr, HW: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    publish_ids(t, T, ids_ptr, header_ptr, ids16_ptr, KI, KI_PAD)
+    publish_ids(t, T, ids_ptr, header_ptr, ids16_ptr, sched_ptr, sched_mul, KI, KI_PAD)
     if t < T:
         _quant_row(x_ptr, t, out_ptr + t * out_stride, x_ptr, K, 1.702, 7.0, False, False,
                    CHUNK, PAD, HW, 0)
@@ -344,10 +344,11 @@ def quantize_rows(x, num_rows: torch.Tensor, max_rows: int, K: int, *, out,
 
 
 def publish_quantized(x_TD: torch.Tensor, ids_TK: torch.Tensor, header: torch.Tensor,
-                      ids16: torch.Tensor, dispatch: torch.Tensor, out_stride: int) -> None:
-    """A source rank's publication in NVFP4, one launch: header[0] = T, ids16[:T*K] = ids_TK
-    as int16 and dispatch's row t (out_stride bytes apart) = quantize_rows(x_TD)[t] (what
-    rows.publish_tokens does for bf16 rows)."""
+                      ids16: torch.Tensor, dispatch: torch.Tensor, out_stride: int,
+                      sched=None) -> None:
+    """A source rank's publication in NVFP4, one launch: header = [T, schedule word]
+    (rows.schedule_args), ids16[:T*K] = ids_TK as int16 and dispatch's row t (out_stride bytes
+    apart) = quantize_rows(x_TD)[t] (what rows.publish_tokens does for bf16 rows)."""
     T, K = x_TD.shape
     KI = ids_TK.shape[1]
     out_stride, pad, chunk, warps = _row_layout(K, out_stride)
@@ -355,7 +356,8 @@ def publish_quantized(x_TD: torch.Tensor, ids_TK: torch.Tensor, header: torch.Te
     check_publish_ids(T, ids_TK, header, ids16)
     assert dispatch.numel() * dispatch.element_size() >= T * out_stride, "dispatch: T rows"
     _publish_quant_kernel[(max(1, T),)](
-        x_TD, ids_TK, header, ids16, dispatch.view(torch.uint8), T, K, out_stride, KI=KI,
+        x_TD, ids_TK, header, ids16, dispatch.view(torch.uint8), *schedule_args(sched, header), T,
+        K, out_stride, KI=KI,
         KI_PAD=max(2, triton.next_power_of_2(KI)), CHUNK=chunk, PAD=pad, HW=_hw(header),
         num_warps=warps)
 

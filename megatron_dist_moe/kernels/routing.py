@@ -20,7 +20,7 @@ Otherwise two launches:
            first nonzero score on an inactive route.
     place  grid (EP, C): every program reads all counts (small), so it knows the expert
            offsets, R, and how many rows of each expert earlier chunks hold; it checks equal T
-           across ranks and R <= max_rows, then writes its chunk's rows in order (an in-block
+           and equal schedule words across ranks and R <= max_rows, then writes its chunk's rows in order (an in-block
            scan per expert) and a share of the zero tail [R, max_rows). With fanout it also
            writes, for every route (r, t, k), the row it lands in here or -1
            (`rows.fanout_rows` reads each token once and writes all its rows). Program (0, 0) writes
@@ -29,8 +29,10 @@ Otherwise two launches:
 
 The status word [3] int64 = (code, a, b) uses the codes, numbers and messages of
 `checks.trap_on_code` (0 = all good; a peer whose header says T = -1 rejected its own inputs:
-CHECK_PEER_REJECTED). On a failed T or overflow check no table row is written and the published
-row counts and offsets are zero (what a context that did not trap would then read).
+CHECK_PEER_REJECTED; a peer whose schedule word, header[1] (rows.schedule_args), differs from this
+rank's: CHECK_SCHEDULE_MISMATCH). On a failed T, schedule or overflow check no table row is
+written and the published row counts and offsets are zero (what a context that did not trap would
+then read).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ _OVERFLOW = tl.constexpr(_checks.CHECK_SCRATCH_OVERFLOW)
 _BAD_ID = tl.constexpr(_checks.CHECK_BAD_EXPERT_ID)
 _BAD_SCORE = tl.constexpr(_checks.CHECK_INACTIVE_SCORE)
 _PEER_REJECTED = tl.constexpr(_checks.CHECK_PEER_REJECTED)
+_SCHEDULE = tl.constexpr(_checks.CHECK_SCHEDULE_MISMATCH)
 # flat routes per program of the two launches (count, place): the smallest power of two from
 # CHUNK_MIN whose per-chunk count table ([EP * chunks, E_PAD], every place program reads it
 # whole) stays within CHUNK_TABLE_MAX elements. Fewer routes per program: more programs, each
@@ -117,14 +120,30 @@ def _route_count_kernel(base_ptr, scores_ptr, counts_ptr, owners_ptr, bad_ptr,
 
 
 @triton.jit
+def _peer_headers(base_ptr, T, rank, EP, EP_PAD: tl.constexpr):
+    """Every rank's routing header against this rank's: (T_peer, bad_T, S_peer, bad_S) over
+    EP_PAD slots: its T (bad where it is not this call's) and its schedule word (bad where it
+    is not this rank's: rows.schedule_args)."""
+    p_idx = tl.arange(0, EP_PAD)
+    live = p_idx < EP
+    hdr = _peer_ptr(base_ptr, p_idx % EP, 0, tl.int32)
+    T_peer = tl.load(hdr, mask=live, other=0)
+    S_peer = tl.load(hdr + 1, mask=live, other=0)
+    S_own = tl.sum(tl.where(p_idx == rank, S_peer, 0), 0)
+    return T_peer, live & (T_peer != T), S_peer, live & (S_peer != S_own)
+
+
+@triton.jit
 def _verdict(status_ptr, offsets_ptr, num_rows_ptr, rows_ep_ptr, bad_id, bad_s, T_peer, bad_T,
-             overflow, R, max_rows, ends, owners_EP, E_local, EP, E_PAD: tl.constexpr,
-             EP_PAD: tl.constexpr, TRAP: tl.constexpr):
-    """The status word (the first failure by priority: unequal T / a rejecting peer, overflow,
-    a bad ID, an inactive score), the expert offsets, R and rows_EP; trap on a failure."""
+             S_peer, bad_S, overflow, R, max_rows, ends, owners_EP, E_local, EP,
+             E_PAD: tl.constexpr, EP_PAD: tl.constexpr, TRAP: tl.constexpr):
+    """The status word (the first failure by priority: unequal T / a rejecting peer, another
+    schedule, overflow, a bad ID, an inactive score), the expert offsets, R and rows_EP; trap
+    on a failure."""
     e_idx = tl.arange(0, E_PAD)
     p_idx = tl.arange(0, EP_PAD)
     any_bad_T = tl.sum(bad_T.to(tl.int32), 0) > 0
+    any_bad_S = tl.sum(bad_S.to(tl.int32), 0) > 0
     code = tl.full((), 0, tl.int64)
     a = tl.full((), 0, tl.int64)
     b = tl.full((), 0, tl.int64)
@@ -142,6 +161,11 @@ def _verdict(status_ptr, offsets_ptr, num_rows_ptr, rows_ep_ptr, bad_id, bad_s, 
         code = tl.full((), _OVERFLOW, tl.int64)
         a = R.to(tl.int64)
         b = tl.full((), 0, tl.int64) + max_rows
+    if any_bad_S:
+        first_S = tl.min(tl.where(bad_S, p_idx, EP_PAD), 0)
+        code = tl.full((), _SCHEDULE, tl.int64)
+        a = first_S.to(tl.int64)
+        b = tl.sum(tl.where(p_idx == first_S, S_peer, 0), 0).to(tl.int64)
     if any_bad_T:
         a = first_T.to(tl.int64)
         b = tl.sum(tl.where(p_idx == first_T, T_peer, 0), 0).to(tl.int64)
@@ -151,9 +175,9 @@ def _verdict(status_ptr, offsets_ptr, num_rows_ptr, rows_ep_ptr, bad_id, bad_s, 
     tl.store(status_ptr + 0, code)
     tl.store(status_ptr + 1, a)
     tl.store(status_ptr + 2, b)
-    # On a failed T or overflow check no table row is written: publish zero rows, so that
-    # nothing downstream reads the unwritten tables even where no trap stops the stream.
-    ok = ~(any_bad_T | overflow)
+    # On a failed T, schedule or overflow check no table row is written: publish zero rows, so
+    # that nothing downstream reads the unwritten tables even where no trap stops the stream.
+    ok = ~(any_bad_T | any_bad_S | overflow)
     tl.store(rows_ep_ptr + p_idx, tl.where(ok, owners_EP.to(tl.int64), 0), mask=p_idx < EP)
     tl.store(offsets_ptr + 1 + e_idx, tl.where(ok, ends, 0), mask=e_idx < E_local)
     tl.store(offsets_ptr + e_idx, tl.zeros((E_PAD,), tl.int32), mask=e_idx == 0)
@@ -214,9 +238,8 @@ def _route_place_kernel(base_ptr, dispatch_base_ptr, combine_base_ptr, counts_pt
     base = ends - totals + tl.sum(tl.where((q < lin)[:, None], counts, 0), 0)
 
     # checks every program takes the same way (so none writes a table row on failure)
-    T_peer = tl.load(_peer_ptr(base_ptr, p_idx % EP, 0, tl.int32), mask=p_idx < EP, other=0)
-    bad_T = (p_idx < EP) & (T_peer != T)
-    any_bad_T = tl.sum(bad_T.to(tl.int32), 0) > 0
+    T_peer, bad_T, S_peer, bad_S = _peer_headers(base_ptr, T, rank, EP, EP_PAD)
+    stop = (tl.sum((bad_T | bad_S).to(tl.int32), 0) > 0) | (R > max_rows)
     overflow = R > max_rows
     if (r == 0) & (c == 0):
         own_q = (q >= rank * n_chunks) & (q < (rank + 1) * n_chunks)
@@ -225,9 +248,9 @@ def _route_place_kernel(base_ptr, dispatch_base_ptr, combine_base_ptr, counts_pt
         owners = tl.load(owners_ptr + q[:, None] * EP_PAD + p_idx[None, :],
                          mask=(q < nq)[:, None], other=0)
         _verdict(status_ptr, offsets_ptr, num_rows_ptr, rows_ep_ptr, bad_id, bad_s, T_peer,
-                 bad_T, overflow, R, max_rows, ends, tl.sum(owners, 0), E_local, EP, E_PAD,
-                 EP_PAD, TRAP)
-    if any_bad_T | overflow:
+                 bad_T, S_peer, bad_S, overflow, R, max_rows, ends, tl.sum(owners, 0), E_local,
+                 EP, E_PAD, EP_PAD, TRAP)
+    if stop:
         return
 
     ids_base = _peer_ptr(base_ptr, r, HEADER_BYTES, tl.int16)
@@ -278,10 +301,9 @@ def _route_one_kernel(base_ptr, scores_ptr, dispatch_base_ptr, combine_base_ptr,
     ends = tl.cumsum(totals, 0)
     R = tl.sum(totals, 0)
 
-    T_peer = tl.load(_peer_ptr(base_ptr, p_idx % EP, 0, tl.int32), mask=p_idx < EP, other=0)
-    bad_T = (p_idx < EP) & (T_peer != T)
-    any_bad_T = tl.sum(bad_T.to(tl.int32), 0) > 0
+    T_peer, bad_T, S_peer, bad_S = _peer_headers(base_ptr, T, rank, EP, EP_PAD)
     overflow = R > max_rows
+    stop = (tl.sum((bad_T | bad_S).to(tl.int32), 0) > 0) | overflow
     if pid == 0:
         active = ok & (g >= 0) & (g < num_experts)
         owner = tl.where(active, g // E_local, -1)
@@ -297,9 +319,9 @@ def _route_one_kernel(base_ptr, scores_ptr, dispatch_base_ptr, combine_base_ptr,
             bad_sc = own & (g == -1) & (s != 0.0)
             bad_s = tl.min(tl.where(bad_sc, j.to(tl.int64) * 4294967296 + bits, _NONE), 0)
         _verdict(status_ptr, offsets_ptr, num_rows_ptr, rows_ep_ptr, bad_id, bad_s, T_peer,
-                 bad_T, overflow, R, max_rows, ends, owners_EP, E_local, EP, E_PAD, EP_PAD,
-                 TRAP)
-    if any_bad_T | overflow:
+                 bad_T, S_peer, bad_S, overflow, R, max_rows, ends, owners_EP, E_local, EP,
+                 E_PAD, EP_PAD, TRAP)
+    if stop:
         return
     if pid == 0:
         rank_in_tile = tl.cumsum(hot, 0) - hot                   # earlier same-expert routes

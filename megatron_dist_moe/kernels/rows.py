@@ -44,11 +44,17 @@ __all__ = ["device_ptr", "publish_tokens", "publish_ids", "check_publish_ids", "
 
 # -- publication: what a source rank's peers read ------------------------------------------
 @triton.jit
-def publish_ids(t, T, ids_ptr, header_ptr, ids16_ptr, K: tl.constexpr, K_PAD: tl.constexpr):
-    """The routing header of program t of a per-token grid: T (program 0) and token t's IDs as
-    int16 (shared with quant_nvfp4's publishing quantizer)."""
+def publish_ids(t, T, ids_ptr, header_ptr, ids16_ptr, sched_ptr, sched_mul, K: tl.constexpr,
+                K_PAD: tl.constexpr):
+    """The routing header of program t of a per-token grid: T and the schedule word (program 0;
+    `schedule_args`) and token t's IDs as int16 (shared with quant_nvfp4's publishing
+    quantizer)."""
     if t == 0:
         tl.store(header_ptr, T)
+        word = tl.full((), -1, tl.int64)
+        if sched_mul > 0:
+            word = (tl.load(sched_ptr) * sched_mul + tl.load(sched_ptr + 1)).to(tl.int64)
+        tl.store(header_ptr + 1, word.to(tl.int32))
     kk = tl.arange(0, K_PAD)
     live = (kk < K) & (t < T)
     ids = tl.load(ids_ptr + t * K + kk, mask=live, other=0)
@@ -56,12 +62,13 @@ def publish_ids(t, T, ids_ptr, header_ptr, ids16_ptr, K: tl.constexpr, K_PAD: tl
 
 
 @triton.jit
-def _publish_tokens_kernel(x_ptr, ids_ptr, header_ptr, ids16_ptr, dst_ptr, T, D: tl.constexpr,
-                           K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+def _publish_tokens_kernel(x_ptr, ids_ptr, header_ptr, ids16_ptr, dst_ptr, sched_ptr, sched_mul,
+                           T, D: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     if c == 0:
-        publish_ids(t, T, ids_ptr, header_ptr, ids16_ptr, K, K_PAD)
+        publish_ids(t, T, ids_ptr, header_ptr, ids16_ptr, sched_ptr, sched_mul, K, K_PAD)
     d = c * BLOCK_D + tl.arange(0, BLOCK_D)
     m = (d < D) & (t < T)
     tl.store(dst_ptr + t * D + d, tl.load(x_ptr + t * D + d, mask=m), mask=m)
@@ -74,15 +81,25 @@ def check_publish_ids(T: int, ids_TK: torch.Tensor, header: torch.Tensor,
     assert ids_TK.is_contiguous() and ids_TK.shape[0] == T, (
         f"ids_TK: dense [T={T}, K], got {list(ids_TK.shape)}")
     assert header.dtype == torch.int32 and ids16.dtype == torch.int16, "header int32, ids int16"
+    assert header.numel() >= 2, "header: [T, schedule word]"
     K = ids_TK.shape[1]
     assert ids16.numel() >= T * K, f"ids16: {ids16.numel()} entries < T*K = {T * K}"
 
 
+def schedule_args(sched, header: torch.Tensor) -> tuple:
+    """(pointer, multiplier) from which publish_ids writes header[1], the schedule word that the
+    routing check compares across ranks: sched = (the planner's selection [slot, planned layers]
+    int64 device tensor, max layers per slot + 1) for a training forward: slot x (max + 1) +
+    layers; None for a call that keeps no state: -1."""
+    return (header, 0) if sched is None else sched
+
+
 def publish_tokens(x_TD: torch.Tensor, ids_TK: torch.Tensor, header: torch.Tensor,
-                   ids16: torch.Tensor, dispatch: torch.Tensor) -> None:
-    """header[0] = T, ids16[:T*K] = ids_TK as int16, dispatch[:T*D] = x_TD (bf16), in one
-    launch instead of three (a fill, a conversion, a copy): what the peers read after the call's
-    first barrier. Tensors are taken as they are (dense, on one device)."""
+                   ids16: torch.Tensor, dispatch: torch.Tensor, sched=None) -> None:
+    """header = [T, schedule word] (`schedule_args`), ids16[:T*K] = ids_TK as int16,
+    dispatch[:T*D] = x_TD (bf16), in one launch instead of four (fills, a conversion, a copy):
+    what the peers read after the call's first barrier. Tensors are taken as they are (dense,
+    on one device)."""
     T, D = x_TD.shape
     K = ids_TK.shape[1]
     assert x_TD.is_contiguous(), "x_TD: a dense tensor"
@@ -90,7 +107,7 @@ def publish_tokens(x_TD: torch.Tensor, ids_TK: torch.Tensor, header: torch.Tenso
     assert dispatch.dtype == x_TD.dtype and dispatch.numel() >= T * D, "dispatch: x's dtype, T*D"
     block = min(4096, triton.next_power_of_2(D))
     _publish_tokens_kernel[(max(1, T), triton.cdiv(D, block))](
-        x_TD, ids_TK, header, ids16, dispatch, T, D=D, K=K,
+        x_TD, ids_TK, header, ids16, dispatch, *schedule_args(sched, header), T, D=D, K=K,
         K_PAD=max(2, triton.next_power_of_2(K)), BLOCK_D=block, num_warps=4)
 
 

@@ -23,9 +23,10 @@
 #   baseline   the same bench_layer run on the tree in $BASE_TREE (a copy of an older commit, e.g.
 #              made by `git archive cfa8b72 | tar -x -C _base`), for a same-session comparison
 #              (BASE_LAYER_ARGS instead of LAYER_ARGS where the old tree takes other arguments)
-#   abtrees    bench_layer on this tree and on $BASE_TREE alternated for ROUNDS rounds (default 3;
-#              LAYER_ARGS, BASE_LAYER_ARGS), then benchmarks/ab_trees.py: each round's difference
-#              per path and mode and their median (a path both trees run unchanged is the control)
+#   abtrees    bench_layer on this tree and on $BASE_TREE for ROUNDS rounds (default 4), the order
+#              swapped every other round (LAYER_ARGS, BASE_LAYER_ARGS), then benchmarks/ab_trees.py:
+#              each round's difference per path and mode and their median (a path both trees run
+#              unchanged is the control)
 #   bench      bench_grouped_gemm (BENCH_ARGS)
 #   quant      bench_quant: the fp8_block / mxfp8 activation quantizers in TB/s against the copy
 #              rate, bit-exact first (QUANT_ARGS, e.g. "--group-rows 0,1,4", "--tiles all" or
@@ -114,13 +115,17 @@ for s in $sections; do case $s in
              run baseline torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py --out "$OUT/baseline" ${BASE_LAYER_ARGS:-${LAYER_ARGS:-}}) ;;
   abtrees) [ -d "${BASE_TREE:-_base}" ] || { echo "abtrees: no tree at ${BASE_TREE:-_base}"; continue; }
            this_runs=""; base_runs=""
-           for r in $(seq "${ROUNDS:-3}"); do
-             LIMIT=200 run "abtrees_this_r$r" torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py \
-                 --out "$OUT/abtrees/this_r$r" ${LAYER_ARGS:-}
-             (cd "${BASE_TREE:-_base}" && GIT_COMMIT=${BASE_COMMIT:-base} DIST_MOE_COMMIT=${BASE_COMMIT:-base} \
-              PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} LIMIT=200 \
-              run "abtrees_base_r$r" torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py \
-                  --out "$OUT/abtrees/base_r$r" ${BASE_LAYER_ARGS:-${LAYER_ARGS:-}})
+           ab_this() { LIMIT=200 run "abtrees_this_r$1" torchrun --nproc-per-node="$NGPU" \
+                         benchmarks/bench_layer.py --out "$OUT/abtrees/this_r$1" ${LAYER_ARGS:-}; }
+           ab_base() { (cd "${BASE_TREE:-_base}" && GIT_COMMIT=${BASE_COMMIT:-base} \
+                        DIST_MOE_COMMIT=${BASE_COMMIT:-base} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} \
+                        LIMIT=200 run "abtrees_base_r$1" torchrun --nproc-per-node="$NGPU" \
+                        benchmarks/bench_layer.py --out "$OUT/abtrees/base_r$1" \
+                        ${BASE_LAYER_ARGS:-${LAYER_ARGS:-}}); }
+           for r in $(seq "${ROUNDS:-4}"); do
+             # ABBA: odd rounds run this tree first, even rounds the baseline, so that a bias
+             # tied to the order within a round cancels over pairs of rounds
+             if [ $((r % 2)) = 1 ]; then ab_this "$r"; ab_base "$r"; else ab_base "$r"; ab_this "$r"; fi
              this_runs="$this_runs $OUT/abtrees/this_r$r"; base_runs="$base_runs $OUT/abtrees/base_r$r"
            done
            run abtrees python3 benchmarks/ab_trees.py --this $this_runs --base $base_runs \

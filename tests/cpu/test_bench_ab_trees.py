@@ -53,3 +53,12 @@ def test_unequal_rounds_and_missing_runs_refused(tmp_path):
     with pytest.raises(SystemExit, match="no bench_layer.csv"):
         ab_trees.main(["--this", str(t), "--base", str(tmp_path / "nothing"),
                        "--out", str(tmp_path)])
+
+
+def test_a_folder_holding_two_runs_is_refused(tmp_path):
+    t = _run(tmp_path / "t", "new", {("a", "fwd"): 1.0})
+    with open(t / "bench_layer.csv", "a", newline="") as f:
+        csv.DictWriter(f, FIELDS).writerow(dict(commit="new", gpu="GPU", case="guide",
+                                               precision="bf16", path="a", mode="fwd", ms=2.0))
+    with pytest.raises(SystemExit, match="appears twice"):
+        ab_trees.main(["--this", str(t), "--base", str(t), "--out", str(tmp_path)])

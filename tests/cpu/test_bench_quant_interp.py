@@ -43,7 +43,7 @@ def test_mxfp8_quantize_tiles_pass_the_check(results, tile):
         assert r is not None and r["equal"], (k, r)
 
 
-@pytest.mark.parametrize("tile", ["64x4", "64x8"])
+@pytest.mark.parametrize("tile", ["32x2", "64x4"])
 def test_fp8_quantize_tiles_pass_the_check(results, tile):
     for k in ("quantize_x", "quantize_gh1", "quantize_h2_cols"):
         r = results.get(f"fp8_block:{k}:{tile}")

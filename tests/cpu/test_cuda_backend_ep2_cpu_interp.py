@@ -51,6 +51,19 @@ def test_a_rank_with_bad_input_makes_its_peer_trap_instead_of_hang(results, rout
     assert "a peer rank rejected its inputs" in results["stdout"]
 
 
+@pytest.mark.parametrize("routing", ["torch", "triton"])
+def test_ranks_with_different_slot_selections_trap(results, routing):
+    """Training forwards after different select_activation_slot calls: the schedule words in
+    the routing headers differ (rank 0 publishes slot 0 x (3 + 1) + 2 layers = 2, rank 1
+    publishes 1), and both ranks' routing checks trap naming the peer's word before any
+    planner decides."""
+    r = results.get(f"schedule,{routing}_routing")
+    assert r is not None, "no result"
+    for rank in (0, 1):
+        assert "raised" in r[f"rank{rank}"], f"rank {rank} did not trap: {r[f'rank{rank}']}"
+    assert "EP ranks differ in grad mode or in select_activation_slot" in results["stdout"]
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_two_ranks_match_oracle(results, name):
     r = results.get(name)

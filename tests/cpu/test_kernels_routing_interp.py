@@ -2,10 +2,11 @@
 CPU interpreter, against the torch version (backends/cuda/routing.py: build_routing_tables),
 which they must match exactly.
 
-"Peers" are CPU buffers laid out as routing regions (int32 T at byte 0, int16 IDs [T, K] at byte
-128); dispatch/combine bases are arbitrary numbers (the kernels only compute addresses). Checks
-run in one child process with TRITON_INTERPRET=1; the interpreter has no trap, so failed checks
-are read from the status word (trap=False), which the GPU path turns into a trap.
+"Peers" are CPU buffers laid out as routing regions (int32 T at byte 0, the int32 schedule word at
+byte 4, int16 IDs [T, K] at byte 128); dispatch/combine bases are arbitrary numbers (the kernels
+only compute addresses). Checks run in one child process with TRITON_INTERPRET=1; the
+interpreter has no trap, so failed checks are read from the status word (trap=False), which the
+GPU path turns into a trap.
 """
 
 from __future__ import annotations
@@ -23,20 +24,21 @@ from megatron_dist_moe.backends.cuda.routing import build_routing_tables
 HDR = 128
 
 
-def regions(ids_EPTK, T_EP, T_max):
+def regions(ids_EPTK, T_EP, T_max, S_EP=None):
     """One routing region per rank (kept alive by the caller) and their bases."""
     EP, _, K = ids_EPTK.shape
     bufs = []
     for r in range(EP):
         b = torch.zeros(HDR + T_max * K * 2, dtype=torch.uint8)
         b[:4].view(torch.int32)[0] = int(T_EP[r])
+        b[4:8].view(torch.int32)[0] = -1 if S_EP is None else S_EP[r]
         b[HDR:].view(torch.int16).view(T_max, K).copy_(ids_EPTK[r])
         bufs.append(b)
     return bufs, torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
 
 
 def case(name, *, EP, T, K, E_local, rank, max_rows, T_max=None, seed=0, inactive=0.2,
-         hot=None, T_EP=None, bad=None, scores=None, expect=0, fanout=True):
+         hot=None, T_EP=None, S_EP=None, bad=None, scores=None, expect=0, fanout=True):
     g = torch.Generator().manual_seed(seed)
     T_max = T_max or T
     E = EP * E_local
@@ -49,7 +51,7 @@ def case(name, *, EP, T, K, E_local, rank, max_rows, T_max=None, seed=0, inactiv
             ids[r, t, k] = v
     ids16 = ids.to(torch.int16)
     T_EP = torch.tensor(T_EP or [T] * EP, dtype=torch.int32)
-    bufs, base = regions(ids16, T_EP, T_max)
+    bufs, base = regions(ids16, T_EP, T_max, S_EP)
     disp_base = torch.tensor([(r + 1) << 40 for r in range(EP)], dtype=torch.int64)
     comb_base = torch.tensor([(r + 7) << 40 for r in range(EP)], dtype=torch.int64)
     row_bytes = 96 * 2
@@ -69,15 +71,17 @@ def case(name, *, EP, T, K, E_local, rank, max_rows, T_max=None, seed=0, inactiv
     if code != expect:
         out["error"] = f"status {(code, a, b)}, expected code {expect}"
         return out
-    if expect in (1, 2, 5):   # no table written: zero rows published
+    if expect in (1, 2, 5, 8):   # no table written: zero rows published
         if int(nrows) != 0 or bool(offs.any()) or bool(rows_EP.any()):
             out["error"] = f"failed check published rows: num_rows={nrows.tolist()}, " \
                            f"offsets={offs.tolist()}, rows_EP={rows_EP.tolist()}"
     if expect:
         return out
     # the torch oracle (its checks pass on this input)
+    S_all = torch.tensor(S_EP or [-1] * EP, dtype=torch.int32)
     ref = build_routing_tables(ids16, T_EP, T, rank, E_local, E, max_rows, disp_base, comb_base,
-                               row_bytes, own_scores_TK=sc, device_checks=False, fanout=fanout)
+                               row_bytes, own_scores_TK=sc, device_checks=False, fanout=fanout,
+                               sched_all_EP=S_all)
     R = int(ref.num_rows)
     pairs = dict(expert_offsets=(offs, ref.expert_offsets), num_rows=(nrows, ref.num_rows),
                  rows_EP=(rows_EP, ref.rows_EP), fwd=(fwd, ref.fwd_gather_ptrs),
@@ -119,7 +123,8 @@ def case(name, *, EP, T, K, E_local, rank, max_rows, T_max=None, seed=0, inactiv
 
 CASES = [
     dict(name="ep2_guide_like", EP=2, T=300, K=6, E_local=6, rank=0, max_rows=4000, scores="clean"),
-    dict(name="ep2_rank1", EP=2, T=300, K=6, E_local=6, rank=1, max_rows=4000, fanout=False),
+    dict(name="ep2_rank1", EP=2, T=300, K=6, E_local=6, rank=1, max_rows=4000, fanout=False,
+         S_EP=[9, 9]),
     dict(name="multi_chunk", EP=2, T=1500, K=6, E_local=4, rank=1, max_rows=20000, seed=3),
     dict(name="ep4_k1_tmax", EP=4, T=50, T_max=64, K=1, E_local=3, rank=2, max_rows=300, seed=4),
     dict(name="ep1", EP=1, T=77, K=2, E_local=5, rank=0, max_rows=200, seed=5),
@@ -138,6 +143,9 @@ CASES = [
          bad={(1, 7, 2): 4, (1, 9, 0): -5, (0, 1, 1): 99}, expect=3),
     dict(name="inactive_score", EP=2, T=30, K=3, E_local=2, rank=0, max_rows=400,
          bad={(0, 5, 1): -1}, scores={(5, 1): 0.5}, expect=4),
+    # another schedule word on a peer: rank 2 made no training forward (-1)
+    dict(name="schedule", EP=3, T=20, T_max=32, K=2, E_local=2, rank=0, max_rows=200,
+         S_EP=[13, 13, -1], expect=8),
     # the one-launch tile (decode) with a zero tail longer than one program's share
     dict(name="one_launch_long_tail", EP=1, T=8, K=6, E_local=6, rank=0, max_rows=9000,
          scores="clean", seed=8),
@@ -152,6 +160,8 @@ CASES = [
          bad={(1, 600, 2): 4, (1, 650, 0): -5, (0, 1, 1): 99}, expect=3),
     dict(name="inactive_score_two", EP=2, T=700, K=3, E_local=2, rank=0, max_rows=5000,
          bad={(0, 500, 1): -1}, scores={(500, 1): 0.5}, expect=4),
+    dict(name="schedule_two", EP=2, T=1100, K=2, E_local=2, rank=1, max_rows=5000,
+         S_EP=[5, 13], expect=8),
 ]
 
 names = set(sys.argv[1:])
@@ -170,7 +180,7 @@ for c in CASES:
 NAMES = ["ep2_guide_like", "ep2_rank1", "multi_chunk", "ep4_k1_tmax", "ep1", "hot_expert",
          "all_inactive", "zero_tokens", "exact_fit", "unequal_T", "overflow", "peer_rejected",
          "bad_id", "inactive_score", "one_launch_long_tail", "one_launch_ep2", "unequal_T_two",
-         "overflow_two", "bad_id_two", "inactive_score_two"]
+         "overflow_two", "bad_id_two", "inactive_score_two", "schedule", "schedule_two"]
 # (code, a, b) that the failing cases must report: the numbers the trap message prints
 EXPECT_NUMBERS = {
     "unequal_T": (1, 2, 17),                   # peer rank 2 has T=17
@@ -182,13 +192,15 @@ EXPECT_NUMBERS = {
     "overflow_two": (2, None, 100),
     "bad_id_two": (3, 600 * 3 + 2, 4),
     "inactive_score_two": (4, 500 * 3 + 1, 0x3F000000),
+    "schedule": (8, 2, -1),                    # peer rank 2's word: no training forward
+    "schedule_two": (8, 0, 5),                 # peer rank 0's word against this rank's 13
 }
 
 
 # the cases that take the one-launch tile (the others the two launches)
 ONE_LAUNCH = {"ep4_k1_tmax", "ep1", "all_inactive", "zero_tokens", "exact_fit", "unequal_T",
               "overflow", "peer_rejected", "bad_id", "inactive_score", "one_launch_long_tail",
-              "one_launch_ep2"}
+              "one_launch_ep2", "schedule"}
 
 
 @pytest.fixture(scope="module")

@@ -21,15 +21,19 @@ BODY = textwrap.dedent(r'''
     torch.manual_seed(0)
     bf = torch.bfloat16
     D, F, T, Kk = 96, 80, 7, 3
-    # publication: header T, int16 IDs and the rows, nothing past T (D wider than one block)
-    for Tp, Dp in ((5, 96), (0, 96), (3, 4100)):
+    # publication: header [T, schedule word], int16 IDs and the rows, nothing past T (D wider
+    # than one block); the word: -1 without a training forward, else slot x (max + 1) + layers
+    selected = torch.tensor([2, 3], dtype=torch.int64)
+    for (Tp, Dp), sched, word in (((5, 96), None, -1), ((0, 96), (selected, 5), 13),
+                                  ((3, 4100), (selected, 5), 13)):
         xp = torch.randn(Tp, Dp).to(bf)
         idp = torch.randint(-1, 30, (Tp, Kk))
-        hdr = torch.full((1,), -3, dtype=torch.int32)
+        hdr = torch.full((3,), -3, dtype=torch.int32)
         ids16 = torch.full((Tp + 2, Kk), 77, dtype=torch.int16)
         disp = torch.full(((Tp + 2) * Dp,), 9.0).to(bf)
-        K.publish_tokens(xp, idp, hdr, ids16, disp)
-        assert int(hdr) == Tp and torch.equal(ids16[:Tp].long(), idp), ("publish ids", Tp)
+        K.publish_tokens(xp, idp, hdr, ids16, disp, sched=sched)
+        assert hdr.tolist() == [Tp, word, -3], ("publish header", Tp, hdr.tolist())
+        assert torch.equal(ids16[:Tp].long(), idp), ("publish ids", Tp)
         assert torch.equal(disp[:Tp * Dp].view(Tp, Dp), xp), ("publish rows", Tp)
         assert (ids16[Tp:] == 77).all() and (disp[Tp * Dp:] == 9).all(), ("publish past T", Tp)
     # gather: rows from scattered addresses, 0 = zero row, rows >= n untouched

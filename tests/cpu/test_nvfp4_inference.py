@@ -153,7 +153,7 @@ def test_row_kernels_refuse_widths_they_cannot_store():
     ids = torch.zeros(2, 2, dtype=torch.int64)
     with pytest.raises(AssertionError, match="ids16"):
         KN.publish_quantized(torch.zeros(2, 128, dtype=torch.bfloat16), ids,
-                             torch.zeros(1, dtype=torch.int32), torch.zeros(3, dtype=torch.int16),
+                             torch.zeros(2, dtype=torch.int32), torch.zeros(3, dtype=torch.int16),
                              torch.zeros(2, 256, dtype=torch.uint8), out_stride=256)
     with pytest.raises(AssertionError, match="src_stride_bytes"):
         KN.fanout_dequantize(torch.zeros(1, dtype=torch.int64), 64,

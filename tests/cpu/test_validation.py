@@ -343,3 +343,22 @@ def test_ranks_with_different_schedules_raise_on_every_rank():
         assert g["arg"] == "ctx" and g["untouched"], g
         assert "['training, slot 0 for 1 layer(s)', 'no training forward']" in g["msg"], g["msg"]
         assert o["next_err"] < 1e-10 and o["after"] == 2.0, o
+
+
+def _device_memory_worker(rank: int, world_size: int):
+    """Rank 1's device (a stand-in) holds 1 GiB in all, rank 0's 2 TiB; the plan needs 2 GiB:
+    every rank raises the same ConfigError (the other rank's check would pass on its own)."""
+    import megatron_dist_moe.context as C
+    C._device_total_bytes = lambda device: 2 ** 41 if rank == 0 else 2 ** 30
+    try:
+        dm.create_context(config=_cfg(activation_slot_bytes=2 ** 31), device="cpu")
+    except dm.ConfigError as e:
+        return dict(field=e.field, msg=str(e))
+    return dict(field=None, msg="no error")
+
+
+def test_a_plan_past_one_rank_device_memory_is_refused_on_every_rank():
+    out = tt.spawn(_device_memory_worker, 2, timeout_s=120)
+    for o in out:
+        assert o["field"] == "activation_slot_bytes", o
+        assert "rank 1's device has 1.00 GiB in all" in o["msg"], o["msg"]

@@ -106,9 +106,8 @@ class CudaBackend:
 
     # -- helpers ----------------------------------------------------------------------------
     def check_collective(self, x_TD: torch.Tensor, local_error=None, training=None) -> None:
-        # Equal T across ranks is checked on the device (routing header), without a host sync.
-        # The training flag and slot selection are not compared across ranks here (that would
-        # take a host sync per call); see the reference backend's check.
+        # Equal T and the schedule word (training or not, the selected slot and its planned layer
+        # count) across ranks are checked on the device (routing header), without a host sync.
         # A rank whose own validation failed still meets its peers at the call's first device
         # barrier, with T = -1 in its routing header: their routing check traps, naming this
         # rank (CHECK_PEER_REJECTED), instead of waiting at the barrier for ever; this rank then
@@ -119,15 +118,23 @@ class CudaBackend:
             self.sym.header.fill_(-1)
             self.sym.barrier(0)
 
-    def _publish(self, x_TD: torch.Tensor, ids_TK: torch.Tensor) -> None:
-        """T, the IDs and the token rows where the peers read them, in one launch."""
+    def _publish(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, training: bool) -> None:
+        """T, the schedule word, the IDs and the token rows where the peers read them, in one
+        launch. The schedule word (a training forward's selected slot and planned layer count,
+        else -1) is compared across ranks by the routing check: ranks whose planners were told
+        different things would take different save / replay decisions, and a backward would
+        replay on one rank from rows its peer never republished."""
         publish = getattr(self.experts, "publish", None)
         args = (x_TD.contiguous(), ids_TK.contiguous(), self.sym.header, self.sym.ids_TK,
                 self.sym.dispatch)
+        sched = None
+        if training:
+            sched = (self.ctx.planner.selected,
+                     self.cfg.max_moe_layers_per_activation_slot + 1)
         if publish is not None:       # the precision's own row form (nvfp4: quantized rows)
-            publish(*args)
+            publish(*args, sched=sched)
         else:
-            K_rows.publish_tokens(*args)
+            K_rows.publish_tokens(*args, sched=sched)
 
     def _routing(self, T: int, scores_TK: torch.Tensor | None) -> RoutingTables:
         fanout = self.experts.uses_fanout   # the fan-out table only where the gathers use it
@@ -143,11 +150,12 @@ class CudaBackend:
                 combine_ptrs=comb, dispatch_route_ptrs=disp, max_rows=self.max_rows,
                 fanout=FanoutTable(fan[0], T, self.cfg.top_k, self.sym.dispatch_base_EP,
                                    self.sym.combine_base_EP) if fanout else None)
-        ids_all, T_all = self.sym.gather_routing(T)
+        ids_all, T_all, sched_all = self.sym.gather_routing(T)
         return build_routing_tables(
             ids_all, T_all, T, self.ctx.rank, self.ctx.num_local_experts, self.cfg.num_experts,
             self.max_rows, self.sym.dispatch_base_EP, self.sym.combine_base_EP,
-            row_bytes=self.cfg.hidden_dim * 2, own_scores_TK=scores_TK, fanout=fanout)
+            row_bytes=self.cfg.hidden_dim * 2, own_scores_TK=scores_TK, fanout=fanout,
+            sched_all_EP=sched_all)
 
     def _routes_view(self, buf: torch.Tensor, T: int) -> torch.Tensor:
         K, D = self.cfg.top_k, self.cfg.hidden_dim
@@ -158,7 +166,7 @@ class CudaBackend:
                 weight_cache: bool | None = None):
         T = x_TD.shape[0]
         D = self.cfg.hidden_dim
-        self._publish(x_TD, ids_TK)
+        self._publish(x_TD, ids_TK, training)
         self.sym.barrier(0)
         tabs = self._routing(T, scores_TK)
         # training: planner decision; x_g and h1 then go straight into the selected activation

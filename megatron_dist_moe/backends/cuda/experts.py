@@ -743,11 +743,12 @@ class Nvfp4Pipeline:
             from ...kernels.grouped_gemm.nvfp4 import nvfp4_grouped_mm
             nvfp4_grouped_mm(**kw)
 
-    def publish(self, x_TD, ids_TK, header, ids16, dispatch) -> None:
-        """T, the IDs and this rank's token rows quantized into its dispatch buffer (row slots
-        2D bytes apart), in one launch."""
+    def publish(self, x_TD, ids_TK, header, ids16, dispatch, sched=None) -> None:
+        """The routing header, the IDs and this rank's token rows quantized into its dispatch
+        buffer (row slots 2D bytes apart), in one launch."""
         from ...kernels.quant_nvfp4 import publish_quantized
-        publish_quantized(x_TD, ids_TK, header, ids16, dispatch, out_stride=2 * x_TD.shape[1])
+        publish_quantized(x_TD, ids_TK, header, ids16, dispatch, out_stride=2 * x_TD.shape[1],
+                          sched=sched)
 
     def prepare(self, w13, w2, training: bool, into=None):
         assert not training, "nvfp4 runs inference only"

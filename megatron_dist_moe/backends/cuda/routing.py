@@ -54,12 +54,14 @@ def build_routing_tables(ids_all_EPTK: torch.Tensor, T_all_EP: torch.Tensor, T: 
                          num_local_experts: int, num_experts: int, max_rows: int,
                          dispatch_base_EP: torch.Tensor, combine_base_EP: torch.Tensor,
                          row_bytes: int, own_scores_TK: torch.Tensor | None = None,
-                         device_checks: bool = True, fanout: bool = False) -> RoutingTables:
+                         device_checks: bool = True, fanout: bool = False,
+                         sched_all_EP: torch.Tensor | None = None) -> RoutingTables:
     """Build the expert-major tables for this rank (see module docstring).
 
-    device_checks: trap (message + numbers) on unequal T across ranks, on more received rows than
-    `max_rows`, and — for this rank's own routes — on out-of-range IDs and nonzero scores on
-    inactive routes (host checks are skipped inside graph capture).
+    device_checks: trap (message + numbers) on unequal T across ranks, on schedule words
+    (`sched_all_EP`, every rank's, when given) that differ from this rank's, on more received
+    rows than `max_rows`, and — for this rank's own routes — on out-of-range IDs and nonzero
+    scores on inactive routes (host checks are skipped inside graph capture).
     """
     dev = ids_all_EPTK.device
     EP, _, K = ids_all_EPTK.shape
@@ -98,6 +100,12 @@ def build_routing_tables(ids_all_EPTK: torch.Tensor, T_all_EP: torch.Tensor, T: 
         # T = -1: that peer's own validation failed (CudaBackend.check_collective)
         code_T = torch.where(T_bad == -1, K_checks.CHECK_PEER_REJECTED, K_checks.CHECK_UNEQUAL_T)
         checks.append((bad_T.any(), code_T, first_bad, T_bad))
+        if sched_all_EP is not None:
+            S_all = sched_all_EP.to(torch.int64)
+            bad_S = S_all != pick(S_all, torch.tensor(rank, device=dev))
+            first_S = torch.argmax(bad_S.to(torch.int32))
+            checks.append((bad_S.any(), K_checks.CHECK_SCHEDULE_MISMATCH, first_S,
+                           pick(S_all, first_S)))
         R = num_rows.to(torch.int64).view(())
         checks.append((R > max_rows, K_checks.CHECK_SCRATCH_OVERFLOW, R,
                        torch.full_like(R, max_rows)))

@@ -2,7 +2,7 @@
 
 One torch symmetric-memory allocation per context holds three regions at fixed byte offsets:
 
-    routing   [128-byte header: int32 T] [int16 expert ids [T_max, K]]
+    routing   [128-byte header: int32 T, int32 schedule word] [int16 expert ids [T_max, K]]
               (save_route_outputs=False: + [fp32 scores [T_max, K]]
                [fp32 score-gradient parts [MemoryPlan.score_parts, T_max, K]])
     dispatch  [T_max * K, D] bf16   forward: x rows [T, D]; backward: route input gradients
@@ -58,7 +58,7 @@ class SymmetricBuffers:
         self.combine_base_EP = self.base_EP + self.combine_off
         # Local typed views.
         b = self.buf
-        self.header = b[0:4].view(torch.int32)
+        self.header = b[0:8].view(torch.int32)
         self.ids_TK = b[ROUTING_HEADER_BYTES:ROUTING_HEADER_BYTES + align128(T * K * 2)][: T * K * 2] \
             .view(torch.int16).view(T, K)
         self.dispatch = b[self.dispatch_off:self.dispatch_off + plan.dispatch_bytes].view(torch.bfloat16)
@@ -77,7 +77,7 @@ class SymmetricBuffers:
         self.peer_ids = []
         for r in range(self.ep_size):
             whole = self.handle.get_buffer(r, (total,), torch.uint8, 0)
-            self.peer_header.append(whole[0:4].view(torch.int32))
+            self.peer_header.append(whole[0:8].view(torch.int32))
             self.peer_ids.append(whole[ROUTING_HEADER_BYTES:ROUTING_HEADER_BYTES + T * K * 2]
                                  .view(torch.int16).view(T, K))
         self.T_max, self.D, self.K = T, D, K
@@ -88,11 +88,12 @@ class SymmetricBuffers:
         bounded by the context's Config.wait_timeout_s."""
         self.handle.barrier(channel=channel, timeout_ms=self.barrier_timeout_ms)
 
-    def gather_routing(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids_all [EP, T, K] int16, T_all [EP] int32) read from every rank's header."""
+    def gather_routing(self, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids_all [EP, T, K] int16, T_all [EP] int32, schedule words [EP] int32) read from
+        every rank's header."""
         ids = torch.stack([p[:T] for p in self.peer_ids])
-        Ts = torch.cat(self.peer_header)
-        return ids, Ts
+        header = torch.stack(self.peer_header)
+        return ids, header[:, 0], header[:, 1]
 
     def close(self) -> None:
         # NOTE: drop every view now: freeing symmetric memory later (from the cyclic garbage

@@ -172,6 +172,15 @@ VARIANTS["routing_place"] = route
 VARIANTS["routing_place_fanout"] = lambda: KR.route_tables(
     ws, p.repeat(2), 2048, 6, 0, 12, 8192, p.repeat(2), p.repeat(2), 14336,
     own_scores_TK=torch.empty(2048, 6), trap=True, fanout=True)
+ws1 = KR.RouteWorkspace(2, 8, 6, 6, "cpu")
+VARIANTS["routing_one"] = lambda: KR.route_tables(
+    ws1, p.repeat(2), 8, 6, 0, 12, 8192, p.repeat(2), p.repeat(2), 14336,
+    own_scores_TK=torch.empty(8, 6), trap=True, fanout=True)
+# the routing header with a training forward's schedule word (the planner's selection)
+_hdr, _sel = torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)
+VARIANTS["rows_publish_tokens"] = lambda: K_rows.publish_tokens(
+    torch.empty(2048, 7168, dtype=bf), torch.empty(2048, 6, dtype=torch.int64), _hdr,
+    torch.empty(2048, 6, dtype=torch.int16), torch.empty(2048 * 7168, dtype=bf), sched=(_sel, 3))
 _i64 = torch.zeros(4, dtype=torch.int64)
 VARIANTS["rows_device_check"] = lambda: K_checks.device_check(_i64, _i64, _i64)
 VARIANTS["rows_fanout"] = lambda: K_rows.fanout_rows(
@@ -322,7 +331,9 @@ JIT = {"rows_device_check": (K_checks, "_device_check_kernel"),
        "wgrad": (G_wgrad, "_grouped_mm_wgrad_kernel"),
        "routing_count": (KR, "_route_count_kernel"),
        "routing_place": (KR, "_route_place_kernel"),
-       "routing_place_fanout": (KR, "_route_place_kernel")}
+       "routing_place_fanout": (KR, "_route_place_kernel"),
+       "routing_one": (KR, "_route_one_kernel"),
+       "rows_publish_tokens": (K_rows, "_publish_tokens_kernel")}
 
 # mxfp8 quantize's other tiles (quant_mxfp8.QUANT_TILES; the default's variants are above)
 for _t in ((32, 64, 1), (32, 32, 1), (64, 32, 2), (32, 128, 4)):

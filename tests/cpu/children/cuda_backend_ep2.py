@@ -70,6 +70,27 @@ def run_rejected(routing):
     return dict(rank0=out[0], rank1=out[1])
 
 
+def schedule_rank(group, cfg, problem, overrides):
+    """Training forwards after different slot selections (rank 0 plans 2 layers, rank 1 one):
+    the routing check traps on both ranks (in the interpreter: prints, then raises), naming the
+    peer's schedule word, instead of letting their planners decide differently."""
+    try:
+        be = H.make_backend(cfg, group, overrides)
+        be.ctx.planner.select(0, 2 if group.rank == 0 else 1)
+        be.forward(*H.rank_inputs(problem, group.rank), training=True)
+        return dict(returned=True)
+    except BaseException as ex:
+        return dict(raised=f"{type(ex).__name__}: {ex}"[:500])
+
+
+def run_schedule(routing):
+    cfg = dm.Config(**shape, activation_slot_bytes=slot_bytes())
+    problem = tt.make_problem(cfg, EP, seed=6, dtype=torch.bfloat16)
+    out = H.run_ranks(EP, schedule_rank, cfg, problem,
+                      {"gemm_engine": "torch", "routing": routing}, timeout_s=120)
+    return dict(rank0=out[0], rank1=out[1])
+
+
 VARIANTS = {
     # torch routing tables and bookkeeping (the oracles of the Triton defaults) over two ranks
     "torch_gemm,torch_tables": dict(overrides={"gemm_engine": "torch", "routing": "torch",
@@ -89,6 +110,8 @@ VARIANTS = {
 if __name__ == "__main__":
     for routing in ("torch", "triton"):
         res = dict(name=f"rejected,{routing}_routing", ok=True, **run_rejected(routing))
+        print("RESULT " + json.dumps(res), flush=True)
+        res = dict(name=f"schedule,{routing}_routing", ok=True, **run_schedule(routing))
         print("RESULT " + json.dumps(res), flush=True)
 
     for v, (name, variant) in enumerate(VARIANTS.items()):
