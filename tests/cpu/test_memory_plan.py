@@ -173,5 +173,6 @@ def test_plans_past_int64_offsets_or_device_memory_are_refused():
     plan = dm.plan_memory(cfg(**base, activation_slot_bytes=2 ** 40), ep_size=2)
     check_plan_fits(plan, [None, 2 ** 41])            # a CPU rank, and a device that holds it
     with pytest.raises(dm.ConfigError, match=r"Config.activation_slot_bytes: the plan needs "
-                       r"1,024.00 GiB on each device; rank 1's device has 80.00 GiB in all"):
+                       r"1,024.00 GiB on each device \(activation slots 1 x 1,024.00 GiB, scratch "
+                       r".*\); rank 1's device has 80.00 GiB in all"):
         check_plan_fits(plan, [2 ** 41, 80 * 2 ** 30])
