@@ -21,7 +21,8 @@
 // Schedule: a block of two consumer warpgroups owns a tile of BM = 2 * MT * 64 weight rows x BN
 // tokens of one expert; tiles are ordered weight strip by weight strip, token tiles fastest
 // (blocks running together share a strip's weights in L2) and walked by a persistent grid of
-// one block per SM. Per 128-wide chunk: the token stage is copied S - 2 chunks ahead (S
+// one block per SM, or (stream-K, below) cut into equal ranges of 128-wide k chunks, one per
+// block, with BPS blocks per SM. Per 128-wide chunk: the token stage is copied S - 2 chunks ahead (S
 // stages), the weights one chunk ahead into a register ring or (SW) with the tokens into the
 // stage, read from there at the chunk's start; per 32-bit word of the weights
 // (two k16 steps) a warpgroup decodes its fragments while the previous word's wgmmas run
@@ -30,6 +31,8 @@
 // stages the bf16 tile in shared memory and stores 16-byte row pieces ("store": out row r,
 // "scatter": the row at out_rows[r], skipped where 0). Nothing is read on the host; a call is
 // one launch and can be captured in a CUDA graph.
+
+#include <cstdio>
 
 #include "nvfp4_decode.cuh"
 
@@ -127,6 +130,11 @@ __device__ __forceinline__ void keep(float& r) { asm volatile("" : "+f"(r)::"mem
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
+// the weights: L2 fetches the rest of each row's 256-byte run (the next chunks' bytes), as
+// ld_weights asks
+__device__ __forceinline__ void cp_async16_l2_256(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
@@ -199,13 +207,40 @@ struct Shape {
   static_assert(BN * kPitch * 2 <= S * kStage, "the output tile is staged in the token stages");
 };
 
+// Stream-K (SK): the grid splits the (tile, chunk) units of the whole GEMM into equal
+// contiguous ranges, one per block, instead of walking whole tiles. With few tiles per SM
+// (the decode regime: 144 tiles of W13 on 132 SMs) whole tiles leave most SMs idle for the
+// last round; equal ranges keep every SM streaming weights to the end. A tile cut by a range
+// boundary is summed by the block holding its last chunk (the finisher): each earlier block
+// stores its fp32 partial sum in its slot of the workspace, in the accumulator's register
+// order (coalesced, no shuffles), and raises its flag; the finisher waits for the flags of
+// the lower blocks only (dispatched before it, never waiting on it), adds their sums in
+// descending block order (a fixed order: the result is the same every run) and resets the
+// flags for the next launch. Each block runs its partial segment first, so a finisher never
+// waits for more than a segment of its predecessor's work.
+struct Split {
+  float* partials;   // [gridDim.x][MT][BN / 2][kThreads] fp32
+  int* flags;        // [gridDim.x], 0 between launches
+};
+
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release(int* p, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+constexpr long long kSpinCycles = 1ll << 33;   // ~4 s: a predecessor that never arrives
+
 // SW: the weights are copied into the stages with the tokens (cp.async) instead of loaded
 // into a two-chunk register ring, so the proxy fence before each chunk has no register loads
 // to wait for
-template <int BN, int MT, int S, bool SW>
-__global__ void __launch_bounds__(kThreads, 1) nvfp4_wgmma_mm_kernel(Args args) {
+// P: chunks of the weight register ring (without SW), P - 1 of them in flight; BPS: blocks
+// per SM
+template <int BN, int MT, int S, bool SW, bool SK, int P, int BPS>
+__global__ void __launch_bounds__(kThreads, BPS) nvfp4_wgmma_mm_kernel(Args args, Split split) {
   using Sh = Shape<BN, MT, S, SW>;
-  constexpr int P = 2;    // chunks of the weight register ring (without SW)
   constexpr int FB = 2;   // words whose fragments are held: one word's wgmmas in flight
   extern __shared__ uint8_t smem_raw[];
   __shared__ int tile_end[kMaxExperts];   // cumulative tile counts
@@ -232,7 +267,9 @@ __global__ void __launch_bounds__(kThreads, 1) nvfp4_wgmma_mm_kernel(Args args) 
   const uint8_t* a_rows = reinterpret_cast<const uint8_t*>(*args.a_addr);
   __nv_bfloat16* staged = reinterpret_cast<__nv_bfloat16*>(smem);
 
-  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+  float acc[MT][BN / 2];
+  // acc = the sums of tile t over chunks [c0, c1)
+  auto mainloop = [&](int t, int c0, int c1) {
     int e = 0;
     while (tile_end[e] <= t) ++e;
     const int r0 = args.offsets[e], r1 = args.offsets[e + 1];
@@ -268,7 +305,7 @@ __global__ void __launch_bounds__(kThreads, 1) nvfp4_wgmma_mm_kernel(Args args) 
           const int row = p / 4, i = p % 4;
           int wrow = strip * Sh::kRows + row;
           wrow = wrow < N ? wrow : row % 16;     // past N: rows of tile 0, never stored
-          cp_async16(st + Sh::kWeights + row * 64 + i * 16,
+          cp_async16_l2_256(st + Sh::kWeights + row * 64 + i * 16,
                      args.w_packed + ((int64_t)e * N + wrow) * (K / 2) + c * (kChunk / 2) + i * 16);
         }
         if (tid < Sh::kRows / 16) {
@@ -280,7 +317,6 @@ __global__ void __launch_bounds__(kThreads, 1) nvfp4_wgmma_mm_kernel(Args args) 
       }
     };
 
-    float acc[MT][BN / 2];
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
@@ -289,27 +325,27 @@ __global__ void __launch_bounds__(kThreads, 1) nvfp4_wgmma_mm_kernel(Args args) 
 
 #pragma unroll
     for (int c = 0; c < Sh::kAhead; ++c) {
-      if (c < chunks) copy_tokens(c);
+      if (c0 + c < c1) copy_tokens(c0 + c);
       cp_async_commit();
     }
     WChunk<MT> ring[SW ? 1 : P];
     if constexpr (!SW) {
 #pragma unroll
       for (int p = 0; p < P - 1; ++p)
-        if (p < chunks) load_weights(ring[p], w_row, s_row, p, q);
+        if (c0 + p < c1) load_weights(ring[p], w_row, s_row, c0 + p, q);
     }
 
-    for (int cb = 0; cb < chunks; cb += P) {
+    for (int cb = c0; cb < c1; cb += P) {
 #pragma unroll
       for (int p = 0; p < P; ++p) {
         const int c = cb + p;
-        if (c >= chunks) break;
+        if (c >= c1) break;
         cp_async_wait<Sh::kAhead - 1>();   // this thread's copies of chunk c have landed
         fence_async_smem();
         // every thread's copies of chunk c are visible, and every warpgroup is past chunk
         // c - 2 (at most the last word of c - 1 in flight): its stage can be refilled
         __syncthreads();
-        if (c + Sh::kAhead < chunks) copy_tokens(c + Sh::kAhead);
+        if (c + Sh::kAhead < c1) copy_tokens(c + Sh::kAhead);
         cp_async_commit();
         const uint32_t st = smem_u32 + (c % S) * Sh::kStage;
         if constexpr (SW) {   // this thread's fragment bytes of the staged weight rows
@@ -321,7 +357,7 @@ __global__ void __launch_bounds__(kThreads, 1) nvfp4_wgmma_mm_kernel(Args args) 
               ring[0].w[m][h] = lds128(st + Sh::kWeights + (row + g + 8 * h) * 64 + 16 * q);
             ring[0].s[m] = lds16(st + Sh::kScales + row / 16 * 8 + 2 * q);
           }
-        } else if (c + P - 1 < chunks) {
+        } else if (c + P - 1 < c1) {
           load_weights(ring[(p + P - 1) % P], w_row, s_row, c + P - 1, q);
         }
         const WChunk<MT>& wc = ring[SW ? 0 : p];
@@ -370,8 +406,18 @@ __global__ void __launch_bounds__(kThreads, 1) nvfp4_wgmma_mm_kernel(Args args) 
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) keep(acc[m][i]);
     cp_async_wait<0>();
-    __syncthreads();   // the stages are free: the output tile is staged there
+    __syncthreads();   // the stages are free: the output tile may be staged there
+  };
 
+  // the scaled bf16 tile t from acc
+  auto store = [&](int t) {
+    int e = 0;
+    while (tile_end[e] <= t) ++e;
+    const int r0 = args.offsets[e], r1 = args.offsets[e + 1];
+    const int m_tiles = (r1 - r0 + BN - 1) / BN;
+    const int local = t - (e > 0 ? tile_end[e - 1] : 0);
+    const int strip = local / m_tiles;
+    const int tok0 = r0 + local % m_tiles * BN;
     if (tid < BN) {
       const int r = tok0 + tid;
       s_tok[tid] = r < r1 ? *reinterpret_cast<const float*>(a_rows + (int64_t)r * args.a_stride
@@ -414,13 +460,88 @@ __global__ void __launch_bounds__(kThreads, 1) nvfp4_wgmma_mm_kernel(Args args) 
           *reinterpret_cast<const uint4*>(staged + n * Sh::kPitch + p % kPieces * 8);
     }
     __syncthreads();   // the next tile's copies rewrite the stages
+  };
+
+  if constexpr (!SK) {
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+      mainloop(t, 0, chunks);
+      store(t);
+    }
+  } else {
+    constexpr int kSlot = MT * (BN / 2) * kThreads;   // floats of a block's partial sum
+    const int64_t units = (int64_t)total * chunks;
+    auto start_of = [&](int b) { return (int64_t)b * units / gridDim.x; };
+    const int b = blockIdx.x;
+    const int64_t u0 = start_of(b), u1 = start_of(b + 1);
+    if (u0 == u1) return;
+    const int t_first = static_cast<int>(u0 / chunks), t_last = static_cast<int>((u1 - 1) / chunks);
+    const bool starts_inside = u0 % chunks != 0;   // t_first began in a lower block
+    const bool ends_inside = u1 % chunks != 0;     // t_last goes on in a higher block
+    auto publish = [&]() {   // this block's partial sum of t_last, for its finisher
+      float* slot = split.partials + (int64_t)b * kSlot;
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) slot[(m * (BN / 2) + i) * kThreads + tid] = acc[m][i];
+      __syncthreads();
+      if (tid == 0) st_release(split.flags + b, 1);
+    };
+    auto finish = [&](int t) {   // add the lower blocks' sums of tile t, then store it
+      const int64_t t_start = (int64_t)t * chunks;
+      for (int bb = b - 1; bb >= 0; --bb) {
+        const int64_t s0 = start_of(bb);
+        if (s0 < start_of(bb + 1)) {
+          if (tid == 0) {
+            const long long t0 = clock64();
+            while (ld_acquire(split.flags + bb) == 0) {
+              if (clock64() - t0 > kSpinCycles) {
+                printf("nvfp4 wgmma GEMM (stream-K): block %d waited over %lld cycles for "
+                       "block %d's partial sum of tile %d; its flag never rose\n",
+                       b, kSpinCycles, bb, t);
+                __trap();
+              }
+            }
+            split.flags[bb] = 0;   // read once: clean for the next launch
+          }
+          __syncthreads();
+          const float* slot = split.partials + (int64_t)bb * kSlot;
+#pragma unroll
+          for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i)
+              acc[m][i] += __ldcg(slot + (m * (BN / 2) + i) * kThreads + tid);
+        }
+        if (s0 <= t_start) break;
+      }
+      store(t);
+    };
+    const int c_end = static_cast<int>(u1 - (int64_t)t_last * chunks);
+    const int c_begin = static_cast<int>(u0 - (int64_t)t_first * chunks);
+    if (t_first == t_last) {
+      mainloop(t_first, c_begin, c_end);
+      if (ends_inside) publish();
+      else if (starts_inside) finish(t_first);
+      else store(t_first);
+    } else {
+      // the partial segment first: the next block's finisher waits for it
+      mainloop(t_last, 0, c_end);
+      if (ends_inside) publish();
+      else store(t_last);
+      for (int t = t_first + 1; t < t_last; ++t) {
+        mainloop(t, 0, chunks);
+        store(t);
+      }
+      mainloop(t_first, c_begin, chunks);
+      if (starts_inside) finish(t_first);
+      else store(t_first);
+    }
   }
 }
 
-template <int BN, int MT, int S, bool SW>
-int launch(const Args& args, cudaStream_t stream) {
+template <int BN, int MT, int S, bool SW, bool SK, int P, int BPS>
+int launch(const Args& args, const Split& split, cudaStream_t stream) {
   using Sh = Shape<BN, MT, S, SW>;
-  auto kernel = nvfp4_wgmma_mm_kernel<BN, MT, S, SW>;
+  auto kernel = nvfp4_wgmma_mm_kernel<BN, MT, S, SW, SK, P, BPS>;
   static bool configured = false;   // per instance: the dynamic shared memory it needs
   if (!configured) {
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Sh::kSmem) !=
@@ -428,30 +549,51 @@ int launch(const Args& args, cudaStream_t stream) {
       return 5;
     configured = true;
   }
+  if (SK && (split.partials == nullptr || split.flags == nullptr)) return 1;
   int device = 0, sms = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
     return 5;
-  kernel<<<sms, kThreads, Sh::kSmem, stream>>>(args);
+  kernel<<<sms * BPS, kThreads, Sh::kSmem, stream>>>(args, split);
   return cudaGetLastError() == cudaSuccess ? 0 : 5;
 }
 
 }  // namespace wgmma_mm
 }  // namespace dm_nvfp4
 
-// variant = 1,000,000 * (1 + 4 SW) + token rows per tile * 100 + 64-row weight tiles per
-// warpgroup * 10 + token stages
-#define DM_NVFP4_WGMMA_VARIANTS(X) \
-  X(32, 1, 4, 0) X(32, 2, 4, 0) X(64, 2, 4, 0) X(128, 2, 4, 0) X(256, 1, 3, 0) X(128, 2, 4, 1)
-#define DM_NVFP4_WGMMA_CODE_OF(BN, MT, S, SW) \
-  (1000000 * (1 + 4 * (SW)) + BN * 100 + MT * 10 + S)
+// variant = 10,000,000 * (blocks per SM - 1) + 1,000,000 * (1 + 4 SW + 2 SK) + 100,000 *
+// (ring chunks - 2) + token rows per tile * 100 + 64-row weight tiles per warpgroup * 10 +
+// token stages
+#define DM_NVFP4_WGMMA_VARIANTS(X)                                        \
+  X(32, 1, 4, 0, 1, 3, 2) X(64, 1, 4, 0, 1, 3, 2) X(128, 2, 4, 0, 1, 2, 1) \
+  X(64, 2, 4, 0, 0, 2, 1) X(128, 2, 4, 1, 0, 2, 1)
+#define DM_NVFP4_WGMMA_CODE_OF(BN, MT, S, SW, SK, P, BPS)                            \
+  (10000000 * ((BPS) - 1) + 1000000 * (1 + 4 * (SW) + 2 * (SK)) + 100000 * ((P) - 2) + \
+   BN * 100 + MT * 10 + S)
 
+// the workspace a stream-K variant needs on a device of `sms` SMs (0 for the others): one fp32
+// partial tile and one flag per block of the grid, the flags zeroed before the first launch
+extern "C" int64_t dm_nvfp4_wgmma_mm_workspace(int variant, int sms) {
+  switch (variant) {
+#define DM_NVFP4_WGMMA_WS(BN, MT, S, SW, SK, P, BPS)                                    \
+  case DM_NVFP4_WGMMA_CODE_OF(BN, MT, S, SW, SK, P, BPS):                               \
+    return SK ? (int64_t)sms * (BPS) *                                                  \
+                    (MT * (BN / 2) * dm_nvfp4::wgmma_mm::kThreads * 4 + 4)              \
+              : 0;
+    DM_NVFP4_WGMMA_VARIANTS(DM_NVFP4_WGMMA_WS)
+#undef DM_NVFP4_WGMMA_WS
+    default: return -1;
+  }
+}
+
+// workspace: dm_nvfp4_wgmma_mm_workspace(variant, sms) bytes, 16-byte aligned (stream-K
+// variants; nullptr otherwise): the partial tiles, then the flags
 extern "C" int dm_nvfp4_wgmma_mm_run(int variant, int E, int N, int K, int64_t a_stride,
                                      const int64_t* a16_addr, const int64_t* a_addr,
                                      const void* w_packed, const void* w_scales,
                                      const float* w_senc, const int32_t* offsets,
                                      const int64_t* out_addr, const int64_t* out_rows,
-                                     void* stream) {
+                                     void* stream, void* workspace) {
   using namespace dm_nvfp4;
   if (E < 1 || E > wgmma_mm::kMaxExperts || N < 16 || N % 16 != 0 || K < kChunk ||
       K % kChunk != 0 || a_stride % 4 != 0)
@@ -459,10 +601,26 @@ extern "C" int dm_nvfp4_wgmma_mm_run(int variant, int E, int N, int K, int64_t a
   if ((out_addr == nullptr) == (out_rows == nullptr)) return 1;
   Args args{a16_addr, a_addr, a_stride, static_cast<const uint8_t*>(w_packed),
             static_cast<const uint8_t*>(w_scales), w_senc, offsets, out_addr, out_rows, E, N, K};
+  const bool stream_k = dm_nvfp4_wgmma_mm_workspace(variant, 1) > 0;
+  if (stream_k && (workspace == nullptr || reinterpret_cast<uintptr_t>(workspace) % 16 != 0))
+    return 1;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    return 5;
+  const int64_t ws = dm_nvfp4_wgmma_mm_workspace(variant, sms);
+  wgmma_mm::Split split{nullptr, nullptr};
+  if (stream_k) {
+    split.partials = static_cast<float*>(workspace);
+    // the flags: 4 bytes per block of the grid (sms x blocks per SM), after the tiles
+    const int64_t blocks = (int64_t)sms * (variant / 10000000 + 1);
+    split.flags = reinterpret_cast<int*>(static_cast<uint8_t*>(workspace) + ws - 4 * blocks);
+  }
   switch (variant) {
-#define DM_NVFP4_WGMMA_CASE(BN, MT, S, SW) \
-  case DM_NVFP4_WGMMA_CODE_OF(BN, MT, S, SW): return wgmma_mm::launch<BN, MT, S, SW>(args, s);
+#define DM_NVFP4_WGMMA_CASE(BN, MT, S, SW, SK, P, BPS)  \
+  case DM_NVFP4_WGMMA_CODE_OF(BN, MT, S, SW, SK, P, BPS): \
+    return wgmma_mm::launch<BN, MT, S, SW, SK, P, BPS>(args, split, s);
     DM_NVFP4_WGMMA_VARIANTS(DM_NVFP4_WGMMA_CASE)
 #undef DM_NVFP4_WGMMA_CASE
     default: return 1;
@@ -471,7 +629,8 @@ extern "C" int dm_nvfp4_wgmma_mm_run(int variant, int E, int N, int K, int64_t a
 
 extern "C" int dm_nvfp4_wgmma_mm_variants(int* out, int n) {
   int all[] = {
-#define DM_NVFP4_WGMMA_CODE(BN, MT, S, SW) DM_NVFP4_WGMMA_CODE_OF(BN, MT, S, SW),
+#define DM_NVFP4_WGMMA_CODE(BN, MT, S, SW, SK, P, BPS) \
+  DM_NVFP4_WGMMA_CODE_OF(BN, MT, S, SW, SK, P, BPS),
       DM_NVFP4_WGMMA_VARIANTS(DM_NVFP4_WGMMA_CODE)
 #undef DM_NVFP4_WGMMA_CODE
   };

@@ -243,7 +243,10 @@ def check_nvfp4_wgmma_mm(device, big=False):
     """The CUDA wgmma GEMM (csrc/nvfp4_wgmma_mm.cu), every variant, as check_nvfp4_decode_mm
     (twin math, the Triton kernel, scatter, graph replay with new offsets) on a16 in the
     fragment order: experts of more rows than one token tile (and fewer), empty experts, N
-    not a multiple of a block's 128 or 256 weight rows."""
+    not a multiple of a block's 128 or 256 weight rows. The stream-K variants also: the same
+    bits twice (their fixed summation order), a graph replayed twice (each launch leaves its
+    flags clean for the next), and fewer k-chunk units than blocks (224 x 256: ranges inside
+    one tile, empty blocks)."""
     from megatron_dist_moe.kernels.grouped_gemm import nvfp4_decode, nvfp4_wgmma
     assert nvfp4_decode.loads(torch.device(device)), (
         "the CUDA NVFP4 GEMMs did not load (they need an sm_90 GPU and nvcc)")
@@ -277,12 +280,19 @@ def _check_decode_mm(device, lens, N, K, variants, fn=None, order="k"):
         dequantize_rows(a, torch.tensor([R], dtype=torch.int32, device=device), R + 3, K,
                         out=a16, order=order)
     for variant in variants:
+        stream_k = fn is not None and _stream_k(variant)
         _check_decode_variant(device, lens, N, K, variant, offs, a, a16, W, xd, wd, ref, tri,
-                              graph=variant == variants[0], fn=fn)
+                              graph=variant == variants[0] or stream_k, fn=fn,
+                              repeat=stream_k)
+
+
+def _stream_k(variant):
+    from megatron_dist_moe.kernels.grouped_gemm import nvfp4_wgmma
+    return nvfp4_wgmma.variant_shape(variant)["stream_k"]
 
 
 def _check_decode_variant(device, lens, N, K, variant, offs, a, a16, W, xd, wd, ref, tri,
-                          graph, fn=None):
+                          graph, fn=None, repeat=False):
     from megatron_dist_moe.kernels.grouped_gemm.nvfp4_decode import nvfp4_decode_mm
     fn = fn or nvfp4_decode_mm
     E, R = len(lens), sum(lens)
@@ -292,6 +302,10 @@ def _check_decode_variant(device, lens, N, K, variant, offs, a, a16, W, xd, wd, 
     _close(name, out.float(), ref, 8e-3)
     # the same exact products, summed in another order: at most one bf16 rounding apart
     _close(f"{name} vs the Triton kernel", out.float(), tri.float(), 2 ** -7)
+    if repeat:
+        again = torch.full_like(out, float("nan"))
+        fn(a=a, a16=a16, weight=W, expert_offsets=offs, max_rows=R, out=again, variant=variant)
+        assert torch.equal(again, out), f"{name}: a second launch gave other bits"
     dst = torch.full((R + 2, N), float("nan"), dtype=BF, device=device)
     perm = torch.randperm(R + 2, generator=torch.Generator().manual_seed(2))[:R].to(device)
     ptrs = dst.data_ptr() + perm.long() * N * 2
@@ -319,6 +333,12 @@ def _check_decode_variant(device, lens, N, K, variant, offs, a, a16, W, xd, wd, 
         o2 = offs_g.tolist()
         ref2 = torch.cat([xd[o2[e]:o2[e + 1]] @ wd[e].T for e in range(E)])
         _close(f"{name}: graph replay with new offsets", out_g.float(), ref2, 8e-3)
+        if repeat:
+            first = out_g.clone()
+            out_g.fill_(float("nan"))
+            replay.replay()
+            torch.cuda.synchronize(device)
+            assert torch.equal(out_g, first), f"{name}: a second graph replay gave other bits"
 
 
 CHECKS = {f.__name__[len("check_"):]: f for f in (check_quantize_rows, check_publish_quantized,

@@ -395,14 +395,17 @@ def test_nvfp4_gemm_engine_is_chosen_at_creation(monkeypatch):
     with pytest.raises(ValueError, match="nvfp4_gemm='cuda' is nvfp4's"):
         ex.replace(precision="bf16")
     # the decode GEMM's variant at the row bound (8 rows per expert), the wgmma GEMM's above
-    # 32 per expert; Triton's tiles where the engine is "triton"
+    # 16 per expert (stream-K up to 160); Triton's tiles where the engine is "triton"
     tiles = choice.gemm_tiles(ex, 32, 4, 256, 128, cuda)
     assert tiles.startswith("CUDA GEMMs, W13 decode variant 32142"), tiles
     assert "W2 decode variant 32142" in tiles, tiles
     assert "K split over 4 warps" in choice.gemm_tiles(ex, 32, 4, 7168, 3072, cuda)
     assert nvfp4_decode.default_variant(4 * 33, 4, 256) is None
+    mid = choice.gemm_tiles(ex, 4 * 17, 4, 256, 128, cuda)
+    assert mid.startswith("CUDA GEMMs, W13 wgmma variant 13103214: 128 weight rows x 32"), mid
+    assert "stream-K" in mid and "2 blocks per SM" in mid, mid
     big = choice.gemm_tiles(ex, 4 * 33, 4, 256, 128, cuda)
-    assert big.startswith("CUDA GEMMs, W13 wgmma variant 1003224: 256 weight rows x 32"), big
+    assert big.startswith("CUDA GEMMs, W13 wgmma variant 13106414: 128 weight rows x 64"), big
     assert "W2 wgmma variant 5012824" in choice.gemm_tiles(ex, 4 * 2048, 4, 256, 128, cuda)
     assert not choice.gemm_tiles(ex.replace(nvfp4_gemm="triton"), 32, 4, 256, 128,
                                  cuda).startswith("CUDA")

@@ -721,6 +721,7 @@ class Nvfp4Pipeline:
         # (kernels/grouped_gemm/nvfp4_decode.py, nvfp4_wgmma.py), else the Triton NVFP4 GEMM;
         # each GEMM's a16 is decoded in the order its kernel reads
         self.cuda_variants = None
+        self.gemm_workspace = None   # the stream-K variants' partial sums and flags
         self.a16_orders = ("k", "k")
         if execution.nvfp4_gemm == "cuda":
             from ...kernels.grouped_gemm import nvfp4_decode, nvfp4_wgmma
@@ -734,11 +735,12 @@ class Nvfp4Pipeline:
             self.cuda_variants = tuple(nvfp4_wgmma.cuda_variant(max_rows, num_local_experts, k)
                                        for k in (D, F))
             self.a16_orders = tuple(nvfp4_wgmma.a16_order(v) for v in self.cuda_variants)
+            self.gemm_workspace = nvfp4_wgmma.new_workspace(self.cuda_variants, device)
 
     def _gemm(self, which: int, **kw) -> None:
         if self.cuda_variants is not None:
             from ...kernels.grouped_gemm import nvfp4_wgmma
-            nvfp4_wgmma.run(self.cuda_variants[which], **kw)
+            nvfp4_wgmma.run(self.cuda_variants[which], workspace=self.gemm_workspace, **kw)
         else:
             from ...kernels.grouped_gemm.nvfp4 import nvfp4_grouped_mm
             nvfp4_grouped_mm(**kw)

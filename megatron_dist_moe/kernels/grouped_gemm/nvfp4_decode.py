@@ -34,8 +34,8 @@ __all__ = ["variants", "variant_shape", "describe", "default_variant", "nvfp4_de
 _UNIT = "nvfp4_decode_mm"
 MAX_ROWS_PER_EXPERT = 32   # above this (on average) the wgmma GEMM (nvfp4_wgmma.py) runs
 _STATUS = {1: "bad shape: E < 1 (above 256 for the wgmma GEMM), N not a multiple of 16, K not a "
-              "multiple of 128, a row stride not a multiple of 4, or neither / both of out and "
-              "out_row_ptrs",
+              "multiple of 128, a row stride not a multiple of 4, neither / both of out and "
+              "out_row_ptrs, or a stream-K variant without a 16-byte aligned workspace",
            5: "the kernel launch failed"}
 
 
@@ -72,7 +72,9 @@ def build_library(verbose: bool = False) -> Path:
 def _entry(dll, name: str):
     fn = getattr(dll, f"dm_{name}_run")
     i64, i32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    fn.argtypes = [i32, i32, i32, i32, i64, vp, vp, vp, vp, vp, vp, vp, vp, vp]
+    # the wgmma GEMM takes its stream-K workspace last
+    fn.argtypes = ([i32, i32, i32, i32, i64, vp, vp, vp, vp, vp, vp, vp, vp, vp]
+                   + ([vp] if name == "nvfp4_wgmma_mm" else []))
     fn.restype = i32
     codes = (ctypes.c_int * 64)()
     n = getattr(dll, f"dm_{name}_variants")(codes, 64)
@@ -80,10 +82,17 @@ def _entry(dll, name: str):
 
 
 @functools.lru_cache(maxsize=1)
+def _dll():
+    dll = ctypes.CDLL(str(build_library()))
+    ws = dll.dm_nvfp4_wgmma_mm_workspace   # bytes of a stream-K variant's workspace
+    ws.argtypes, ws.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int64
+    return dll
+
+
+@functools.lru_cache(maxsize=1)
 def _lib():
     """{unit: (run function, variant codes)} of the library's two GEMMs."""
-    dll = ctypes.CDLL(str(build_library()))
-    return {u: _entry(dll, u) for u in _UNITS}
+    return {u: _entry(_dll(), u) for u in _UNITS}
 
 
 def _run_fn():
@@ -157,9 +166,10 @@ def nvfp4_decode_mm(*, a, a16, weight, expert_offsets: torch.Tensor, max_rows: i
 
 
 def launch(unit: str, name: str, variant: int, *, a, a16, weight, expert_offsets, max_rows,
-           epilogue, out, out_row_ptrs) -> None:
+           epilogue, out, out_row_ptrs, workspace: Optional[torch.Tensor] = None) -> None:
     """Check what the library's kernels assume and launch `unit`'s `variant` on the current
-    stream of the weights' device (both GEMMs share the argument block)."""
+    stream of the weights' device (both GEMMs share the argument block; the wgmma GEMM's
+    stream-K variants also take `workspace`, checked by the caller)."""
     E, N, K = weight.shape
     dev = weight.packed.device
     check_offsets(expert_offsets, E, dev)
@@ -197,7 +207,8 @@ def launch(unit: str, name: str, variant: int, *, a, a16, weight, expert_offsets
             packed.data_ptr(), scales.data_ptr(), senc.data_ptr(), expert_offsets.data_ptr(),
             None if out_addr is None else out_addr.data_ptr(),
             None if rows_ptr is None else rows_ptr.data_ptr(),
-            torch.cuda.current_stream(dev).cuda_stream)
+            torch.cuda.current_stream(dev).cuda_stream,
+            *(() if unit == _UNIT else (None if workspace is None else workspace.data_ptr(),)))
     if status != 0:
         raise RuntimeError(f"{name} [E={E}, N={N}, K={K}], variant {variant}: "
                            f"{_STATUS.get(status, f'status {status}')}")

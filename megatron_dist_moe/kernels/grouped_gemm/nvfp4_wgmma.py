@@ -10,8 +10,11 @@ The weights are wgmma's A operand, taken from registers: each thread decodes its
 E2M1 values straight from 16-byte loads (the decode GEMM's decode), so no decoded weight passes
 through shared memory; the token rows are B, copied into 128-byte-swizzled shared memory a
 few 128-wide chunks ahead. A block of two warpgroups owns 128 or 256 weight rows x 32-256
-token rows of one expert, and a persistent grid walks the tiles strip by strip. The source
-file says how the registers of in-flight wgmmas are kept.
+token rows of one expert, and a persistent grid walks the tiles strip by strip, or (stream-K
+variants) splits the (tile, 128-wide k chunk) units of the whole GEMM into one equal range per
+SM, the tiles cut by a range summed in a fixed order through a small workspace
+(`workspace_bytes`). The source file says how the registers of in-flight wgmmas are kept and
+how the stream-K partial sums meet.
 
 It is in the library of nvfp4_decode.py (one build, one cache entry, `loads(device)`).
 """
@@ -20,47 +23,84 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from . import nvfp4_decode
 
 __all__ = ["variants", "variant_shape", "describe", "default_variant", "nvfp4_wgmma_mm",
-           "A16_ORDER", "is_variant", "cuda_variant", "cuda_describe", "run", "a16_order"]
+           "A16_ORDER", "is_variant", "cuda_variant", "cuda_describe", "run", "a16_order",
+           "workspace_bytes", "new_workspace", "DECODE_ROWS_PER_EXPERT"]
 
 _UNIT = "nvfp4_wgmma_mm"
 A16_ORDER = "fragment"   # what dequantize_rows writes for this GEMM
 
 
 def variants() -> tuple:
-    """The library's variant codes: 1,000,000 * (1, or 5 with the weights staged in shared
-    memory) + token rows per tile * 100 + 64-row weight tiles per warpgroup * 10 + token
+    """The library's variant codes: 10,000,000 * (blocks per SM - 1) + 1,000,000 * (1 + 4 if
+    the weights are staged in shared memory + 2 if stream-K) + 100,000 * (weight register ring
+    chunks - 2) + token rows per tile * 100 + 64-row weight tiles per warpgroup * 10 + token
     stages (variant_shape decodes one)."""
     return nvfp4_decode._lib()[_UNIT][1]
 
 
 def variant_shape(code: int) -> dict:
+    flags = code // 1000000 % 10 - 1
     return dict(token_rows=code // 100 % 1000, weight_rows=2 * 64 * (code // 10 % 10),
-                stages=code % 10, staged_weights=code // 1000000 == 5)
+                stages=code % 10, ring=code // 100000 % 10 + 2,
+                blocks_per_sm=code // 10000000 + 1, staged_weights=bool(flags & 4),
+                stream_k=bool(flags & 2))
 
 
 def describe(code: int) -> str:
     v = variant_shape(code)
     where = ("staged in shared memory with the tokens" if v["staged_weights"] else
-             "loaded into a 2-chunk register ring")
+             f"loaded into a {v['ring']}-chunk register ring")
+    split = ", stream-K (equal k-chunk ranges per block)" if v["stream_k"] else ""
+    per_sm = f", {v['blocks_per_sm']} blocks per SM" if v["blocks_per_sm"] > 1 else ""
     return (f"wgmma variant {code}: {v['weight_rows']} weight rows x {v['token_rows']} token "
-            f"rows per tile, {v['stages']} stages, weights {where}")
+            f"rows per tile, {v['stages']} stages, weights {where}{split}{per_sm}")
+
+
+def workspace_bytes(code: int, sms: int) -> int:
+    """Bytes of the workspace variant `code` needs on a GPU of `sms` SMs (0: none): one fp32
+    partial tile and one flag per block of the grid (blocks_per_sm per SM), as the library's
+    dm_nvfp4_wgmma_mm_workspace computes them. The flags must be zero before the first launch;
+    every launch leaves them zero."""
+    v = variant_shape(code)
+    if not v["stream_k"]:
+        return 0
+    return sms * v["blocks_per_sm"] * (v["weight_rows"] * v["token_rows"] * 4 + 4)
+
+
+def new_workspace(codes, device) -> Optional[torch.Tensor]:
+    """A zeroed workspace serving every variant in `codes` on `device` (one launch at a time:
+    launches on one stream), or None where none needs one. Allocate it outside CUDA graph
+    capture and keep it for the graphs that use it."""
+    device = torch.device(device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    n = max([workspace_bytes(c, sms) for c in codes if is_variant(c)] + [0])
+    return torch.zeros(n, dtype=torch.uint8, device=device) if n else None
 
 
 def default_variant(max_rows: int, E: int, K: int) -> int:
-    """The variant by rows per expert on average (max_rows / E): the fastest of
-    bench_nvfp4_gemm --cuda-sweep on one H200 at the guide shapes (docs/decisions.md). Tiles
-    of 256 weight rows throughout; 32 token rows per tile up to 48 rows per expert, 64 up to
-    160, 128 above (the most MMA work per decoded word), with the weights staged in shared
-    memory."""
+    """The variant by rows per expert on average (max_rows / E) and the contraction length K:
+    the fastest of bench_nvfp4_gemm --cuda-sweep at the guide shapes (docs/decisions.md).
+    Where whole tiles would leave SMs idle for a last round (up to 160 rows per expert at the
+    guide's 6 experts: 144-288 tiles on 132 SMs), stream-K: 128 weight rows x 32 or 64 token
+    rows with two blocks per SM up to 64 rows per expert, then 256 x 128 for W13's long K.
+    Whole tiles of 256 weight rows otherwise: 64 token rows up to 160 rows per expert, 128
+    above (the most MMA work per decoded word) with the weights staged in shared memory."""
     per_expert = -(-max_rows // E)
-    if per_expert <= 48:
-        return 1003224
+    if per_expert <= 32:
+        return 13103214
+    if per_expert <= 64:
+        return 13106414
     if per_expert <= 160:
-        return 1006424
+        return 3012824 if K >= _LONG_K else 1006424
     return 5012824
+
+
+_LONG_K = 56 * 128   # W13 at the guide's D = 7168: 56 k chunks per tile
 
 
 def is_variant(code: int) -> bool:
@@ -68,28 +108,54 @@ def is_variant(code: int) -> bool:
     return code >= 1000000
 
 
+DECODE_ROWS_PER_EXPERT = 16   # up to here (on average) the decode GEMM runs
+
+
 def cuda_variant(max_rows: int, E: int, K: int) -> int:
-    """The CUDA engine's GEMM for a row bound: the decode GEMM's variant in the decode regime
-    (nvfp4_decode.default_variant), this GEMM's above it."""
-    v = nvfp4_decode.default_variant(max_rows, E, K)
-    return v if v is not None else default_variant(max_rows, E, K)
+    """The CUDA engine's GEMM for a row bound: the decode GEMM's variant
+    (nvfp4_decode.default_variant) up to DECODE_ROWS_PER_EXPERT rows per expert, where
+    streaming the weights through many small independent warps is fastest, this GEMM's
+    default_variant above."""
+    if -(-max_rows // E) <= DECODE_ROWS_PER_EXPERT:
+        return nvfp4_decode.default_variant(max_rows, E, K)
+    return default_variant(max_rows, E, K)
 
 
 def cuda_describe(code: int) -> str:
     return describe(code) if is_variant(code) else "decode " + nvfp4_decode.describe(code)
 
 
-def run(code: int, **kw) -> None:
-    """One of the library's GEMMs by its variant code (a16 in a16_order(code))."""
-    (nvfp4_wgmma_mm if is_variant(code) else nvfp4_decode.nvfp4_decode_mm)(variant=code, **kw)
+def run(code: int, workspace: Optional[torch.Tensor] = None, **kw) -> None:
+    """One of the library's GEMMs by its variant code (a16 in a16_order(code)); `workspace`
+    serves the stream-K variants (new_workspace)."""
+    if is_variant(code):
+        nvfp4_wgmma_mm(variant=code, workspace=workspace, **kw)
+    else:
+        nvfp4_decode.nvfp4_decode_mm(variant=code, **kw)
 
 
 def a16_order(code: int) -> str:
     return A16_ORDER if is_variant(code) else "k"
 
 
+_WORKSPACES: dict = {}   # (device, variant) -> the workspace of calls that pass none
+
+
+def _own_workspace(variant: int, device: torch.device) -> torch.Tensor:
+    key = (device, variant)
+    if key not in _WORKSPACES:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"nvfp4_wgmma_mm variant {variant} (stream-K) needs a workspace: pass "
+                "workspace=new_workspace([variant], device), or call it once before capturing "
+                "a CUDA graph (a workspace allocated during capture belongs to the graph)")
+        _WORKSPACES[key] = new_workspace([variant], device)
+    return _WORKSPACES[key]
+
+
 def nvfp4_wgmma_mm(*, a, a16, weight, expert_offsets, max_rows: int, epilogue: str = "store",
-                   out=None, out_row_ptrs=None, variant: Optional[int] = None) -> None:
+                   out=None, out_row_ptrs=None, variant: Optional[int] = None,
+                   workspace: Optional[torch.Tensor] = None) -> None:
     """Row r of expert e gets S_dec(r) S_dec(e) a16[r] @ dequant(W[e])^T (bf16).
 
     a               NVFP4 byte rows [>= R, nvfp4_row_bytes(K)] (tensor or device pointer): each
@@ -102,12 +168,29 @@ def nvfp4_wgmma_mm(*, a, a16, weight, expert_offsets, max_rows: int, epilogue: s
     epilogue        "store": out [R, N] bf16 (tensor or device pointer, 16-byte aligned rows);
                     "scatter": out_row_ptrs int64 [>= max_rows] (16-byte aligned row addresses)
     variant         one of variants(); default: default_variant(max_rows, E, K)
+    workspace       uint8, at least workspace_bytes(variant, SMs), zeroed before its first use
+                    (new_workspace); stream-K variants only, one launch at a time. Default: one
+                    kept per device and variant for the calls that pass none
     """
     E, N, K = weight.shape
     assert E <= 256, f"E={E}: the wgmma GEMM takes at most 256 experts"
     assert weight.scales.data_ptr() % 8 == 0, (
         "weight.scales must be 8-byte aligned (the staged-weight variants copy 8 at a time)")
     variant = variant if variant is not None else default_variant(max_rows, E, K)
+    dev = weight.packed.device
+    if variant_shape(variant)["stream_k"] and dev.type == "cuda":
+        if workspace is None:
+            workspace = _own_workspace(variant, dev)
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        need = workspace_bytes(variant, sms)
+        assert (workspace.dtype == torch.uint8 and workspace.device == dev
+                and workspace.is_contiguous() and workspace.numel() >= need
+                and workspace.data_ptr() % 16 == 0), (
+            f"workspace: expected a contiguous, 16-byte aligned uint8 tensor of >= {need} bytes "
+            f"on {dev} (new_workspace), got {workspace.dtype} {tuple(workspace.shape)} on "
+            f"{workspace.device}")
+    else:
+        workspace = None
     nvfp4_decode.launch(_UNIT, "nvfp4_wgmma_mm", variant, a=a, a16=a16, weight=weight,
                         expert_offsets=expert_offsets, max_rows=max_rows, epilogue=epilogue,
-                        out=out, out_row_ptrs=out_row_ptrs)
+                        out=out, out_row_ptrs=out_row_ptrs, workspace=workspace)
