@@ -130,11 +130,6 @@ __device__ __forceinline__ void keep(float& r) { asm volatile("" : "+f"(r)::"mem
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
-// the weights: L2 fetches the rest of each row's 256-byte run (the next chunks' bytes), as
-// ld_weights asks
-__device__ __forceinline__ void cp_async16_l2_256(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-}
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
@@ -305,7 +300,7 @@ __global__ void __launch_bounds__(kThreads, BPS) nvfp4_wgmma_mm_kernel(Args args
           const int row = p / 4, i = p % 4;
           int wrow = strip * Sh::kRows + row;
           wrow = wrow < N ? wrow : row % 16;     // past N: rows of tile 0, never stored
-          cp_async16_l2_256(st + Sh::kWeights + row * 64 + i * 16,
+          cp_async16(st + Sh::kWeights + row * 64 + i * 16,
                      args.w_packed + ((int64_t)e * N + wrow) * (K / 2) + c * (kChunk / 2) + i * 16);
         }
         if (tid < Sh::kRows / 16) {
