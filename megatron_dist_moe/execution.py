@@ -39,8 +39,8 @@ Development overrides select the plain-torch twins that the tests and baselines 
                   the expert's GPU, and with save_route_outputs, whose backward reads the
                   combine buffer)
     nvfp4_gemm    nvfp4 inference's GEMMs: "cuda" (our CUDA C++ GEMMs: the decode GEMM up to
-                  32 rows per expert, csrc/nvfp4_decode_mm.cu, and the wgmma GEMM above,
-                  csrc/nvfp4_wgmma_mm.cu; the default on a Hopper GPU where their library
+                  16 rows per expert, csrc/nvfp4_decode_mm.cu, and the wgmma GEMM above,
+                  csrc/nvfp4_wgmma_mm.cu, stream-K up to 160; the default on a Hopper GPU where their library
                   loads: built on first use in seconds, cached) | "triton" (our Triton NVFP4
                   GEMM at every row count)
 
@@ -300,9 +300,10 @@ class Execution:
                           "into exact fp16 in registers, fp16 MMAs)")
                 gemms = ("our CUDA C++ NVFP4 GEMMs, weights as the MMA's M side and each "
                          "thread decoding its fragment's E2M1 values from its own loads: "
-                         "mma.sync at a row bound of up to 32 rows per expert "
+                         "mma.sync at a row bound of up to 16 rows per expert "
                          "(csrc/nvfp4_decode_mm.cu), wgmma with the weights from registers "
-                         "above (csrc/nvfp4_wgmma_mm.cu)"
+                         "above (csrc/nvfp4_wgmma_mm.cu; stream-K, the k chunks split evenly "
+                         "over the SMs, up to 160 rows per expert)"
                          if self.nvfp4_gemm == "cuda" else triton)
                 gemms += ("; the global scales in the epilogue, scatter to the owners in the "
                           "W2 epilogue")

@@ -717,7 +717,7 @@ class Nvfp4Pipeline:
         self.act = dict(activation=cfg.activation, swiglu_alpha=cfg.swiglu_alpha,
                         swiglu_limit=cfg.swiglu_limit)
         # Execution.nvfp4_gemm: the CUDA engine's GEMM per GEMM at this row bound (W13
-        # contracts D, W2 F): the decode GEMM up to 32 rows per expert, the wgmma GEMM above
+        # contracts D, W2 F): the decode GEMM up to 16 rows per expert, the wgmma GEMM above
         # (kernels/grouped_gemm/nvfp4_decode.py, nvfp4_wgmma.py), else the Triton NVFP4 GEMM;
         # each GEMM's a16 is decoded in the order its kernel reads
         self.cuda_variants = None

@@ -21,8 +21,8 @@ every weight read once or twice), 128 x 256 tiles at training-size row counts (w
 through shared memory; tests/cpu/test_kernels_compile_sm90.py records the PTX). Both are
 measured on the GPU by benchmarks/bench_nvfp4_gemm.py and bench_decode.py. Where the CUDA
 library of nvfp4_decode.py loads (Execution.nvfp4_gemm) the CUDA backend runs its C++ kernels
-instead (the decode GEMM up to 32 rows per expert, about 1.8x faster there; nvfp4_wgmma.py
-above, 1.2-1.6x): this kernel is the fallback, and the interpreter's.
+instead (the decode GEMM up to 16 rows per expert, about 1.8x faster there; nvfp4_wgmma.py
+above): this kernel is the fallback, and the interpreter's.
 """
 
 from __future__ import annotations

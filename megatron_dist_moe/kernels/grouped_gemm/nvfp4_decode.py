@@ -4,8 +4,9 @@ The contract of `nvfp4.nvfp4_grouped_mm` with the A rows decoded once (`a16`; th
 twin checks both): row r of expert e gets S_dec(r) S_dec(e) a16[r] @ dequant(W[e])^T in bf16,
 stored at out[r] ("store") or at out_row_ptrs[r] ("scatter", skipped where 0).
 
-Where it runs: up to 32 rows per expert on average (decode: the GEMM is a stream of 4.5-bit
-weights and their decode). Weights are the MMA's M side and tokens its N side (one
+Where it runs: up to nvfp4_wgmma.DECODE_ROWS_PER_EXPERT (16) rows per expert on average in
+the CUDA engine (decode: the GEMM is a stream of 4.5-bit weights and their decode); its
+variants reach 32 (MAX_ROWS_PER_EXPERT), where the stream-K wgmma GEMM measured faster. Weights are the MMA's M side and tokens its N side (one
 mma.sync.m16n8k16 per 16 weight rows x 8 tokens x 16 k), each thread decodes exactly the
 weight values of its fragment straight from its 16-byte loads, and every warp streams its rows
 over its slice of K (long K is split over 2-4 warps of a block; the source file says how). Larger row counts
