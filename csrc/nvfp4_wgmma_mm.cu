@@ -32,8 +32,6 @@
 // "scatter": the row at out_rows[r], skipped where 0). Nothing is read on the host; a call is
 // one launch and can be captured in a CUDA graph.
 
-#include <cstdio>
-
 #include "nvfp4_decode.cuh"
 
 namespace dm_nvfp4 {
@@ -213,10 +211,20 @@ struct Shape {
 // descending block order (a fixed order: the result is the same every run) and resets the
 // flags for the next launch. Each block runs its partial segment first, so a finisher never
 // waits for more than a segment of its predecessor's work.
+// A finisher that waits too long (a predecessor that never ran) records the verdict in the
+// status word, (CHECK_WAIT_TIMEOUT, WAIT_STREAMK_PARTIAL x 2^32 + tile, the block waited for,
+// polls), the layout of kernels/checks.py, gives up and finishes its tile without that sum;
+// the caller's check_status, stream-ordered after the GEMM, traps with the message. (No printf
+// here: a call anywhere in the kernel makes ptxas serialize every wgmma.)
 struct Split {
-  float* partials;   // [gridDim.x][MT][BN / 2][kThreads] fp32
-  int* flags;        // [gridDim.x], 0 between launches
+  float* partials;     // [gridDim.x][MT][BN / 2][kThreads] fp32
+  int* flags;          // [gridDim.x], 0 between launches
+  long long* status;   // [4], 0 until a wait gives up
+  long long polls_max;
 };
+constexpr long long kCheckWaitTimeout = 7;   // checks.CHECK_WAIT_TIMEOUT
+constexpr long long kWaitStreamK = 3;        // checks.WAIT_STREAMK_PARTIAL
+constexpr int kBusyPolls = 256;              // checks.BUSY_POLLS: then ~1 us per poll
 
 __device__ __forceinline__ int ld_acquire(const int* p) {
   int v;
@@ -226,7 +234,6 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
 __device__ __forceinline__ void st_release(int* p, int v) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
-constexpr long long kSpinCycles = 1ll << 33;   // ~4 s: a predecessor that never arrives
 
 // SW: the weights are copied into the stages with the tokens (cp.async) instead of loaded
 // into a two-chunk register ring, so the proxy fence before each chunk has no register loads
@@ -240,6 +247,7 @@ __global__ void __launch_bounds__(kThreads, BPS) nvfp4_wgmma_mm_kernel(Args args
   extern __shared__ uint8_t smem_raw[];
   __shared__ int tile_end[kMaxExperts];   // cumulative tile counts
   __shared__ float s_tok[BN];
+  __shared__ int s_seen;   // stream-K: whether the awaited partial sum arrived
   uint8_t* smem = reinterpret_cast<uint8_t*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
   const uint32_t smem_u32 = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
@@ -487,24 +495,38 @@ __global__ void __launch_bounds__(kThreads, BPS) nvfp4_wgmma_mm_kernel(Args args
         const int64_t s0 = start_of(bb);
         if (s0 < start_of(bb + 1)) {
           if (tid == 0) {
-            const long long t0 = clock64();
-            while (ld_acquire(split.flags + bb) == 0) {
-              if (clock64() - t0 > kSpinCycles) {
-                printf("nvfp4 wgmma GEMM (stream-K): block %d waited over %lld cycles for "
-                       "block %d's partial sum of tile %d; its flag never rose\n",
-                       b, kSpinCycles, bb, t);
-                __trap();
+            long long polls = 0;
+            int seen = ld_acquire(split.flags + bb);
+            while (seen == 0 && polls < split.polls_max) {
+              if (polls >= kBusyPolls) {
+                __nanosleep(1000);
+                // another wait gave up already: so does this one
+                if (*reinterpret_cast<volatile long long*>(split.status) != 0)
+                  polls = split.polls_max - 1;
               }
+              seen = ld_acquire(split.flags + bb);
+              ++polls;
             }
-            split.flags[bb] = 0;   // read once: clean for the next launch
+            if (seen != 0) {
+              split.flags[bb] = 0;   // read once: clean for the next launch
+            } else {
+              split.status[1] = (kWaitStreamK << 32) + t;
+              split.status[2] = bb;
+              split.status[3] = polls;
+              atomicExch(reinterpret_cast<unsigned long long*>(split.status),
+                         static_cast<unsigned long long>(kCheckWaitTimeout));
+            }
+            s_seen = seen;
           }
           __syncthreads();
           const float* slot = split.partials + (int64_t)bb * kSlot;
+          if (s_seen != 0) {
 #pragma unroll
-          for (int m = 0; m < MT; ++m)
+            for (int m = 0; m < MT; ++m)
 #pragma unroll
-            for (int i = 0; i < BN / 2; ++i)
-              acc[m][i] += __ldcg(slot + (m * (BN / 2) + i) * kThreads + tid);
+              for (int i = 0; i < BN / 2; ++i)
+                acc[m][i] += __ldcg(slot + (m * (BN / 2) + i) * kThreads + tid);
+          }
         }
         if (s0 <= t_start) break;
       }
@@ -544,7 +566,9 @@ int launch(const Args& args, const Split& split, cudaStream_t stream) {
       return 5;
     configured = true;
   }
-  if (SK && (split.partials == nullptr || split.flags == nullptr)) return 1;
+  if (SK && (split.partials == nullptr || split.flags == nullptr || split.status == nullptr ||
+             split.polls_max < 1))
+    return 1;
   int device = 0, sms = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
@@ -561,19 +585,22 @@ int launch(const Args& args, const Split& split, cudaStream_t stream) {
 // token stages
 #define DM_NVFP4_WGMMA_VARIANTS(X)                                        \
   X(32, 1, 4, 0, 1, 3, 2) X(64, 1, 4, 0, 1, 3, 2) X(128, 2, 4, 0, 1, 2, 1) \
-  X(64, 2, 4, 0, 0, 2, 1) X(128, 2, 4, 1, 0, 2, 1)
+  X(64, 2, 4, 0, 0, 2, 1) X(128, 2, 4, 1, 0, 2, 1)                         \
+  X(32, 2, 4, 0, 1, 2, 1) X(32, 2, 4, 0, 1, 3, 1) X(64, 2, 4, 0, 1, 2, 1)  \
+  X(32, 1, 4, 0, 1, 2, 2) X(32, 2, 6, 1, 1, 2, 1)
 #define DM_NVFP4_WGMMA_CODE_OF(BN, MT, S, SW, SK, P, BPS)                            \
   (10000000 * ((BPS) - 1) + 1000000 * (1 + 4 * (SW) + 2 * (SK)) + 100000 * ((P) - 2) + \
    BN * 100 + MT * 10 + S)
 
-// the workspace a stream-K variant needs on a device of `sms` SMs (0 for the others): one fp32
-// partial tile and one flag per block of the grid, the flags zeroed before the first launch
+// the workspace a stream-K variant needs on a device of `sms` SMs (0 for the others): the status
+// word (4 int64), one flag per block of the grid (padded to 16 bytes), one fp32 partial tile
+// per block; the status word and the flags zeroed before the first launch
 extern "C" int64_t dm_nvfp4_wgmma_mm_workspace(int variant, int sms) {
   switch (variant) {
 #define DM_NVFP4_WGMMA_WS(BN, MT, S, SW, SK, P, BPS)                                    \
   case DM_NVFP4_WGMMA_CODE_OF(BN, MT, S, SW, SK, P, BPS):                               \
-    return SK ? (int64_t)sms * (BPS) *                                                  \
-                    (MT * (BN / 2) * dm_nvfp4::wgmma_mm::kThreads * 4 + 4)              \
+    return SK ? 32 + ((int64_t)sms * (BPS) * 4 + 15) / 16 * 16 +                        \
+                    (int64_t)sms * (BPS) * MT * (BN / 2) * dm_nvfp4::wgmma_mm::kThreads * 4 \
               : 0;
     DM_NVFP4_WGMMA_VARIANTS(DM_NVFP4_WGMMA_WS)
 #undef DM_NVFP4_WGMMA_WS
@@ -582,13 +609,14 @@ extern "C" int64_t dm_nvfp4_wgmma_mm_workspace(int variant, int sms) {
 }
 
 // workspace: dm_nvfp4_wgmma_mm_workspace(variant, sms) bytes, 16-byte aligned (stream-K
-// variants; nullptr otherwise): the partial tiles, then the flags
+// variants; nullptr otherwise); polls_max: the polls (~1 us each past the first 256) a block
+// waits for a predecessor's partial sum before it gives up (the status word says so)
 extern "C" int dm_nvfp4_wgmma_mm_run(int variant, int E, int N, int K, int64_t a_stride,
                                      const int64_t* a16_addr, const int64_t* a_addr,
                                      const void* w_packed, const void* w_scales,
                                      const float* w_senc, const int32_t* offsets,
                                      const int64_t* out_addr, const int64_t* out_rows,
-                                     void* stream, void* workspace) {
+                                     void* stream, void* workspace, int64_t polls_max) {
   using namespace dm_nvfp4;
   if (E < 1 || E > wgmma_mm::kMaxExperts || N < 16 || N % 16 != 0 || K < kChunk ||
       K % kChunk != 0 || a_stride % 4 != 0)
@@ -605,12 +633,14 @@ extern "C" int dm_nvfp4_wgmma_mm_run(int variant, int E, int N, int K, int64_t a
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
     return 5;
   const int64_t ws = dm_nvfp4_wgmma_mm_workspace(variant, sms);
-  wgmma_mm::Split split{nullptr, nullptr};
+  wgmma_mm::Split split{nullptr, nullptr, nullptr, polls_max};
   if (stream_k) {
-    split.partials = static_cast<float*>(workspace);
-    // the flags: 4 bytes per block of the grid (sms x blocks per SM), after the tiles
+    // status | flags (4 bytes per block of the grid: sms x blocks per SM) | partial tiles
     const int64_t blocks = (int64_t)sms * (variant / 10000000 + 1);
-    split.flags = reinterpret_cast<int*>(static_cast<uint8_t*>(workspace) + ws - 4 * blocks);
+    uint8_t* base = static_cast<uint8_t*>(workspace);
+    split.status = reinterpret_cast<long long*>(base);
+    split.flags = reinterpret_cast<int*>(base + 32);
+    split.partials = reinterpret_cast<float*>(base + 32 + (blocks * 4 + 15) / 16 * 16);
   }
   switch (variant) {
 #define DM_NVFP4_WGMMA_CASE(BN, MT, S, SW, SK, P, BPS)  \

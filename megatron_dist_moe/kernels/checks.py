@@ -30,7 +30,8 @@ import triton.language as tl
 
 __all__ = ["CHECK_UNEQUAL_T", "CHECK_SCRATCH_OVERFLOW", "CHECK_BAD_EXPERT_ID",
            "CHECK_INACTIVE_SCORE", "CHECK_PEER_REJECTED", "CHECK_LAYOUT_OUTSIDE_ARENA",
-           "CHECK_WAIT_TIMEOUT", "CHECK_SCHEDULE_MISMATCH", "WAIT_CLAIM_SLICES", "WAIT_MEGA_READY", "MESSAGES",
+           "CHECK_WAIT_TIMEOUT", "CHECK_SCHEDULE_MISMATCH", "WAIT_CLAIM_SLICES", "WAIT_MEGA_READY",
+           "WAIT_STREAMK_PARTIAL", "MESSAGES",
            "trap_on_code",
            "device_check", "wait_until_at_least", "max_polls", "trap", "check_status",
            "STATUS_WORDS"]
@@ -50,6 +51,9 @@ CHECK_SCHEDULE_MISMATCH = 8
 # plus the index of the thing waited on)
 WAIT_CLAIM_SLICES = 1     # the claimed copy of an m-tile (claim.py)
 WAIT_MEGA_READY = 2       # the W13 tiles of an m-tile, in the Mega forward (mega.py)
+# a lower block's partial sum of a tile, in the NVFP4 stream-K GEMM (csrc/nvfp4_wgmma_mm.cu;
+# the tile is the index, and the block waited for takes the rank's place)
+WAIT_STREAMK_PARTIAL = 3
 
 # The host-side text of each code (tests and error messages); the device prints the same words.
 MESSAGES = {
@@ -61,8 +65,9 @@ MESSAGES = {
                           "peer rank, its T marker"),
     CHECK_LAYOUT_OUTSIDE_ARENA: ("the per-call layout does not fit the arena: bytes needed, "
                                  "bytes available, rows"),
-    CHECK_WAIT_TIMEOUT: ("a device wait timed out: what (claim slices = 1, Mega W13 tiles = 2) "
-                         "x 2^32 + m-tile, rank, polls (about one microsecond each)"),
+    CHECK_WAIT_TIMEOUT: ("a device wait timed out: what (claim slices = 1, Mega W13 tiles = 2, "
+                         "NVFP4 stream-K partial sum = 3) x 2^32 + m-tile (3: tile), rank (3: "
+                         "the block waited for), polls (about one microsecond each)"),
     CHECK_SCHEDULE_MISMATCH: ("EP ranks differ in grad mode or in select_activation_slot before "
                               "this forward: peer rank, its schedule word (-1: no training "
                               "forward; else slot x (max layers + 1) + layers)"),
@@ -111,7 +116,8 @@ def trap_on_code(code, a, b, c=0):
                             "needed, bytes available, rows:", a, b, c)
         elif code == 7:
             tl.device_print("dist_moe TRAP: a device wait timed out: what (claim slices = 1, "
-                            "Mega W13 tiles = 2) x 2^32 + m-tile, rank, polls (about one "
+                            "Mega W13 tiles = 2, NVFP4 stream-K partial sum = 3) x 2^32 + "
+                            "m-tile (3: tile), rank (3: the block waited for), polls (about one "
                             "microsecond each):", a, b, c)
         elif code == 8:
             tl.device_print("dist_moe TRAP: EP ranks differ in grad mode or in "

@@ -242,24 +242,25 @@ def test_nvfp4_decode_library_builds_and_refuses_bad_shapes(tmp_path, monkeypatc
             assert nw.cuda_variant(6 * n, 6, 7168) in wcodes
         wrun = nd._lib()["nvfp4_wgmma_mm"][0]
         assert wrun(wcodes[0], 257, 6144, 7168, 4048, null, null, null, null, null, null,
-                    ctypes.c_void_p(16), null, null, null) == 1      # more than 256 experts
+                    ctypes.c_void_p(16), null, null, null, 0) == 1      # more than 256 experts
         assert wrun(wcodes[0], 6, 6144, 7000, 4048, null, null, null, null, null, null,
-                    ctypes.c_void_p(16), null, null, null) == 1
+                    ctypes.c_void_p(16), null, null, null, 0) == 1
         assert "256 weight rows x 128 token rows" in nw.describe(5012824)
-        # stream-K variants: a workspace of one fp32 tile and one flag per SM, refused without
+        # stream-K variants: a workspace (status word, flags, fp32 tiles), refused without
         sk = [c for c in wcodes if nw.variant_shape(c)["stream_k"]]
         assert sk and "stream-K" in nw.describe(sk[0])
         for c in wcodes:   # the Python sizing (no library needed) is the library's
             v = nw.variant_shape(c)
+            blocks = 132 * v["blocks_per_sm"]
             assert nw.workspace_bytes(c, 132) == (
-                132 * v["blocks_per_sm"] * (v["weight_rows"] * v["token_rows"] * 4 + 4)
+                32 + -(-4 * blocks // 16) * 16 + blocks * v["weight_rows"] * v["token_rows"] * 4
                 if v["stream_k"] else 0)
             assert nd._dll().dm_nvfp4_wgmma_mm_workspace(c, 132) == nw.workspace_bytes(c, 132)
         assert nd._dll().dm_nvfp4_wgmma_mm_workspace(codes[0], 132) == -1
         assert wrun(sk[0], 6, 6144, 7168, 4048, null, null, null, null, null, null,
-                    ctypes.c_void_p(16), null, null, null) == 1      # no workspace
+                    ctypes.c_void_p(16), null, null, null, 0) == 1      # no workspace
         assert wrun(sk[0], 6, 6144, 7168, 4048, null, null, null, null, null, null,
-                    ctypes.c_void_p(16), null, null, ctypes.c_void_p(24)) == 1   # misaligned
+                    ctypes.c_void_p(16), null, null, ctypes.c_void_p(24), 1) == 1   # misaligned
     finally:
         nd._lib.cache_clear()
         nd._dll.cache_clear()

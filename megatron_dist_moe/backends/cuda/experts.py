@@ -714,6 +714,7 @@ class Nvfp4Pipeline:
     def __init__(self, cfg: Config, execution: Execution, num_local_experts: int, max_rows: int,
                  device: torch.device, rank: int):
         self.cfg, self.E, self.max_rows, self.device = cfg, num_local_experts, max_rows, device
+        self.wait_timeout_s = execution.wait_timeout_s
         self.act = dict(activation=cfg.activation, swiglu_alpha=cfg.swiglu_alpha,
                         swiglu_limit=cfg.swiglu_limit)
         # Execution.nvfp4_gemm: the CUDA engine's GEMM per GEMM at this row bound (W13
@@ -740,7 +741,9 @@ class Nvfp4Pipeline:
     def _gemm(self, which: int, **kw) -> None:
         if self.cuda_variants is not None:
             from ...kernels.grouped_gemm import nvfp4_wgmma
-            nvfp4_wgmma.run(self.cuda_variants[which], workspace=self.gemm_workspace, **kw)
+            # the GEMMs share the workspace's status word: one check after the last of them
+            nvfp4_wgmma.run(self.cuda_variants[which], workspace=self.gemm_workspace,
+                            wait_timeout_s=self.wait_timeout_s, check=False, **kw)
         else:
             from ...kernels.grouped_gemm.nvfp4 import nvfp4_grouped_mm
             nvfp4_grouped_mm(**kw)
@@ -774,6 +777,10 @@ class Nvfp4Pipeline:
         if scatter_ptrs is not None:
             self._gemm(1, a=at["h2q"], a16=at["a16"], weight=w2, expert_offsets=offs,
                        max_rows=self.max_rows, epilogue="scatter", out_row_ptrs=scatter_ptrs)
+        if self.gemm_workspace is not None:   # a stream-K wait that gave up traps here
+            from ...kernels.checks import check_status
+            from ...kernels.grouped_gemm.nvfp4_wgmma import workspace_status
+            check_status(workspace_status(self.gemm_workspace))
 
     def backward(self, *args, **kwargs):
         raise RuntimeError("nvfp4 runs inference only (Config refuses nvfp4 training)")

@@ -73,9 +73,9 @@ def build_library(verbose: bool = False) -> Path:
 def _entry(dll, name: str):
     fn = getattr(dll, f"dm_{name}_run")
     i64, i32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    # the wgmma GEMM takes its stream-K workspace last
+    # the wgmma GEMM takes its stream-K workspace and wait bound (polls) last
     fn.argtypes = ([i32, i32, i32, i32, i64, vp, vp, vp, vp, vp, vp, vp, vp, vp]
-                   + ([vp] if name == "nvfp4_wgmma_mm" else []))
+                   + ([vp, i64] if name == "nvfp4_wgmma_mm" else []))
     fn.restype = i32
     codes = (ctypes.c_int * 64)()
     n = getattr(dll, f"dm_{name}_variants")(codes, 64)
@@ -167,10 +167,11 @@ def nvfp4_decode_mm(*, a, a16, weight, expert_offsets: torch.Tensor, max_rows: i
 
 
 def launch(unit: str, name: str, variant: int, *, a, a16, weight, expert_offsets, max_rows,
-           epilogue, out, out_row_ptrs, workspace: Optional[torch.Tensor] = None) -> None:
+           epilogue, out, out_row_ptrs, workspace: Optional[torch.Tensor] = None,
+           polls_max: int = 0) -> None:
     """Check what the library's kernels assume and launch `unit`'s `variant` on the current
     stream of the weights' device (both GEMMs share the argument block; the wgmma GEMM's
-    stream-K variants also take `workspace`, checked by the caller)."""
+    stream-K variants also take `workspace` and `polls_max`, checked by the caller)."""
     E, N, K = weight.shape
     dev = weight.packed.device
     check_offsets(expert_offsets, E, dev)
@@ -209,7 +210,8 @@ def launch(unit: str, name: str, variant: int, *, a, a16, weight, expert_offsets
             None if out_addr is None else out_addr.data_ptr(),
             None if rows_ptr is None else rows_ptr.data_ptr(),
             torch.cuda.current_stream(dev).cuda_stream,
-            *(() if unit == _UNIT else (None if workspace is None else workspace.data_ptr(),)))
+            *(() if unit == _UNIT else (None if workspace is None else workspace.data_ptr(),
+                                        int(polls_max))))
     if status != 0:
         raise RuntimeError(f"{name} [E={E}, N={N}, K={K}], variant {variant}: "
                            f"{_STATUS.get(status, f'status {status}')}")

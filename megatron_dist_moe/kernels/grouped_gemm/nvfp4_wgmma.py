@@ -25,11 +25,12 @@ from typing import Optional
 
 import torch
 
+from ..checks import STATUS_WORDS, check_status, max_polls
 from . import nvfp4_decode
 
 __all__ = ["variants", "variant_shape", "describe", "default_variant", "nvfp4_wgmma_mm",
            "A16_ORDER", "is_variant", "cuda_variant", "cuda_describe", "run", "a16_order",
-           "workspace_bytes", "new_workspace", "DECODE_ROWS_PER_EXPERT"]
+           "workspace_bytes", "workspace_status", "new_workspace", "DECODE_ROWS_PER_EXPERT"]
 
 _UNIT = "nvfp4_wgmma_mm"
 A16_ORDER = "fragment"   # what dequantize_rows writes for this GEMM
@@ -62,14 +63,24 @@ def describe(code: int) -> str:
 
 
 def workspace_bytes(code: int, sms: int) -> int:
-    """Bytes of the workspace variant `code` needs on a GPU of `sms` SMs (0: none): one fp32
-    partial tile and one flag per block of the grid (blocks_per_sm per SM), as the library's
-    dm_nvfp4_wgmma_mm_workspace computes them. The flags must be zero before the first launch;
-    every launch leaves them zero."""
+    """Bytes of the workspace variant `code` needs on a GPU of `sms` SMs (0: none), as the
+    library's dm_nvfp4_wgmma_mm_workspace computes them: a status word (checks.STATUS_WORDS
+    int64, first, so every variant finds it at the same place), one int32 flag per block of
+    the grid (blocks_per_sm per SM; padded to 16 bytes), one fp32 partial tile per block. The
+    status word and the flags must be zero before the first launch; every launch that does
+    not time out leaves them zero."""
     v = variant_shape(code)
     if not v["stream_k"]:
         return 0
-    return sms * v["blocks_per_sm"] * (v["weight_rows"] * v["token_rows"] * 4 + 4)
+    blocks = sms * v["blocks_per_sm"]
+    return 32 + -(-4 * blocks // 16) * 16 + blocks * v["weight_rows"] * v["token_rows"] * 4
+
+
+def workspace_status(workspace: torch.Tensor) -> torch.Tensor:
+    """The status word of a stream-K workspace (checks.STATUS_WORDS int64): where a block that
+    waited too long for a partial sum records (CHECK_WAIT_TIMEOUT, WAIT_STREAMK_PARTIAL x 2^32
+    + tile, the block waited for, polls); checks.check_status(...) traps with its message."""
+    return workspace[:8 * STATUS_WORDS].view(torch.int64)
 
 
 def new_workspace(codes, device) -> Optional[torch.Tensor]:
@@ -125,11 +136,13 @@ def cuda_describe(code: int) -> str:
     return describe(code) if is_variant(code) else "decode " + nvfp4_decode.describe(code)
 
 
-def run(code: int, workspace: Optional[torch.Tensor] = None, **kw) -> None:
-    """One of the library's GEMMs by its variant code (a16 in a16_order(code)); `workspace`
-    serves the stream-K variants (new_workspace)."""
+def run(code: int, workspace: Optional[torch.Tensor] = None, wait_timeout_s: float = 600.0,
+        check: bool = True, **kw) -> None:
+    """One of the library's GEMMs by its variant code (a16 in a16_order(code)); `workspace`,
+    `wait_timeout_s` and `check` serve the stream-K variants (nvfp4_wgmma_mm)."""
     if is_variant(code):
-        nvfp4_wgmma_mm(variant=code, workspace=workspace, **kw)
+        nvfp4_wgmma_mm(variant=code, workspace=workspace, wait_timeout_s=wait_timeout_s,
+                       check=check, **kw)
     else:
         nvfp4_decode.nvfp4_decode_mm(variant=code, **kw)
 
@@ -155,7 +168,8 @@ def _own_workspace(variant: int, device: torch.device) -> torch.Tensor:
 
 def nvfp4_wgmma_mm(*, a, a16, weight, expert_offsets, max_rows: int, epilogue: str = "store",
                    out=None, out_row_ptrs=None, variant: Optional[int] = None,
-                   workspace: Optional[torch.Tensor] = None) -> None:
+                   workspace: Optional[torch.Tensor] = None, wait_timeout_s: float = 600.0,
+                   check: bool = True) -> None:
     """Row r of expert e gets S_dec(r) S_dec(e) a16[r] @ dequant(W[e])^T (bf16).
 
     a               NVFP4 byte rows [>= R, nvfp4_row_bytes(K)] (tensor or device pointer): each
@@ -171,6 +185,11 @@ def nvfp4_wgmma_mm(*, a, a16, weight, expert_offsets, max_rows: int, epilogue: s
     workspace       uint8, at least workspace_bytes(variant, SMs), zeroed before its first use
                     (new_workspace); stream-K variants only, one launch at a time. Default: one
                     kept per device and variant for the calls that pass none
+    wait_timeout_s  stream-K: how long a block waits for a lower block's partial sum before it
+                    gives up and records the verdict in the workspace's status word
+    check           stream-K: launch checks.check_status on that word after the GEMM (it traps
+                    with the message); False where the caller checks once after several GEMMs
+                    that share the workspace (workspace_status)
     """
     E, N, K = weight.shape
     assert E <= 256, f"E={E}: the wgmma GEMM takes at most 256 experts"
@@ -193,4 +212,7 @@ def nvfp4_wgmma_mm(*, a, a16, weight, expert_offsets, max_rows: int, epilogue: s
         workspace = None
     nvfp4_decode.launch(_UNIT, "nvfp4_wgmma_mm", variant, a=a, a16=a16, weight=weight,
                         expert_offsets=expert_offsets, max_rows=max_rows, epilogue=epilogue,
-                        out=out, out_row_ptrs=out_row_ptrs, workspace=workspace)
+                        out=out, out_row_ptrs=out_row_ptrs, workspace=workspace,
+                        polls_max=max_polls(wait_timeout_s))
+    if workspace is not None and check:
+        check_status(workspace_status(workspace))
