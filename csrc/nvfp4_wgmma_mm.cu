@@ -584,10 +584,8 @@ int launch(const Args& args, const Split& split, cudaStream_t stream) {
 // (ring chunks - 2) + token rows per tile * 100 + 64-row weight tiles per warpgroup * 10 +
 // token stages
 #define DM_NVFP4_WGMMA_VARIANTS(X)                                        \
-  X(32, 1, 4, 0, 1, 3, 2) X(64, 1, 4, 0, 1, 3, 2) X(128, 2, 4, 0, 1, 2, 1) \
-  X(64, 2, 4, 0, 0, 2, 1) X(128, 2, 4, 1, 0, 2, 1)                         \
-  X(32, 2, 4, 0, 1, 2, 1) X(32, 2, 4, 0, 1, 3, 1) X(64, 2, 4, 0, 1, 2, 1)  \
-  X(32, 1, 4, 0, 1, 2, 2) X(32, 2, 6, 1, 1, 2, 1)
+  X(32, 1, 4, 0, 1, 3, 2) X(64, 2, 4, 0, 1, 2, 1) X(128, 2, 4, 0, 1, 2, 1) \
+  X(64, 2, 4, 0, 0, 2, 1) X(128, 2, 4, 1, 0, 2, 1)
 #define DM_NVFP4_WGMMA_CODE_OF(BN, MT, S, SW, SK, P, BPS)                            \
   (10000000 * ((BPS) - 1) + 1000000 * (1 + 4 * (SW) + 2 * (SK)) + 100000 * ((P) - 2) + \
    BN * 100 + MT * 10 + S)

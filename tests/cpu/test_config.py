@@ -405,7 +405,7 @@ def test_nvfp4_gemm_engine_is_chosen_at_creation(monkeypatch):
     assert mid.startswith("CUDA GEMMs, W13 wgmma variant 13103214: 128 weight rows x 32"), mid
     assert "stream-K" in mid and "2 blocks per SM" in mid, mid
     big = choice.gemm_tiles(ex, 4 * 33, 4, 256, 128, cuda)
-    assert big.startswith("CUDA GEMMs, W13 wgmma variant 13106414: 128 weight rows x 64"), big
+    assert big.startswith("CUDA GEMMs, W13 wgmma variant 3006424: 256 weight rows x 64"), big
     assert "W2 wgmma variant 5012824" in choice.gemm_tiles(ex, 4 * 2048, 4, 256, 128, cuda)
     assert not choice.gemm_tiles(ex.replace(nvfp4_gemm="triton"), 32, 4, 256, 128,
                                  cuda).startswith("CUDA")

@@ -97,15 +97,16 @@ def default_variant(max_rows: int, E: int, K: int) -> int:
     """The variant by rows per expert on average (max_rows / E) and the contraction length K:
     the fastest of bench_nvfp4_gemm --cuda-sweep at the guide shapes (docs/decisions.md).
     Where whole tiles would leave SMs idle for a last round (up to 160 rows per expert at the
-    guide's 6 experts: 144-288 tiles on 132 SMs), stream-K: 128 weight rows x 32 or 64 token
-    rows with two blocks per SM up to 64 rows per expert, then 256 x 128 for W13's long K.
+    guide's 6 experts: 144-288 tiles on 132 SMs), stream-K: 128 weight rows x 32 token rows
+    with two blocks per SM up to 32 rows per expert, 256 x 64 up to 64, then 256 x 128 for
+    W13's long K.
     Whole tiles of 256 weight rows otherwise: 64 token rows up to 160 rows per expert, 128
     above (the most MMA work per decoded word) with the weights staged in shared memory."""
     per_expert = -(-max_rows // E)
     if per_expert <= 32:
         return 13103214
     if per_expert <= 64:
-        return 13106414
+        return 3006424
     if per_expert <= 160:
         return 3012824 if K >= _LONG_K else 1006424
     return 5012824
