@@ -251,10 +251,10 @@ def test_nvfp4_decode_library_builds_and_refuses_bad_shapes(tmp_path, monkeypatc
         assert sk and "stream-K" in nw.describe(sk[0])
         for c in wcodes:   # the Python sizing (no library needed) is the library's
             v = nw.variant_shape(c)
-            blocks = 132 * v["blocks_per_sm"]   # flags for the largest grid: tiles at one offset
+            blocks = 132 * v["blocks_per_sm"]
             assert nw.workspace_bytes(c, 132) == (
-                64 + -(-4 * 132 * nw.MAX_BLOCKS_PER_SM // 16) * 16
-                + blocks * v["weight_rows"] * v["token_rows"] * 4 if v["stream_k"] else 0)
+                32 + -(-4 * blocks // 16) * 16 + blocks * v["weight_rows"] * v["token_rows"] * 4
+                if v["stream_k"] else 0)
             assert nd._dll().dm_nvfp4_wgmma_mm_workspace(c, 132) == nw.workspace_bytes(c, 132)
         assert nd._dll().dm_nvfp4_wgmma_mm_workspace(codes[0], 132) == -1
         assert wrun(sk[0], 6, 6144, 7168, 4048, null, null, null, null, null, null,

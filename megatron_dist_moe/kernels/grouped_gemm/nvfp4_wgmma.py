@@ -33,7 +33,6 @@ __all__ = ["variants", "variant_shape", "describe", "default_variant", "nvfp4_wg
            "workspace_bytes", "workspace_status", "new_workspace", "DECODE_ROWS_PER_EXPERT"]
 
 _UNIT = "nvfp4_wgmma_mm"
-MAX_BLOCKS_PER_SM = 2   # the library's kMaxBlocksPerSm: the workspace's flags are sized for it
 A16_ORDER = "fragment"   # what dequantize_rows writes for this GEMM
 
 
@@ -66,18 +65,15 @@ def describe(code: int) -> str:
 def workspace_bytes(code: int, sms: int) -> int:
     """Bytes of the workspace variant `code` needs on a GPU of `sms` SMs (0: none), as the
     library's dm_nvfp4_wgmma_mm_workspace computes them: a status word (checks.STATUS_WORDS
-    int64), two int32 ticket counters (padded to 32 bytes), one int32 flag per block of the
-    largest grid (MAX_BLOCKS_PER_SM per SM; padded to 16 bytes), then one fp32 partial tile per
-    block of this variant's grid. Every variant finds the status word, the counters, the flags
-    and the tiles at the same offsets, so one workspace serves them all (new_workspace). All but
-    the tiles must be zero before the first launch; every launch that does not time out leaves
-    them zero."""
+    int64, first, so every variant finds it at the same place), one int32 flag per block of
+    the grid (blocks_per_sm per SM; padded to 16 bytes), one fp32 partial tile per block. The
+    status word and the flags must be zero before the first launch; every launch that does
+    not time out leaves them zero."""
     v = variant_shape(code)
     if not v["stream_k"]:
         return 0
     blocks = sms * v["blocks_per_sm"]
-    return (64 + -(-4 * sms * MAX_BLOCKS_PER_SM // 16) * 16
-            + blocks * v["weight_rows"] * v["token_rows"] * 4)
+    return 32 + -(-4 * blocks // 16) * 16 + blocks * v["weight_rows"] * v["token_rows"] * 4
 
 
 def workspace_status(workspace: torch.Tensor) -> torch.Tensor:
