@@ -6,11 +6,12 @@ stored at out[r] ("store") or at out_row_ptrs[r] ("scatter", skipped where 0).
 
 Where it runs: up to nvfp4_wgmma.DECODE_ROWS_PER_EXPERT (16) rows per expert on average in
 the CUDA engine (decode: the GEMM is a stream of 4.5-bit weights and their decode); its
-variants reach 32 (MAX_ROWS_PER_EXPERT), where the stream-K wgmma GEMM measured faster. Weights are the MMA's M side and tokens its N side (one
-mma.sync.m16n8k16 per 16 weight rows x 8 tokens x 16 k), each thread decodes exactly the
-weight values of its fragment straight from its 16-byte loads, and every warp streams its rows
-over its slice of K (long K is split over 2-4 warps of a block; the source file says how). Larger row counts
-run the wgmma GEMM of the same library (nvfp4_wgmma.py).
+variants reach 32 (MAX_ROWS_PER_EXPERT), where the stream-K wgmma GEMM measured faster.
+Weights are the MMA's M side and tokens its N side (one mma.sync.m16n8k16 per 16 weight rows x
+8 tokens x 16 k), each thread decodes exactly the weight values of its fragment straight from
+its 16-byte loads, and every warp streams its rows over its slice of K (long K is split over
+2-4 warps of a block; the source file says how). Larger row counts run the wgmma GEMM of the
+same library (nvfp4_wgmma.py).
 
 The library (both GEMMs) builds with nvcc on first use (seconds; no CUTLASS, no torch headers)
 and is cached as csrc_build says. `loads(device)` tells whether it can run here.

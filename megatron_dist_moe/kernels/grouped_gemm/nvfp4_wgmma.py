@@ -86,7 +86,14 @@ def workspace_status(workspace: torch.Tensor) -> torch.Tensor:
 def new_workspace(codes, device) -> Optional[torch.Tensor]:
     """A zeroed workspace serving every variant in `codes` on `device` (one launch at a time:
     launches on one stream), or None where none needs one. Allocate it outside CUDA graph
-    capture and keep it for the graphs that use it."""
+    capture and keep it for the graphs that use it. The stream-K variants among `codes` must
+    run the same blocks per SM: the flags' region is sized by the grid, so variants of
+    different grids would find each other's partial tiles where their flags are."""
+    grids = {variant_shape(c)["blocks_per_sm"] for c in codes
+             if is_variant(c) and variant_shape(c)["stream_k"]}
+    if len(grids) > 1:
+        raise ValueError(f"codes={tuple(codes)}: stream-K variants of {sorted(grids)} blocks per "
+                         "SM cannot share one workspace; give each its own")
     device = torch.device(device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     n = max([workspace_bytes(c, sms) for c in codes if is_variant(c)] + [0])
