@@ -723,6 +723,7 @@ class Nvfp4Pipeline:
         # each GEMM's a16 is decoded in the order its kernel reads
         self.cuda_variants = None
         self.gemm_workspace = None   # the stream-K variants' partial sums and flags
+        self.gemm_status = None      # its status word (a wait that gave up)
         self.a16_orders = ("k", "k")
         if execution.nvfp4_gemm == "cuda":
             from ...kernels.grouped_gemm import nvfp4_decode, nvfp4_wgmma
@@ -737,6 +738,8 @@ class Nvfp4Pipeline:
                                        for k in (D, F))
             self.a16_orders = tuple(nvfp4_wgmma.a16_order(v) for v in self.cuda_variants)
             self.gemm_workspace = nvfp4_wgmma.new_workspace(self.cuda_variants, device)
+            if self.gemm_workspace is not None:
+                self.gemm_status = nvfp4_wgmma.workspace_status(self.gemm_workspace)
 
     def _gemm(self, which: int, **kw) -> None:
         if self.cuda_variants is not None:
@@ -777,10 +780,9 @@ class Nvfp4Pipeline:
         if scatter_ptrs is not None:
             self._gemm(1, a=at["h2q"], a16=at["a16"], weight=w2, expert_offsets=offs,
                        max_rows=self.max_rows, epilogue="scatter", out_row_ptrs=scatter_ptrs)
-        if self.gemm_workspace is not None:   # a stream-K wait that gave up traps here
+        if self.gemm_status is not None:   # a stream-K wait that gave up traps here
             from ...kernels.checks import check_status
-            from ...kernels.grouped_gemm.nvfp4_wgmma import workspace_status
-            check_status(workspace_status(self.gemm_workspace))
+            check_status(self.gemm_status)
 
     def backward(self, *args, **kwargs):
         raise RuntimeError("nvfp4 runs inference only (Config refuses nvfp4 training)")

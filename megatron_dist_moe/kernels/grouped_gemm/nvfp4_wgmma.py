@@ -63,17 +63,16 @@ def describe(code: int) -> str:
 
 
 def workspace_bytes(code: int, sms: int) -> int:
-    """Bytes of the workspace variant `code` needs on a GPU of `sms` SMs (0: none), as the
-    library's dm_nvfp4_wgmma_mm_workspace computes them: a status word (checks.STATUS_WORDS
-    int64, first, so every variant finds it at the same place), one int32 flag per block of
-    the grid (blocks_per_sm per SM; padded to 16 bytes), one fp32 partial tile per block. The
-    status word and the flags must be zero before the first launch; every launch that does
-    not time out leaves them zero."""
-    v = variant_shape(code)
-    if not v["stream_k"]:
-        return 0
-    blocks = sms * v["blocks_per_sm"]
-    return 32 + -(-4 * blocks // 16) * 16 + blocks * v["weight_rows"] * v["token_rows"] * 4
+    """Bytes of the workspace variant `code` needs on a GPU of `sms` SMs (0: none), from the
+    library (dm_nvfp4_wgmma_mm_workspace): a status word (checks.STATUS_WORDS int64, first, so
+    every variant finds it at the same place), one int32 flag per block of the grid
+    (blocks_per_sm per SM; padded to 16 bytes), one fp32 partial tile per block. The status
+    word and the flags must be zero before the first launch; every launch that does not time
+    out leaves them zero."""
+    n = nvfp4_decode._dll().dm_nvfp4_wgmma_mm_workspace(int(code), int(sms))
+    if n < 0:
+        raise ValueError(f"variant={code}: not one of the wgmma GEMM's variants {variants()}")
+    return n
 
 
 def workspace_status(workspace: torch.Tensor) -> torch.Tensor:
@@ -115,11 +114,8 @@ def default_variant(max_rows: int, E: int, K: int) -> int:
     if per_expert <= 64:
         return 3006424
     if per_expert <= 160:
-        return 3012824 if K >= _LONG_K else 1006424
+        return 3012824 if K >= nvfp4_decode._LONG_K else 1006424
     return 5012824
-
-
-_LONG_K = 56 * 128   # W13 at the guide's D = 7168: 56 k chunks per tile
 
 
 def is_variant(code: int) -> bool:
