@@ -207,10 +207,13 @@ struct Shape {
 // boundary is summed by the block holding its last chunk (the finisher): each earlier block
 // stores its fp32 partial sum in its slot of the workspace, in the accumulator's register
 // order (coalesced, no shuffles), and raises its flag; the finisher waits for the flags of
-// the lower blocks only (dispatched before it, never waiting on it), adds their sums in
-// descending block order (a fixed order: the result is the same every run) and resets the
-// flags for the next launch. Each block runs its partial segment first, so a finisher never
-// waits for more than a segment of its predecessor's work.
+// the lower blocks only, adds their sums in descending block order (a fixed order: the result
+// is the same every run) and resets the flags for the next launch. Each block runs its partial
+// segment first, so a finisher never waits for more than a segment of its predecessor's work.
+// A block's index in this order is a ticket taken when it starts (an atomic counter, reset by
+// the last block to finish), not blockIdx: every lower ticket belongs to a block that is
+// already running, so a wait always ends, even where blocks start out of order or not all
+// blocks fit on the GPU at once (other streams' kernels).
 // A finisher that waits too long (a predecessor that never ran) records the verdict in the
 // status word, (CHECK_WAIT_TIMEOUT, WAIT_STREAMK_PARTIAL x 2^32 + tile, the block waited for,
 // polls), the layout of kernels/checks.py, gives up and finishes its tile without that sum;
@@ -220,8 +223,12 @@ struct Split {
   float* partials;     // [gridDim.x][MT][BN / 2][kThreads] fp32
   int* flags;          // [gridDim.x], 0 between launches
   long long* status;   // [4], 0 until a wait gives up
+  int* tickets;        // [2]: tickets taken, blocks done; 0 between launches
   long long polls_max;
 };
+// the flags' region is sized for this many blocks per SM whatever the variant, so that one
+// workspace serves every variant (the partial tiles start at the same place)
+constexpr int kMaxBlocksPerSm = 2;
 constexpr long long kCheckWaitTimeout = 7;   // checks.CHECK_WAIT_TIMEOUT
 constexpr long long kWaitStreamK = 3;        // checks.WAIT_STREAMK_PARTIAL
 constexpr int kBusyPolls = 256;              // checks.BUSY_POLLS: then ~1 us per poll
@@ -243,11 +250,13 @@ __device__ __forceinline__ void st_release(int* p, int v) {
 template <int BN, int MT, int S, bool SW, bool SK, int P, int BPS>
 __global__ void __launch_bounds__(kThreads, BPS) nvfp4_wgmma_mm_kernel(Args args, Split split) {
   using Sh = Shape<BN, MT, S, SW>;
+  static_assert(BPS <= kMaxBlocksPerSm, "the workspace's flags are sized for kMaxBlocksPerSm");
   constexpr int FB = 2;   // words whose fragments are held: one word's wgmmas in flight
   extern __shared__ uint8_t smem_raw[];
   __shared__ int tile_end[kMaxExperts];   // cumulative tile counts
   __shared__ float s_tok[BN];
-  __shared__ int s_seen;   // stream-K: whether the awaited partial sum arrived
+  __shared__ int s_seen;     // stream-K: whether the awaited partial sum arrived
+  __shared__ int s_ticket;   // stream-K: this block's index in the split
   uint8_t* smem = reinterpret_cast<uint8_t*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
   const uint32_t smem_u32 = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
@@ -472,11 +481,22 @@ __global__ void __launch_bounds__(kThreads, BPS) nvfp4_wgmma_mm_kernel(Args args
     }
   } else {
     constexpr int kSlot = MT * (BN / 2) * kThreads;   // floats of a block's partial sum
+    if (tid == 0) s_ticket = atomicAdd(split.tickets, 1);
+    __syncthreads();
+    const int b = s_ticket;
     const int64_t units = (int64_t)total * chunks;
-    auto start_of = [&](int b) { return (int64_t)b * units / gridDim.x; };
-    const int b = blockIdx.x;
+    auto start_of = [&](int bb) { return (int64_t)bb * units / gridDim.x; };
     const int64_t u0 = start_of(b), u1 = start_of(b + 1);
-    if (u0 == u1) return;
+    auto done = [&]() {   // the last block to finish resets the tickets for the next launch
+      if (tid == 0 && atomicAdd(split.tickets + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+        split.tickets[0] = 0;
+        split.tickets[1] = 0;
+      }
+    };
+    if (u0 == u1) {
+      done();
+      return;
+    }
     const int t_first = static_cast<int>(u0 / chunks), t_last = static_cast<int>((u1 - 1) / chunks);
     const bool starts_inside = u0 % chunks != 0;   // t_first began in a lower block
     const bool ends_inside = u1 % chunks != 0;     // t_last goes on in a higher block
@@ -509,18 +529,21 @@ __global__ void __launch_bounds__(kThreads, BPS) nvfp4_wgmma_mm_kernel(Args args
             }
             if (seen != 0) {
               split.flags[bb] = 0;   // read once: clean for the next launch
-            } else {
+            } else if (atomicCAS(reinterpret_cast<unsigned long long*>(split.status), 0ull,
+                                 static_cast<unsigned long long>(kCheckWaitTimeout)) == 0ull) {
+              // the first block to give up writes the numbers (check_status reads them in a
+              // later launch)
               split.status[1] = (kWaitStreamK << 32) + t;
               split.status[2] = bb;
               split.status[3] = polls;
-              atomicExch(reinterpret_cast<unsigned long long*>(split.status),
-                         static_cast<unsigned long long>(kCheckWaitTimeout));
             }
             s_seen = seen;
           }
           __syncthreads();
+          const bool arrived = s_seen != 0;
+          __syncthreads();   // every thread has read s_seen before thread 0 writes it again
           const float* slot = split.partials + (int64_t)bb * kSlot;
-          if (s_seen != 0) {
+          if (arrived) {
 #pragma unroll
             for (int m = 0; m < MT; ++m)
 #pragma unroll
@@ -552,6 +575,7 @@ __global__ void __launch_bounds__(kThreads, BPS) nvfp4_wgmma_mm_kernel(Args args
       if (starts_inside) finish(t_first);
       else store(t_first);
     }
+    done();
   }
 }
 
@@ -567,7 +591,7 @@ int launch(const Args& args, const Split& split, cudaStream_t stream) {
     configured = true;
   }
   if (SK && (split.partials == nullptr || split.flags == nullptr || split.status == nullptr ||
-             split.polls_max < 1))
+             split.tickets == nullptr || split.polls_max < 1))
     return 1;
   int device = 0, sms = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
@@ -591,14 +615,15 @@ int launch(const Args& args, const Split& split, cudaStream_t stream) {
    BN * 100 + MT * 10 + S)
 
 // the workspace a stream-K variant needs on a device of `sms` SMs (0 for the others): the status
-// word (4 int64), one flag per block of the grid (padded to 16 bytes), one fp32 partial tile
-// per block; the status word and the flags zeroed before the first launch
+// word (4 int64), the tickets (2 int32, padded to 32 bytes), one flag per block of the largest
+// grid (sms x kMaxBlocksPerSm, padded to 16 bytes), one fp32 partial tile per block of this
+// variant's grid; all but the tiles zeroed before the first launch
 extern "C" int64_t dm_nvfp4_wgmma_mm_workspace(int variant, int sms) {
   switch (variant) {
 #define DM_NVFP4_WGMMA_WS(BN, MT, S, SW, SK, P, BPS)                                    \
   case DM_NVFP4_WGMMA_CODE_OF(BN, MT, S, SW, SK, P, BPS):                               \
-    return SK ? 32 + ((int64_t)sms * (BPS) * 4 + 15) / 16 * 16 +                        \
-                    (int64_t)sms * (BPS) * MT * (BN / 2) * dm_nvfp4::wgmma_mm::kThreads * 4 \
+    return SK ? 64 + ((int64_t)sms * dm_nvfp4::wgmma_mm::kMaxBlocksPerSm * 4 + 15) / 16 * 16 + \
+                    (int64_t)sms * (BPS) * MT * (BN / 2) * dm_nvfp4::wgmma_mm::kThreads * 4   \
               : 0;
     DM_NVFP4_WGMMA_VARIANTS(DM_NVFP4_WGMMA_WS)
 #undef DM_NVFP4_WGMMA_WS
@@ -630,15 +655,15 @@ extern "C" int dm_nvfp4_wgmma_mm_run(int variant, int E, int N, int K, int64_t a
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
     return 5;
-  const int64_t ws = dm_nvfp4_wgmma_mm_workspace(variant, sms);
-  wgmma_mm::Split split{nullptr, nullptr, nullptr, polls_max};
+  wgmma_mm::Split split{nullptr, nullptr, nullptr, nullptr, polls_max};
   if (stream_k) {
-    // status | flags (4 bytes per block of the grid: sms x blocks per SM) | partial tiles
-    const int64_t blocks = (int64_t)sms * (variant / 10000000 + 1);
+    // status | tickets | flags (4 bytes per block of the largest grid) | partial tiles
+    const int64_t max_blocks = (int64_t)sms * wgmma_mm::kMaxBlocksPerSm;
     uint8_t* base = static_cast<uint8_t*>(workspace);
     split.status = reinterpret_cast<long long*>(base);
-    split.flags = reinterpret_cast<int*>(base + 32);
-    split.partials = reinterpret_cast<float*>(base + 32 + (blocks * 4 + 15) / 16 * 16);
+    split.tickets = reinterpret_cast<int*>(base + 32);
+    split.flags = reinterpret_cast<int*>(base + 64);
+    split.partials = reinterpret_cast<float*>(base + 64 + (max_blocks * 4 + 15) / 16 * 16);
   }
   switch (variant) {
 #define DM_NVFP4_WGMMA_CASE(BN, MT, S, SW, SK, P, BPS)  \
