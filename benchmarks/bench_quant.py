@@ -11,7 +11,8 @@ quant/mxfp8.py) on the same inputs; a kernel that differs is reported and not ti
 walk every column block together; 0 is the launchers' default). --tiles: mxfp8 `quantize`'s
 tiles to time (rows x columns x warps, e.g. 32x32x1, or "all" for quant_mxfp8.QUANT_TILES;
 default: the launcher's). --fp8-tiles: fp8_block `quantize_rows_cols`' tiles (column chunk x
-warps, e.g. 64x4, or "all" for quant_fp8.QUANT_TILES). Rows: bench_quant.csv (commit, gpu,
+warps, e.g. 64x4, or "all" for quant_fp8.QUANT_TILES), and "cuda" for the CUDA C++ quantizer
+(quant_fp8_cuda, Execution.fp8_quant "cuda"; in "all" too). Rows: bench_quant.csv (commit, gpu,
 precision, kernel, shape, group_rows, tile, us, tb_s, ratio to the copy rate), a plot
 bench_quant.png.
 """
@@ -190,7 +191,11 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
               torch.empty(Rp // 128, K, device=dev)) if cols else None
 
         def run(gr, tile=None):
-            KF.quantize_rows_cols(src, offs, R, K, rows=rb, cols=cb, **order(gr, tile))
+            if tile == "cuda":
+                from megatron_dist_moe.kernels import quant_fp8_cuda
+                quant_fp8_cuda.quantize_rows_cols(src, offs, R, K, rows=rb, cols=cb)
+            else:
+                KF.quantize_rows_cols(src, offs, R, K, rows=rb, cols=cb, **order(gr, tile))
 
         want_rb = once(lambda: QF.quantize_rows(src))
         want_cb = once(lambda: QF.quantize_cols(src.cpu(), offs_c, Rp))
@@ -228,18 +233,19 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
     return out
 
 
-def parse_tiles(text: str, flag: str, known: tuple, form: str) -> list:
-    """--tiles / --fp8-tiles: [None] (the launcher's tile), all of `known` for "all", else the
-    listed tiles (form: "RxCxW" or "CxW")."""
+def parse_tiles(text: str, flag: str, known: tuple, form: str, names: tuple = ()) -> list:
+    """--tiles / --fp8-tiles: [None] (the launcher's tile), all of `known` and `names` for
+    "all", else the listed tiles (form: "RxCxW" or "CxW") and names."""
     if not text:
         return [None]
     if text == "all":
-        return list(known)
+        return list(known) + list(names)
     try:
-        tiles = [tuple(int(v) for v in t.split("x")) for t in text.split(",") if t]
+        tiles = [t if t in names else tuple(int(v) for v in t.split("x"))
+                 for t in text.split(",") if t]
     except ValueError:
         raise SystemExit(f"{flag} {text!r}: expected 'all' or {form}[,{form}...]") from None
-    bad = [t for t in tiles if t not in known]
+    bad = [t for t in tiles if t not in known and t not in names]
     if bad:
         raise SystemExit(f"{flag}: {bad} not among the launcher's QUANT_TILES {known}")
     return tiles
@@ -262,7 +268,7 @@ def main() -> int:
                     help="mxfp8 quantize tiles RxCxW, comma-separated, or 'all' (default: the "
                          "launcher's)")
     ap.add_argument("--fp8-tiles", default="",
-                    help="fp8_block quantize_rows_cols tiles CxW (column chunk x warps), "
+                    help="fp8_block quantize_rows_cols tiles CxW (column chunk x warps) or cuda, "
                          "comma-separated, or 'all' (default: the launcher's)")
     ap.add_argument("--kernels", default="", help="precision:kernel names to run (default all)")
     args = ap.parse_args()
@@ -276,7 +282,8 @@ def main() -> int:
     print(f"{gpu}: R={R} rows (T={T}, K={K}, E={E}); bf16 copy {copy_tbs:.2f} TB/s", flush=True)
     wanted = {k for k in args.kernels.split(",") if k}
     tiles = {"mxfp8": parse_tiles(args.tiles, "--tiles", KM.QUANT_TILES, "RxCxW"),
-             "fp8_block": parse_tiles(args.fp8_tiles, "--fp8-tiles", KF.QUANT_TILES, "CxW")}
+             "fp8_block": parse_tiles(args.fp8_tiles, "--fp8-tiles", KF.QUANT_TILES, "CxW",
+                                      ("cuda",))}
     rows, failed = [], 0
     print("| precision | kernel | shape | group_rows | tile | us | TB/s | of copy | equal |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -289,7 +296,8 @@ def main() -> int:
                                                                  else [None])]:
             gr = int(gr_text)
             kw = gr if gr > 0 else None   # None: the launcher's default
-            tile_text = "default" if tile is None else "x".join(map(str, tile))
+            tile_text = ("default" if tile is None else tile if isinstance(tile, str)
+                         else "x".join(map(str, tile)))
             for t in case.outputs:
                 poison(t)
             def timed():

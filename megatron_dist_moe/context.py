@@ -295,10 +295,11 @@ def create_context(group=None, config: Config | None = None,
                            " could not read their device's memory (their own errors say why)")
     check_plan_fits(plan, everyone)
     from .kernels.grouped_gemm import nvfp4_decode
+    from .kernels import quant_fp8_cuda
     from .kernels.grouped_gemm_sm90 import fp8_gemm_loads
     execution = Execution.resolve(config, device, execution_overrides,
                                   cutlass_loads=fp8_gemm_loads, nvfp4_loads=nvfp4_decode.loads,
-                                  ep_size=ep)
+                                  fp8_quant_loads=quant_fp8_cuda.loads, ep_size=ep)
     if ep > 1:
         from .execution import agree_engines
         execution = agree_engines(execution, group)

@@ -38,6 +38,11 @@ Development overrides select the plain-torch twins that the tests and baselines 
                   without save_route_outputs; refused at EP > 1, where the rows would stay on
                   the expert's GPU, and with save_route_outputs, whose backward reads the
                   combine buffer)
+    fp8_quant     fp8_block's rows + columns quantizer (x, grad_y, grad_h1, h2's columns): "cuda"
+                  (csrc/fp8_block_quant.cu: the tile in registers, the transposed column bundle
+                  through shared memory; the default on a Hopper GPU where its library loads:
+                  built on first use in seconds, cached) | "triton" (kernels/quant_fp8.py, the
+                  default elsewhere; the same bits)
     nvfp4_gemm    nvfp4 inference's GEMMs: "cuda" (our CUDA C++ GEMMs: the decode GEMM up to
                   16 rows per expert, csrc/nvfp4_decode_mm.cu, and the wgmma GEMM above,
                   csrc/nvfp4_wgmma_mm.cu, stream-K up to 160; the default on a Hopper GPU where their library
@@ -75,6 +80,7 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "routing": ("triton", "torch"),
     "bookkeeping": ("triton", "torch"),
     "fp8_gemm": ("cutlass", "triton"),
+    "fp8_quant": ("cuda", "triton"),
     "nvfp4_gemm": ("cuda", "triton"),
     "fp8_gather": ("quantizer", "fanout"),
     "fp8_combine": ("pull", "scatter"),
@@ -125,7 +131,8 @@ def check_overrides(overrides: Mapping[str, Any], source: str) -> dict[str, str]
 
 # the engines a context picks by whether a csrc/ library loads: field -> (the library's
 # engine, the fallback); each applies to one precision and mode (Execution.__post_init__)
-_LIBRARY_ENGINES = {"fp8_gemm": ("cutlass", "triton"), "nvfp4_gemm": ("cuda", "triton")}
+_LIBRARY_ENGINES = {"fp8_gemm": ("cutlass", "triton"), "fp8_quant": ("cuda", "triton"),
+                    "nvfp4_gemm": ("cuda", "triton")}
 
 
 def agree_engines(execution: "Execution", group) -> "Execution":
@@ -162,6 +169,7 @@ class Execution:
     routing: str = "triton"
     bookkeeping: str = "triton"
     fp8_gemm: str = "triton"     # fp8_block on the cuda backend; see the module docstring
+    fp8_quant: str = "triton"    # likewise
     nvfp4_gemm: str = "triton"   # nvfp4 inference on the cuda backend; see the docstring
     fp8_gather: str = "fanout"   # fp8_block on the cuda backend; see the module docstring
     fp8_combine: str = "scatter"  # likewise
@@ -171,12 +179,13 @@ class Execution:
                 overrides: Mapping[str, str] | None = None,
                 cutlass_loads: Callable[[torch.device], bool] | None = None,
                 nvfp4_loads: Callable[[torch.device], bool] | None = None,
+                fp8_quant_loads: Callable[[torch.device], bool] | None = None,
                 ep_size: int = 1) -> "Execution":
         """The execution of `config` on `device`. overrides: see the module docstring; the
         DIST_MOE_EXECUTION variable applies first, explicit overrides on top. cutlass_loads /
-        nvfp4_loads: whether a csrc/ library loads on `device` (create_context passes
-        grouped_gemm_sm90.fp8_gemm_loads and grouped_gemm.nvfp4_decode.loads; without them
-        the engines default to Triton). ep_size: the group's ranks (what the gathers read
+        nvfp4_loads / fp8_quant_loads: whether a csrc/ library loads on `device`
+        (create_context passes grouped_gemm_sm90.fp8_gemm_loads, grouped_gemm.nvfp4_decode.loads
+        and quant_fp8_cuda.loads; without them the engines default to Triton). ep_size: the group's ranks (what the gathers read
         over NVLink)."""
         from .errors import ConfigError
 
@@ -199,6 +208,9 @@ class Execution:
         if backend == "cuda" and config.precision == "fp8_block" and "fp8_gemm" not in chosen:
             cutlass = cutlass_loads is not None and cutlass_loads(device)
             chosen["fp8_gemm"] = "cutlass" if cutlass else "triton"
+        if backend == "cuda" and config.precision == "fp8_block" and "fp8_quant" not in chosen:
+            cuda = fp8_quant_loads is not None and fp8_quant_loads(device)
+            chosen["fp8_quant"] = "cuda" if cuda else "triton"
         if (backend == "cuda" and config.precision in ("fp8_block", "mxfp8")
                 and "fp8_gather" not in chosen):
             chosen["fp8_gather"] = "quantizer" if ep_size == 1 else "fanout"
@@ -220,6 +232,9 @@ class Execution:
         if self.fp8_gemm == "cutlass" and (self.backend != "cuda"
                                            or self.precision != "fp8_block"):
             raise ValueError(f"fp8_gemm='cutlass' is fp8_block's CUDA-backend GEMMs; this "
+                             f"context runs precision={self.precision!r} on {self.backend!r}")
+        if self.fp8_quant == "cuda" and (self.backend != "cuda" or self.precision != "fp8_block"):
+            raise ValueError(f"fp8_quant='cuda' is fp8_block's CUDA-backend quantizer; this "
                              f"context runs precision={self.precision!r} on {self.backend!r}")
         if self.fp8_gather == "quantizer" and (self.backend != "cuda"
                                                  or self.precision not in ("fp8_block", "mxfp8")):
@@ -327,7 +342,9 @@ class Execution:
                      ("bookkeeping", "Triton, 1 launch" if self.bookkeeping == "triton"
                       else "torch planner functions (oracle)")]
             if self.precision == "fp8_block":
-                rows += [("quantization", "x_g rows (and columns, saved) "
+                rows += [("quantization", ("CUDA C++ (csrc/fp8_block_quant.cu)"
+                                           if self.fp8_quant == "cuda" else "Triton")
+                          + " quantizer: x_g rows (and columns, saved) "
                           + ("read by the quantizer where they lie; " if self.quantizer_gathers
                              else "after the gather; ") +
                           "SwiGLU writes the h2 row bundle (and the saved h1 row bundle); "

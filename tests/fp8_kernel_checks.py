@@ -84,11 +84,16 @@ def check_quantize_rows_cols(device, big=False):
     """Both bundles, read from rows in place and through an address table, with the launcher's
     tile and with every tile of QUANT_TILES (the GPU; in the interpreter, which ignores the warp
     count, the unrolled and the looped chunk walks), and each bundle alone; every run on
-    poisoned outputs."""
+    poisoned outputs. On a GPU where its library loads, the CUDA C++ kernel
+    (Execution.fp8_quant "cuda") runs the same cases ("cuda" in place of a tile)."""
+    from megatron_dist_moe.kernels import quant_fp8_cuda
     from megatron_dist_moe.kernels.quant_fp8 import QUANT_TILES, quantize_rows_cols
     lens, offs, R = _segments(big, device)
     E = len(lens)
     tiles = (None,) + (QUANT_TILES if big else ((64, 4), (32, 2)))
+    cuda = torch.device(device).type == "cuda" and quant_fp8_cuda.loads(torch.device(device))
+    if cuda:
+        tiles += ("cuda",)
     for K in ((7168, 384) if big else (256,)):
         for pow2 in (True, False):
             rc = Q.BlockScaling(pow2)
@@ -120,13 +125,18 @@ def check_quantize_rows_cols(device, big=False):
             runs = [(t, src, want, out) for t in tiles
                     for src, want, out in ((x, (rq, rs, cq, cs), "rc"),
                                            (None, (zq, zs, zcq, zcs), "rc"))]
-            runs += [(t, x, (rq, rs, cq, cs), out) for t in (None, (32, 2)) for out in "rc"]
+            runs += [(t, x, (rq, rs, cq, cs), out)
+                     for t in (None, (32, 2)) + (("cuda",) if cuda else ()) for out in "rc"]
             for tile, src, want, out in runs:
                 for t in (q, s, qc, sc):
                     t.view(U8).fill_(0xFF)
-                quantize_rows_cols(src, offs, R + 5, K, rows=(q, s) if "r" in out else None,
-                                   cols=(qc, sc) if "c" in out else None, recipe=rc, tile=tile,
-                                   row_ptrs=None if src is not None else ptrs)
+                kw = dict(rows=(q, s) if "r" in out else None,
+                          cols=(qc, sc) if "c" in out else None, recipe=rc,
+                          row_ptrs=None if src is not None else ptrs)
+                if tile == "cuda":
+                    quant_fp8_cuda.quantize_rows_cols(src, offs, R + 5, K, **kw)
+                else:
+                    quantize_rows_cols(src, offs, R + 5, K, tile=tile, **kw)
                 what = (f"{'gathered ' if src is None else ''}K={K} pow2={pow2} tile={tile} "
                         f"outputs={out}")
                 if "r" in out:

@@ -64,8 +64,11 @@ def test_tiles_argument():
         f8 = ("--fp8-tiles", KF.QUANT_TILES, "CxW")
         assert B.parse_tiles("all", *f8) == list(KF.QUANT_TILES)
         assert B.parse_tiles("32x2,64x4", *f8) == [(32, 2), (64, 4)]
-        for bad in ("16x1", "32x2x1", "x"):
+        for bad in ("16x1", "32x2x1", "x", "cuda"):   # "cuda" only where it is a name
             with pytest.raises(SystemExit, match="--fp8-tiles"):
                 B.parse_tiles(bad, *f8)
+        named = (*f8, ("cuda",))   # the CUDA C++ quantizer beside the Triton tiles
+        assert B.parse_tiles("all", *named) == list(KF.QUANT_TILES) + ["cuda"]
+        assert B.parse_tiles("cuda,32x2", *named) == ["cuda", (32, 2)]
     finally:
         sys.path.remove(BENCH)

@@ -370,6 +370,50 @@ def test_fp8_rows_stay_where_they_lie_at_ep1():
                                ep_size=2).fp8_gather == "fanout"
 
 
+def test_fp8_quant_engine_is_chosen_at_creation(monkeypatch):
+    """fp8_block's quantizer: the CUDA C++ kernel where its library loads, Triton elsewhere and
+    for other precisions, shown by explain(); the override forces either and is refused where
+    it means nothing; the kernels the backend builds use the chosen one; ranks that disagree
+    all run Triton."""
+    import torch
+    import torch.distributed as dist
+    from megatron_dist_moe import Config, execution as X
+    from megatron_dist_moe.backends.cuda.experts import Fp8BlockKernels
+    from megatron_dist_moe.kernels import quant_fp8_cuda
+
+    # a CPU device (the interpreter's CUDA backend) never takes the CUDA quantizer
+    assert not quant_fp8_cuda.loads(torch.device("cpu"))
+    cfg = Config(num_local_input_tokens=16, hidden_dim=256, intermediate_dim=128,
+                 num_experts=4, top_k=2, precision="fp8_block", backend="cuda")
+    cuda = torch.device("cuda", 0)
+    ex = X.Execution.resolve(cfg, cuda, fp8_quant_loads=lambda d: True)
+    assert ex.fp8_quant == "cuda" and "CUDA C++ (csrc/fp8_block_quant.cu) quantizer" in ex.explain()
+    off = X.Execution.resolve(cfg, cuda, fp8_quant_loads=lambda d: False)
+    assert off.fp8_quant == "triton" and "Triton quantizer" in off.explain()
+    assert X.Execution.resolve(cfg, cuda, {"fp8_quant": "triton"},
+                               fp8_quant_loads=lambda d: True).fp8_quant == "triton"
+    assert X.Execution.resolve(cfg.replace(precision="mxfp8"), cuda,
+                               fp8_quant_loads=lambda d: True).fp8_quant == "triton"
+    with pytest.raises(ValueError, match="fp8_quant='cuda' is fp8_block's"):
+        ex.replace(precision="mxfp8")
+    with pytest.raises(ValueError, match="fp8_quant='cuda' is fp8_block's"):
+        ex.replace(backend="reference")
+    with pytest.raises(ValueError, match="fp8_quant='torch'"):
+        X.parse_overrides("fp8_quant=torch")
+    # the backend's kernels call the engine's launcher
+    calls = []
+    monkeypatch.setattr(quant_fp8_cuda, "quantize_rows_cols",
+                        lambda *a, **k: calls.append(k["recipe"]))
+    k = Fp8BlockKernels(cfg, 4, 64, "triton", torch.device("cpu"), fp8_quant="cuda")
+    k.quantize(None, None, 256, cols=(None, None), row_ptrs=None)
+    assert calls == [k.recipe]
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, group=None: out.__setitem__(
+        slice(None), [obj, {**obj, "fp8_quant": "triton"}]))
+    with pytest.warns(UserWarning, match=r"fp8_quant: every rank runs 'triton': ranks \[1\]"):
+        assert X.agree_engines(ex, None).fp8_quant == "triton"
+
+
 def test_nvfp4_gemm_engine_is_chosen_at_creation(monkeypatch):
     """nvfp4 inference's decode-regime GEMMs: our CUDA C++ kernel where its library loads on a
     Hopper GPU, Triton elsewhere, shown by explain() with the variant at the context's row

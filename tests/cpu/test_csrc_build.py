@@ -264,3 +264,28 @@ def test_nvfp4_decode_library_builds_and_refuses_bad_shapes(tmp_path, monkeypatc
     finally:
         nd._lib.cache_clear()
         nd._dll.cache_clear()
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None and not os.environ.get("CUDACXX"),
+                    reason="nvcc is missing")
+def test_fp8_block_quantizer_library_builds_and_refuses_bad_arguments(tmp_path, monkeypatch):
+    """fp8_block's CUDA quantizer (one unit, no CUTLASS) builds here in seconds, and its entry
+    point refuses bad arguments before launching anything (status 1)."""
+    from megatron_dist_moe.kernels import quant_fp8_cuda as qc
+    monkeypatch.setenv("DIST_MOE_CSRC_CACHE", str(tmp_path))
+    qc._run_fn.cache_clear()
+    try:
+        path = qc.build_library()
+        assert path.is_file() and tmp_path in path.parents and qc.build_library() == path
+        run = qc._run_fn()
+        p = ctypes.c_void_p(16)
+
+        def call(K=7168, E=6, n_pb=100, x=p, rows=None, q=p, s=p, qt=p, st=p):
+            return run(K, E, n_pb, x, rows, p, q, s, qt, st, 0, 0.0, None)
+        assert call(K=7000) == 1 and call(K=0) == 1 and call(E=0) == 1 and call(n_pb=0) == 1
+        assert call(x=None) == 1 and call(rows=p) == 1       # exactly one of x and row_ptrs
+        assert call(q=None) == 1 and call(st=None) == 1      # a bundle is both of its tensors
+        assert call(q=None, s=None, qt=None, st=None) == 1   # no bundle
+        assert call(n_pb=2 ** 40) == 1                       # more blocks than a grid holds
+    finally:
+        qc._run_fn.cache_clear()

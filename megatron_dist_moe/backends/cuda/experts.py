@@ -364,13 +364,15 @@ class Fp8BlockKernels:
     GEMMs with their epilogues, the SwiGLU with the quantization of its input and output
     (Triton: kernels/quant_fp8.py, kernels/grouped_gemm/fp8.py; with fp8_gemm "cutlass"
     (Execution.fp8_gemm) the W13 FPROP, the DGRADs' GEMMs and the WGRADs on CUTLASS:
-    kernels/grouped_gemm_sm90.py)."""
+    kernels/grouped_gemm_sm90.py; with fp8_quant "cuda" (Execution.fp8_quant) the rows +
+    columns quantizer on CUDA C++: kernels/quant_fp8_cuda.py)."""
 
     def __init__(self, cfg: Config, num_local_experts: int, max_rows: int,
                  fp8_gemm: str = "triton", device: torch.device | None = None,
-                 training: bool = True):
+                 training: bool = True, fp8_quant: str = "triton"):
         from ...quant.fp8_block import BlockScaling
         self.cfg, self.E, self.max_rows = cfg, num_local_experts, max_rows
+        self.fp8_quant = fp8_quant   # Execution.fp8_quant: the quantizer's engine
         self.recipe = BlockScaling.of(cfg)
         self.act = dict(activation=cfg.activation, swiglu_alpha=cfg.swiglu_alpha,
                         swiglu_limit=cfg.swiglu_limit)
@@ -394,7 +396,10 @@ class Fp8BlockKernels:
                     self.cutlass_wgrad.reserve(M, N)
 
     def quantize(self, x, offs, K: int, rows=None, cols=None, row_ptrs=None):
-        from ...kernels.quant_fp8 import quantize_rows_cols
+        if self.fp8_quant == "cuda":
+            from ...kernels.quant_fp8_cuda import quantize_rows_cols
+        else:
+            from ...kernels.quant_fp8 import quantize_rows_cols
         quantize_rows_cols(x, offs, self.max_rows, K, rows=rows, cols=cols, recipe=self.recipe,
                            row_ptrs=row_ptrs)
 
@@ -492,7 +497,8 @@ class Fp8BlockPipeline:
                  device: torch.device, rank: int):
         self.cfg, self.E, self.max_rows, self.device = cfg, num_local_experts, max_rows, device
         self.k = Fp8BlockKernels(cfg, num_local_experts, max_rows, execution.fp8_gemm, device,
-                                 training=not execution.inference)
+                                 training=not execution.inference,
+                                 fp8_quant=execution.fp8_quant)
         self.bf = Bf16Kernels(cfg, num_local_experts, max_rows, execution.wait_timeout_s, rank)
         self.score_parts = self.k.score_parts(device)
         self.quantizer_gathers = execution.quantizer_gathers

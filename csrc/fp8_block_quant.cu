@@ -1,0 +1,311 @@
+// fp8_block's rows + columns quantizer: the contract of
+// megatron_dist_moe.kernels.quant_fp8.quantize_rows_cols (Triton), bit for bit; its torch twin is
+// quant/fp8_block.py (quantize_rows, quantize_cols).
+//
+//   rows bundle  q [R, K] e4m3, s [R, K/128] fp32: one scale per row and 128 columns
+//   cols bundle  q_t [K, Rp] e4m3, s_t [Rp/128, K] fp32: one scale per column and 128 rows of
+//                each expert's segment padded to a multiple of 128 rows (zeros in the padding),
+//                stored transposed (the tokens contiguous: the WGRAD's K-major operand)
+//
+// Why CUDA C++: the column bundle is a transpose. Triton keeps each thread's values along a
+// row, so its transposed e4m3 store went through layout conversions and ran at ~1.2-1.6 TB/s
+// (docs/decisions.md) while the row direction ran at ~3.3. Here one block holds its 128 x 128
+// bf16 tile in registers (one read; 16-byte loads, a half-warp per 256-byte row piece), reduces
+// the row amaxes with half-warp shuffles and the column amaxes with one shuffle and a
+// shared-memory pass over the 8 warps, writes the row bundle straight from registers, and
+// passes the column bundle through a 16 KB shared tile, so every global store is a 16-byte
+// piece of a 128-byte run.
+//
+// Thread t holds column group c8 = t % 16 (8 columns) of rows (v / 4) * 64 + (t / 16) * 4 +
+// v % 4, v = 0..7: four consecutive rows per half of the tile, so its e4m3 values of one column
+// and four rows are one 32-bit word of the transposed tile.
+//
+// Rounding as the Triton kernel and TransformerEngine's Float8BlockScaling: amax ignores NaN
+// (an all-NaN block has amax 0), scale = 448 / max(amax, eps) rounded to nearest (inf ->
+// bf16's max, amax 0 or inf -> 1, optionally a power of two by truncation), e4m3 by
+// cvt.rn.satfinite (clamps to +-448, keeps NaN), the stored scale 1 / scale rounded to nearest.
+//
+// R and the expert offsets are device values: the grid covers the host bound's padded row
+// blocks x K / 128 column blocks, and blocks past the call's last padded segment return.
+// Nothing is read on the host; a call is one launch and can be captured in a CUDA graph.
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace dm_fp8q {
+
+constexpr int kThreads = 256;
+constexpr float kBf16Max = 3.3895313892515355e38f;   // TE's value_for_inf for bf16 inputs
+
+struct Args {
+  const int64_t* x_addr;     // bf16 [R, K] rows (nullptr with row_ptrs)
+  const int64_t* row_ptrs;   // int64 [R]: row i's address (0: a row of zeros), or nullptr
+  const int32_t* offsets;    // [E + 1] cumulative row ends
+  const int64_t* q_addr;     // rows bundle (nullptr: none)
+  const int64_t* s_addr;
+  const int64_t* qc_addr;    // cols bundle (nullptr: none)
+  const int64_t* sc_addr;
+  int K, E;
+  int pow2;
+  float eps;
+};
+
+struct Segment {   // the expert segment holding this block's 128 padded rows
+  int64_t start, n, pstart, rp;
+  int found;
+};
+
+__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
+
+// (scale, 1 / scale) of a block amax: quant/fp8_block.compute_scales
+__device__ __forceinline__ float block_scale(float amax, float eps, int pow2, float& inv) {
+  if (eps > 0.f) amax = fmaxf(amax, eps);
+  float scale = __fdiv_rn(448.f, amax);
+  if (isinf(scale)) scale = kBf16Max;
+  if (amax == 0.f || isinf(amax)) scale = 1.f;
+  if (pow2) scale = __uint_as_float(__float_as_uint(scale) & 0xFF800000u);
+  inv = __fdiv_rn(1.f, scale);
+  return scale;
+}
+
+// two values -> two e4m3 bytes (a in the low byte)
+__device__ __forceinline__ uint32_t e4m3x2(float a, float b) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+}
+
+// Block pb's padded segment, found by warp 0 (32 experts per step, a warp prefix sum over the
+// padded lengths) and broadcast through shared memory.
+__device__ __forceinline__ void find_segment(const int32_t* offsets, int E, int64_t p0,
+                                             Segment& seg) {
+  const int lane = threadIdx.x & 31;
+  if (threadIdx.x < 32) {
+    int64_t carry = 0;
+    int found = 0;
+    int64_t start = 0, n = 0, pstart = 0;
+    for (int e0 = 0; e0 < E; e0 += 32) {
+      const int e = e0 + lane;
+      int64_t s = 0, len = 0;
+      if (e < E) {
+        s = offsets[e];
+        len = offsets[e + 1] - s;
+      }
+      const int64_t plen = (len + 127) / 128 * 128;
+      int64_t incl = plen;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int64_t o = __shfl_up_sync(0xFFFFFFFFu, incl, d);
+        if (lane >= d) incl += o;
+      }
+      const int64_t ps = carry + incl - plen;
+      const bool here = e < E && ps <= p0 && p0 < ps + plen;
+      const unsigned who = __ballot_sync(0xFFFFFFFFu, here);
+      if (who) {
+        const int src = __ffs(who) - 1;
+        start = __shfl_sync(0xFFFFFFFFu, s, src);
+        n = __shfl_sync(0xFFFFFFFFu, len, src);
+        pstart = __shfl_sync(0xFFFFFFFFu, ps, src);
+        found = 1;
+        break;
+      }
+      carry += __shfl_sync(0xFFFFFFFFu, incl, 31);
+    }
+    if (lane == 0) {
+      seg.start = start;
+      seg.n = n;
+      seg.pstart = pstart;
+      seg.found = found;
+      seg.rp = (static_cast<int64_t>(offsets[E]) + 127 * E + 127) / 128 * 128;
+    }
+  }
+  __syncthreads();
+}
+
+template <bool ROWS, bool COLS, bool GATHER>
+__global__ void __launch_bounds__(kThreads, 3) quant_rows_cols(Args a) {
+  __shared__ Segment seg;
+  __shared__ __align__(16) uint32_t tile_t[COLS ? 128 * 32 : 4];   // e4m3 [128 columns][128 rows], swizzled
+  __shared__ __align__(16) float col_amax[COLS ? 8 * 128 : 4];   // per warp
+  __shared__ float col_scale[COLS ? 128 : 1];
+
+  const int nkb = a.K / 128;
+  const int64_t pb = blockIdx.x / nkb;
+  const int cb = blockIdx.x % nkb;
+  const int64_t p0 = pb * 128;
+  find_segment(a.offsets, a.E, p0, seg);
+  if (!seg.found) return;   // past the last padded segment
+
+  const int t = threadIdx.x;
+  const int c8 = t & 15, rg = t >> 4;
+  const int64_t col0 = static_cast<int64_t>(cb) * 128 + c8 * 8;
+
+  uint4 xv[8];
+  bool ok[8];
+  int64_t row[8];
+#pragma unroll
+  for (int v = 0; v < 8; ++v) {
+    const int r = (v >> 2) * 64 + rg * 4 + (v & 3);
+    const int64_t local = p0 - seg.pstart + r;
+    ok[v] = local < seg.n;
+    row[v] = seg.start + local;
+  }
+  const __nv_bfloat16* src[8];
+  bool ld[8];
+  if constexpr (GATHER) {
+#pragma unroll
+    for (int v = 0; v < 8; ++v) {
+      const int64_t p = ok[v] ? a.row_ptrs[row[v]] : 0;
+      src[v] = reinterpret_cast<const __nv_bfloat16*>(p);
+      ld[v] = p != 0;
+    }
+  } else {
+    const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(*a.x_addr);
+#pragma unroll
+    for (int v = 0; v < 8; ++v) {
+      src[v] = x + row[v] * a.K;
+      ld[v] = ok[v];
+    }
+  }
+#pragma unroll
+  for (int v = 0; v < 8; ++v)
+    xv[v] = ld[v] ? *reinterpret_cast<const uint4*>(src[v] + col0) : make_uint4(0, 0, 0, 0);
+
+  if constexpr (ROWS) {
+    uint8_t* q = reinterpret_cast<uint8_t*>(*a.q_addr);
+    float* s = reinterpret_cast<float*>(*a.s_addr);
+    // the 8 row amaxes, each reduced over its half-warp (16 threads x 8 columns)
+    float m[8];
+#pragma unroll
+    for (int v = 0; v < 8; ++v) {
+      const uint32_t* w = &xv[v].x;
+      float mv = 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        mv = fmaxf(mv, fmaxf(fabsf(bf16_lo(w[i])), fabsf(bf16_hi(w[i]))));
+#pragma unroll
+      for (int d = 8; d > 0; d >>= 1) mv = fmaxf(mv, __shfl_xor_sync(0xFFFFFFFFu, mv, d));
+      m[v] = mv;
+    }
+    // thread c8 < 8 of the half-warp computes row v = c8's scales (two divisions per thread
+    // instead of sixteen: each division is a long sequence) and stores its inverse
+    float mine = m[0];
+#pragma unroll
+    for (int v = 1; v < 8; ++v) mine = c8 == v ? m[v] : mine;
+    float inv;
+    const float mine_sc = block_scale(mine, a.eps, a.pow2, inv);
+    const int64_t local = p0 - seg.pstart + (c8 >> 2) * 64 + rg * 4 + (c8 & 3);
+    if (c8 < 8 && local < seg.n) s[(seg.start + local) * nkb + cb] = inv;
+#pragma unroll
+    for (int v = 0; v < 8; ++v) {
+      const float sc = __shfl_sync(0xFFFFFFFFu, mine_sc, (t & 16) + v);
+      const uint32_t* w = &xv[v].x;
+      uint2 o;
+      o.x = e4m3x2(bf16_lo(w[0]) * sc, bf16_hi(w[0]) * sc) |
+            e4m3x2(bf16_lo(w[1]) * sc, bf16_hi(w[1]) * sc) << 16;
+      o.y = e4m3x2(bf16_lo(w[2]) * sc, bf16_hi(w[2]) * sc) |
+            e4m3x2(bf16_lo(w[3]) * sc, bf16_hi(w[3]) * sc) << 16;
+      if (ok[v]) *reinterpret_cast<uint2*>(q + row[v] * a.K + col0) = o;
+    }
+  }
+
+  if constexpr (COLS) {
+    const int warp = t >> 5, lane = t & 31;
+    // column j of the thread's 8: the max over its 8 rows, then over the warp's two row groups
+    float cm[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float m = 0.f;
+#pragma unroll
+      for (int v = 0; v < 8; ++v) {
+        const uint32_t w = (&xv[v].x)[j / 2];
+        m = fmaxf(m, fabsf(j & 1 ? bf16_hi(w) : bf16_lo(w)));
+      }
+      cm[j] = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, 16));
+    }
+    if (lane < 16) {
+      float4* dst = reinterpret_cast<float4*>(&col_amax[warp * 128 + c8 * 8]);
+      dst[0] = make_float4(cm[0], cm[1], cm[2], cm[3]);
+      dst[1] = make_float4(cm[4], cm[5], cm[6], cm[7]);
+    }
+    __syncthreads();
+    if (t < 128) {
+      float m = col_amax[t];
+#pragma unroll
+      for (int w = 1; w < 8; ++w) m = fmaxf(m, col_amax[w * 128 + t]);
+      float inv;
+      col_scale[t] = block_scale(m, a.eps, a.pow2, inv);
+      float* sc = reinterpret_cast<float*>(*a.sc_addr);
+      sc[pb * a.K + static_cast<int64_t>(cb) * 128 + t] = inv;
+    }
+    __syncthreads();
+    // the thread's four rows of one column in each half of the tile: one 32-bit word at word
+    // (half * 16 + rg) of column c's 128 bytes, its bits 1..4 xor c8 (bank-conflict free: the
+    // 32 lanes of a store differ in c8 and in rg's bit 0)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float sc = col_scale[c8 * 8 + j];
+      const int c = c8 * 8 + j;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float f[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint32_t w = (&xv[h * 4 + i].x)[j / 2];
+          f[i] = (j & 1 ? bf16_hi(w) : bf16_lo(w)) * sc;
+        }
+        const uint32_t word = e4m3x2(f[0], f[1]) | e4m3x2(f[2], f[3]) << 16;
+        tile_t[c * 32 + ((h * 16 + rg) ^ (c8 << 1))] = word;
+      }
+    }
+    __syncthreads();
+    // 16-byte pieces: piece k of column c holds words 4k .. 4k + 3, found at 4 (k ^ (c8' >> 1))
+    // with its two halves swapped where c8' (the writer's column group) is odd
+    uint8_t* qc = reinterpret_cast<uint8_t*>(*a.qc_addr);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int piece = i * kThreads + t;
+      const int c = piece >> 3, k = piece & 7;
+      const int cw = c >> 3;   // the writers' c8
+      uint4 v = *reinterpret_cast<const uint4*>(&tile_t[c * 32 + 4 * (k ^ (cw >> 1))]);
+      if (cw & 1) v = make_uint4(v.z, v.w, v.x, v.y);
+      *reinterpret_cast<uint4*>(qc + (static_cast<int64_t>(cb) * 128 + c) * seg.rp + p0 + 16 * k) =
+          v;
+    }
+  }
+}
+
+template <bool ROWS, bool COLS, bool GATHER>
+int launch(const Args& a, int blocks, cudaStream_t stream) {
+  quant_rows_cols<ROWS, COLS, GATHER><<<blocks, kThreads, 0, stream>>>(a);
+  return cudaGetLastError() == cudaSuccess ? 0 : 5;
+}
+
+}  // namespace dm_fp8q
+
+// Returns 0, 1 (bad arguments: K not a positive multiple of 128, E < 1, no output bundle, neither
+// or both of x_addr and row_ptrs) or 5 (the launch failed). n_pb: the host bound on the padded
+// row blocks (layout.padded_rows(max_rows, E) / 128).
+extern "C" int dm_fp8_block_quant_run(int K, int E, int64_t n_pb, const int64_t* x_addr,
+                                      const int64_t* row_ptrs, const int32_t* offsets,
+                                      const int64_t* q_addr, const int64_t* s_addr,
+                                      const int64_t* qc_addr, const int64_t* sc_addr, int pow2,
+                                      float eps, void* stream) {
+  using namespace dm_fp8q;
+  if (K < 128 || K % 128 != 0 || E < 1 || n_pb < 1) return 1;
+  if ((x_addr == nullptr) == (row_ptrs == nullptr)) return 1;
+  if ((q_addr == nullptr) != (s_addr == nullptr) || (qc_addr == nullptr) != (sc_addr == nullptr))
+    return 1;
+  const bool rows = q_addr != nullptr, cols = qc_addr != nullptr, gather = row_ptrs != nullptr;
+  if (!rows && !cols) return 1;
+  const int64_t blocks = n_pb * (K / 128);
+  if (blocks > 0x7FFFFFFF) return 1;
+  Args a{x_addr, row_ptrs, offsets, q_addr, s_addr, qc_addr, sc_addr, K, E, pow2, eps};
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const int b = static_cast<int>(blocks);
+  if (rows && cols) return gather ? launch<true, true, true>(a, b, s) : launch<true, true, false>(a, b, s);
+  if (rows) return gather ? launch<true, false, true>(a, b, s) : launch<true, false, false>(a, b, s);
+  return gather ? launch<false, true, true>(a, b, s) : launch<false, true, false>(a, b, s);
+}
