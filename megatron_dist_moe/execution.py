@@ -185,8 +185,8 @@ class Execution:
         DIST_MOE_EXECUTION variable applies first, explicit overrides on top. cutlass_loads /
         nvfp4_loads / fp8_quant_loads: whether a csrc/ library loads on `device`
         (create_context passes grouped_gemm_sm90.fp8_gemm_loads, grouped_gemm.nvfp4_decode.loads
-        and quant_fp8_cuda.loads; without them the engines default to Triton). ep_size: the group's ranks (what the gathers read
-        over NVLink)."""
+        and quant_fp8_cuda.loads; without them the engines default to Triton). ep_size: the
+        group's ranks (what the gathers read over NVLink)."""
         from .errors import ConfigError
 
         backend = config.backend
