@@ -10,11 +10,13 @@
 // Why CUDA C++: the column bundle is a transpose. Triton keeps each thread's values along a
 // row, so its transposed e4m3 store went through layout conversions and ran at ~1.2-1.6 TB/s
 // (docs/decisions.md) while the row direction ran at ~3.3. Here one block holds its 128 x 128
-// bf16 tile in registers (one read; 16-byte loads, a half-warp per 256-byte row piece), reduces
-// the row amaxes with half-warp shuffles and the column amaxes with one shuffle and a
-// shared-memory pass over the 8 warps, writes the row bundle straight from registers, and
-// passes the column bundle through a 16 KB shared tile, so every global store is a 16-byte
-// piece of a 128-byte run.
+// bf16 tile in registers (one read; 16-byte loads, a half-warp per 256-byte row piece), takes
+// the amaxes on packed bf16 pairs (exact: a max of bf16 values; two per instruction), the row
+// amaxes over half-warp shuffles and the column amaxes over one shuffle and a shared-memory
+// pass over the 8 warps, then unpacks each value once and scales it by its row's and its
+// column's scale: the row bundle is stored from registers, the column bundle passes through a
+// 16 KB shared tile, so every global store is a 16-byte piece of a 128-byte run. The kernel is
+// bound by instruction issue as much as by bytes, hence the packed amaxes and the one pass.
 //
 // Thread t holds column group c8 = t % 16 (8 columns) of rows (v / 4) * 64 + (t / 16) * 4 +
 // v % 4, v = 0..7: four consecutive rows per half of the tile, so its e4m3 values of one column
@@ -124,12 +126,31 @@ __device__ __forceinline__ void find_segment(const int32_t* offsets, int E, int6
   __syncthreads();
 }
 
+// |x| of two bf16 values, and their max (max.bf16x2 ignores a NaN operand, as the Triton
+// kernel's max.f32 does: only an all-NaN block gives NaN, which the caller maps to 0)
+__device__ __forceinline__ uint32_t habs2(uint32_t w) { return w & 0x7FFF7FFFu; }
+__device__ __forceinline__ uint32_t hmax2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("max.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+// a bf16 amax (exact: the max of bf16 values) as fp32, NaN (an all-NaN block) as 0
+__device__ __forceinline__ float amax_f32(uint32_t w, bool hi) {
+  const float m = hi ? bf16_hi(w) : bf16_lo(w);
+  return m != m ? 0.f : m;
+}
+
 template <bool ROWS, bool COLS, bool GATHER>
 __global__ void __launch_bounds__(kThreads, 3) quant_rows_cols(Args a) {
   __shared__ Segment seg;
-  __shared__ __align__(16) uint32_t tile_t[COLS ? 128 * 32 : 4];   // e4m3 [128 columns][128 rows], swizzled
-  __shared__ __align__(16) float col_amax[COLS ? 8 * 128 : 4];   // per warp
-  __shared__ float col_scale[COLS ? 128 : 1];
+  __shared__ __align__(16) uint32_t tile_t[COLS ? 128 * 32 : 4];   // e4m3 [128 cols][128 rows]
+  __shared__ __align__(16) uint32_t col_amax[COLS ? 8 * 64 : 4];   // bf16x2 per warp
+  __shared__ __align__(16) float col_scale[COLS ? 128 : 4];
 
   const int nkb = a.K / 128;
   const int64_t pb = blockIdx.x / nkb;
@@ -141,134 +162,145 @@ __global__ void __launch_bounds__(kThreads, 3) quant_rows_cols(Args a) {
   const int t = threadIdx.x;
   const int c8 = t & 15, rg = t >> 4;
   const int64_t col0 = static_cast<int64_t>(cb) * 128 + c8 * 8;
+  const int64_t local0 = p0 - seg.pstart + rg * 4;   // row v's local row: local0 + r_off(v)
 
   uint4 xv[8];
-  bool ok[8];
-  int64_t row[8];
-#pragma unroll
-  for (int v = 0; v < 8; ++v) {
-    const int r = (v >> 2) * 64 + rg * 4 + (v & 3);
-    const int64_t local = p0 - seg.pstart + r;
-    ok[v] = local < seg.n;
-    row[v] = seg.start + local;
-  }
-  const __nv_bfloat16* src[8];
-  bool ld[8];
-  if constexpr (GATHER) {
+  {
+    const __nv_bfloat16* x =
+        GATHER ? nullptr : reinterpret_cast<const __nv_bfloat16*>(*a.x_addr);
 #pragma unroll
     for (int v = 0; v < 8; ++v) {
-      const int64_t p = ok[v] ? a.row_ptrs[row[v]] : 0;
-      src[v] = reinterpret_cast<const __nv_bfloat16*>(p);
-      ld[v] = p != 0;
-    }
-  } else {
-    const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(*a.x_addr);
-#pragma unroll
-    for (int v = 0; v < 8; ++v) {
-      src[v] = x + row[v] * a.K;
-      ld[v] = ok[v];
+      const int64_t local = local0 + (v >> 2) * 64 + (v & 3);
+      const bool ok = local < seg.n;
+      const __nv_bfloat16* src;
+      if constexpr (GATHER) {
+        src = reinterpret_cast<const __nv_bfloat16*>(ok ? a.row_ptrs[seg.start + local] : 0);
+      } else {
+        src = ok ? x + (seg.start + local) * a.K : nullptr;
+      }
+      xv[v] = src != nullptr ? *reinterpret_cast<const uint4*>(src + col0)
+                             : make_uint4(0, 0, 0, 0);
     }
   }
-#pragma unroll
-  for (int v = 0; v < 8; ++v)
-    xv[v] = ld[v] ? *reinterpret_cast<const uint4*>(src[v] + col0) : make_uint4(0, 0, 0, 0);
 
-  if constexpr (ROWS) {
-    uint8_t* q = reinterpret_cast<uint8_t*>(*a.q_addr);
-    float* s = reinterpret_cast<float*>(*a.s_addr);
-    // the 8 row amaxes, each reduced over its half-warp (16 threads x 8 columns)
-    float m[8];
+  // amaxes in bf16x2 (two values per instruction): rm[p] holds rows 2p, 2p + 1 (reduced over
+  // the half-warp), cm[i] columns 2i, 2i + 1 of the thread's 8 (over its rows)
+  uint32_t rm[4], cm[4] = {0, 0, 0, 0};
 #pragma unroll
-    for (int v = 0; v < 8; ++v) {
-      const uint32_t* w = &xv[v].x;
-      float mv = 0.f;
+  for (int p = 0; p < 4; ++p) {
+    uint32_t half[2];
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        mv = fmaxf(mv, fmaxf(fabsf(bf16_lo(w[i])), fabsf(bf16_hi(w[i]))));
+    for (int u = 0; u < 2; ++u) {
+      const uint32_t* w = &xv[2 * p + u].x;
+      uint32_t m = 0;
 #pragma unroll
-      for (int d = 8; d > 0; d >>= 1) mv = fmaxf(mv, __shfl_xor_sync(0xFFFFFFFFu, mv, d));
-      m[v] = mv;
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t aw = habs2(w[i]);
+        if constexpr (ROWS) m = i ? hmax2(m, aw) : aw;
+        if constexpr (COLS) cm[i] = hmax2(cm[i], aw);
+      }
+      half[u] = m;
     }
-    // thread c8 < 8 of the half-warp computes row v = c8's scales (two divisions per thread
-    // instead of sixteen: each division is a long sequence) and stores its inverse
-    float mine = m[0];
+    if constexpr (ROWS) {
+      uint32_t m = hmax2(prmt(half[0], half[1], 0x5410), prmt(half[0], half[1], 0x7632));
 #pragma unroll
-    for (int v = 1; v < 8; ++v) mine = c8 == v ? m[v] : mine;
+      for (int d = 8; d > 0; d >>= 1) m = hmax2(m, __shfl_xor_sync(0xFFFFFFFFu, m, d));
+      rm[p] = m;
+    }
+  }
+
+  // row v's scales by thread c8 = v of its half-warp (two divisions per thread: each is a long
+  // sequence), its inverse stored there; every thread takes the scales of its rows by shuffles
+  float row_sc = 0.f;
+  if constexpr (ROWS) {
+    const uint32_t w01 = c8 & 2 ? rm[1] : rm[0], w23 = c8 & 2 ? rm[3] : rm[2];
+    const uint32_t w = c8 & 4 ? w23 : w01;   // rows 2p, 2p + 1 with p = (c8 / 2) % 4
     float inv;
-    const float mine_sc = block_scale(mine, a.eps, a.pow2, inv);
-    const int64_t local = p0 - seg.pstart + (c8 >> 2) * 64 + rg * 4 + (c8 & 3);
-    if (c8 < 8 && local < seg.n) s[(seg.start + local) * nkb + cb] = inv;
+    row_sc = block_scale(amax_f32(w, c8 & 1), a.eps, a.pow2, inv);
+    const int64_t local = local0 + (c8 >> 2 & 1) * 64 + (c8 & 3);
+    if (c8 < 8 && local < seg.n)
+      reinterpret_cast<float*>(*a.s_addr)[(seg.start + local) * nkb + cb] = inv;
+  }
+
+  float cs[8];
+  if constexpr (COLS) {
+    const int warp = t >> 5, lane = t & 31;
 #pragma unroll
-    for (int v = 0; v < 8; ++v) {
-      const float sc = __shfl_sync(0xFFFFFFFFu, mine_sc, (t & 16) + v);
+    for (int i = 0; i < 4; ++i) cm[i] = hmax2(cm[i], __shfl_xor_sync(0xFFFFFFFFu, cm[i], 16));
+    if (lane < 16)
+      *reinterpret_cast<uint4*>(&col_amax[warp * 64 + c8 * 4]) = make_uint4(cm[0], cm[1], cm[2], cm[3]);
+    __syncthreads();
+    if (t < 128) {
+      uint32_t m = col_amax[t >> 1];
+#pragma unroll
+      for (int w = 1; w < 8; ++w) m = hmax2(m, col_amax[w * 64 + (t >> 1)]);
+      float inv;
+      col_scale[t] = block_scale(amax_f32(m, t & 1), a.eps, a.pow2, inv);
+      reinterpret_cast<float*>(*a.sc_addr)[pb * a.K + static_cast<int64_t>(cb) * 128 + t] = inv;
+    }
+    __syncthreads();
+    const float4 s0 = *reinterpret_cast<const float4*>(&col_scale[c8 * 8]);
+    const float4 s1 = *reinterpret_cast<const float4*>(&col_scale[c8 * 8 + 4]);
+    cs[0] = s0.x, cs[1] = s0.y, cs[2] = s0.z, cs[3] = s0.w;
+    cs[4] = s1.x, cs[5] = s1.y, cs[6] = s1.z, cs[7] = s1.w;
+  }
+
+  // one pass over the values: each unpacked once, scaled by its row's and its column's scale.
+  // The column bundle's word for column j and four consecutive rows goes to the shared tile at
+  // word (half * 16 + rg) of column j's 128 bytes, its bits 1..4 xor c8 (bank-conflict free:
+  // the 32 lanes of a store differ in c8 and in rg's bit 0)
+  uint8_t* q = ROWS ? reinterpret_cast<uint8_t*>(*a.q_addr) : nullptr;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    uint32_t cw[8];
+    float prev[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int v = 4 * h + i;
       const uint32_t* w = &xv[v].x;
-      uint2 o;
-      o.x = e4m3x2(bf16_lo(w[0]) * sc, bf16_hi(w[0]) * sc) |
-            e4m3x2(bf16_lo(w[1]) * sc, bf16_hi(w[1]) * sc) << 16;
-      o.y = e4m3x2(bf16_lo(w[2]) * sc, bf16_hi(w[2]) * sc) |
-            e4m3x2(bf16_lo(w[3]) * sc, bf16_hi(w[3]) * sc) << 16;
-      if (ok[v]) *reinterpret_cast<uint2*>(q + row[v] * a.K + col0) = o;
+      const float rs = ROWS ? __shfl_sync(0xFFFFFFFFu, row_sc, (t & 16) + v) : 0.f;
+      uint32_t rq[2];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float lo = bf16_lo(w[k]), hi = bf16_hi(w[k]);
+        if constexpr (ROWS) {
+          const uint32_t r16 = e4m3x2(lo * rs, hi * rs);
+          rq[k >> 1] = k & 1 ? rq[k >> 1] | r16 << 16 : r16;
+        }
+        if constexpr (COLS) {
+          const float clo = lo * cs[2 * k], chi = hi * cs[2 * k + 1];
+          if (i & 1) {
+            const uint32_t a16 = e4m3x2(prev[2 * k], clo), b16 = e4m3x2(prev[2 * k + 1], chi);
+            cw[2 * k] = i == 1 ? a16 : cw[2 * k] | a16 << 16;
+            cw[2 * k + 1] = i == 1 ? b16 : cw[2 * k + 1] | b16 << 16;
+          } else {
+            prev[2 * k] = clo;
+            prev[2 * k + 1] = chi;
+          }
+        }
+      }
+      if constexpr (ROWS) {
+        const int64_t local = local0 + h * 64 + i;
+        if (local < seg.n)
+          *reinterpret_cast<uint2*>(q + (seg.start + local) * a.K + col0) = make_uint2(rq[0], rq[1]);
+      }
+    }
+    if constexpr (COLS) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) tile_t[(c8 * 8 + j) * 32 + ((h * 16 + rg) ^ (c8 << 1))] = cw[j];
     }
   }
 
   if constexpr (COLS) {
-    const int warp = t >> 5, lane = t & 31;
-    // column j of the thread's 8: the max over its 8 rows, then over the warp's two row groups
-    float cm[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      float m = 0.f;
-#pragma unroll
-      for (int v = 0; v < 8; ++v) {
-        const uint32_t w = (&xv[v].x)[j / 2];
-        m = fmaxf(m, fabsf(j & 1 ? bf16_hi(w) : bf16_lo(w)));
-      }
-      cm[j] = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, 16));
-    }
-    if (lane < 16) {
-      float4* dst = reinterpret_cast<float4*>(&col_amax[warp * 128 + c8 * 8]);
-      dst[0] = make_float4(cm[0], cm[1], cm[2], cm[3]);
-      dst[1] = make_float4(cm[4], cm[5], cm[6], cm[7]);
-    }
     __syncthreads();
-    if (t < 128) {
-      float m = col_amax[t];
-#pragma unroll
-      for (int w = 1; w < 8; ++w) m = fmaxf(m, col_amax[w * 128 + t]);
-      float inv;
-      col_scale[t] = block_scale(m, a.eps, a.pow2, inv);
-      float* sc = reinterpret_cast<float*>(*a.sc_addr);
-      sc[pb * a.K + static_cast<int64_t>(cb) * 128 + t] = inv;
-    }
-    __syncthreads();
-    // the thread's four rows of one column in each half of the tile: one 32-bit word at word
-    // (half * 16 + rg) of column c's 128 bytes, its bits 1..4 xor c8 (bank-conflict free: the
-    // 32 lanes of a store differ in c8 and in rg's bit 0)
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float sc = col_scale[c8 * 8 + j];
-      const int c = c8 * 8 + j;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float f[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint32_t w = (&xv[h * 4 + i].x)[j / 2];
-          f[i] = (j & 1 ? bf16_hi(w) : bf16_lo(w)) * sc;
-        }
-        const uint32_t word = e4m3x2(f[0], f[1]) | e4m3x2(f[2], f[3]) << 16;
-        tile_t[c * 32 + ((h * 16 + rg) ^ (c8 << 1))] = word;
-      }
-    }
-    __syncthreads();
-    // 16-byte pieces: piece k of column c holds words 4k .. 4k + 3, found at 4 (k ^ (c8' >> 1))
-    // with its two halves swapped where c8' (the writer's column group) is odd
+    // 16-byte pieces: piece k of column c holds words 4k .. 4k + 3, found at 4 (k ^ (cw >> 1))
+    // with its two halves swapped where cw (the writers' c8) is odd
     uint8_t* qc = reinterpret_cast<uint8_t*>(*a.qc_addr);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int piece = i * kThreads + t;
       const int c = piece >> 3, k = piece & 7;
-      const int cw = c >> 3;   // the writers' c8
+      const int cw = c >> 3;
       uint4 v = *reinterpret_cast<const uint4*>(&tile_t[c * 32 + 4 * (k ^ (cw >> 1))]);
       if (cw & 1) v = make_uint4(v.z, v.w, v.x, v.y);
       *reinterpret_cast<uint4*>(qc + (static_cast<int64_t>(cb) * 128 + c) * seg.rp + p0 + 16 * k) =
