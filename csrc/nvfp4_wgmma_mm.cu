@@ -32,6 +32,8 @@
 // "scatter": the row at out_rows[r], skipped where 0). Nothing is read on the host; a call is
 // one launch and can be captured in a CUDA graph.
 
+#include <array>
+
 #include "nvfp4_decode.cuh"
 
 namespace dm_nvfp4 {
@@ -279,16 +281,20 @@ __global__ void __launch_bounds__(kThreads, BPS) nvfp4_wgmma_mm_kernel(Args args
   const uint8_t* a_rows = reinterpret_cast<const uint8_t*>(*args.a_addr);
   __nv_bfloat16* staged = reinterpret_cast<__nv_bfloat16*>(smem);
 
-  float acc[MT][BN / 2];
-  // acc = the sums of tile t over chunks [c0, c1)
-  auto mainloop = [&](int t, int c0, int c1) {
+  // tile t's expert, the expert's row end, weight strip and first token row
+  auto locate = [&](int t) {
     int e = 0;
     while (tile_end[e] <= t) ++e;
     const int r0 = args.offsets[e], r1 = args.offsets[e + 1];
     const int m_tiles = (r1 - r0 + BN - 1) / BN;
     const int local = t - (e > 0 ? tile_end[e - 1] : 0);
-    const int strip = local / m_tiles;
-    const int tok0 = r0 + local % m_tiles * BN;
+    return std::array<int, 4>{e, r1, local / m_tiles, r0 + local % m_tiles * BN};
+  };
+
+  float acc[MT][BN / 2];
+  // acc = the sums of tile t over chunks [c0, c1)
+  auto mainloop = [&](int t, int c0, int c1) {
+    const auto [e, r1, strip, tok0] = locate(t);
 
     const uint8_t* w_row[MT][2];
     const uint8_t* s_row[MT];
@@ -423,13 +429,7 @@ __global__ void __launch_bounds__(kThreads, BPS) nvfp4_wgmma_mm_kernel(Args args
 
   // the scaled bf16 tile t from acc
   auto store = [&](int t) {
-    int e = 0;
-    while (tile_end[e] <= t) ++e;
-    const int r0 = args.offsets[e], r1 = args.offsets[e + 1];
-    const int m_tiles = (r1 - r0 + BN - 1) / BN;
-    const int local = t - (e > 0 ? tile_end[e - 1] : 0);
-    const int strip = local / m_tiles;
-    const int tok0 = r0 + local % m_tiles * BN;
+    const auto [e, r1, strip, tok0] = locate(t);
     if (tid < BN) {
       const int r = tok0 + tid;
       s_tok[tid] = r < r1 ? *reinterpret_cast<const float*>(a_rows + (int64_t)r * args.a_stride
