@@ -113,7 +113,9 @@ def main(argv=None) -> int:
                 variants += [("f16_asm", t, True) for t in (DECODE_SWEEP if R <= 64 * E else
                                                              LARGE_SWEEP) if t != default]
             cuda_default = nvfp4_decode.default_variant(R, E, K)
-            if cuda_default is not None and nvfp4_decode.loads(dev):
+            # the decode GEMM: its default up to its MAX_ROWS_PER_EXPERT, swept up to 32
+            if nvfp4_decode.loads(dev) and (cuda_default is not None or (
+                    (args.sweep or args.cuda_sweep) and R <= 32 * E)):
                 variants += [("cuda", v, True) for v in nvfp4_decode.variants()
                              if args.sweep or args.cuda_sweep or v == cuda_default]
             if nvfp4_decode.loads(dev):

@@ -444,7 +444,7 @@ def test_nvfp4_gemm_engine_is_chosen_at_creation(monkeypatch):
     assert tiles.startswith("CUDA GEMMs, W13 decode variant 32142"), tiles
     assert "W2 decode variant 32142" in tiles, tiles
     assert "K split over 4 warps" in choice.gemm_tiles(ex, 32, 4, 7168, 3072, cuda)
-    assert nvfp4_decode.default_variant(4 * 33, 4, 256) is None
+    assert nvfp4_decode.default_variant(4 * 17, 4, 256) is None
     mid = choice.gemm_tiles(ex, 4 * 17, 4, 256, 128, cuda)
     assert mid.startswith("CUDA GEMMs, W13 wgmma variant 13103214: 128 weight rows x 32"), mid
     assert "stream-K" in mid and "2 blocks per SM" in mid, mid

@@ -215,10 +215,10 @@ def test_nvfp4_decode_library_builds_and_refuses_bad_shapes(tmp_path, monkeypatc
         path = nd.build_library()
         assert path.is_file() and tmp_path in path.parents and nd.build_library() == path
         codes = nd.variants()
-        for n in (1, 8, 16, 32):    # the defaults are instances of the library
+        for n in (1, 8, 16):    # the defaults are instances of the library
             for K in (3072, 7168):
                 assert nd.default_variant(6 * n, 6, K) in codes
-        assert nd.default_variant(6 * 33, 6, 7168) is None
+        assert nd.default_variant(6 * 17, 6, 7168) is None
         run = nd._run_fn()
         null = None
         good = dict(variant=codes[0], E=6, N=6144, K=7168, stride=4048)

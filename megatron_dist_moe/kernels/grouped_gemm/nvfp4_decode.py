@@ -4,9 +4,10 @@ The contract of `nvfp4.nvfp4_grouped_mm` with the A rows decoded once (`a16`; th
 twin checks both): row r of expert e gets S_dec(r) S_dec(e) a16[r] @ dequant(W[e])^T in bf16,
 stored at out[r] ("store") or at out_row_ptrs[r] ("scatter", skipped where 0).
 
-Where it runs: up to nvfp4_wgmma.DECODE_ROWS_PER_EXPERT (16) rows per expert on average in
-the CUDA engine (decode: the GEMM is a stream of 4.5-bit weights and their decode); its
-variants reach 32 (MAX_ROWS_PER_EXPERT), where the stream-K wgmma GEMM measured faster.
+Where it runs: up to MAX_ROWS_PER_EXPERT (16) rows per expert on average in the CUDA engine
+(decode: the GEMM is a stream of 4.5-bit weights and their decode); above, the stream-K wgmma
+GEMM measured faster (nvfp4_wgmma.cuda_variant). The library keeps variants with 32-token
+passes for the sweeps of bench_nvfp4_gemm.
 Weights are the MMA's M side and tokens its N side (one mma.sync.m16n8k16 per 16 weight rows x
 8 tokens x 16 k), each thread decodes exactly the weight values of its fragment straight from
 its 16-byte loads, and every warp streams its rows over its slice of K (long K is split over
@@ -34,7 +35,7 @@ __all__ = ["variants", "variant_shape", "describe", "default_variant", "nvfp4_de
            "launch", "loads", "build_library", "MAX_ROWS_PER_EXPERT"]
 
 _UNIT = "nvfp4_decode_mm"
-MAX_ROWS_PER_EXPERT = 32   # above this (on average) the wgmma GEMM (nvfp4_wgmma.py) runs
+MAX_ROWS_PER_EXPERT = 16   # above this (on average) the wgmma GEMM (nvfp4_wgmma.py) runs
 _STATUS = {1: "bad shape: E < 1 (above 256 for the wgmma GEMM), N not a multiple of 16, K not a "
               "multiple of 128, a row stride not a multiple of 4, neither / both of out and "
               "out_row_ptrs, or a stream-K variant without a 16-byte aligned workspace",
@@ -47,18 +48,15 @@ _LONG_K = 56 * 128   # K with this many 128-wide chunks or more: its rows split 
 def default_variant(max_rows: int, E: int, K: int) -> Optional[int]:
     """The variant by rows per expert on average (max_rows / E) and the contraction length K,
     None above the decode regime: the fastest of bench_nvfp4_gemm --cuda-sweep on one H200 at
-    1, 8, 16 and 32 rows per expert (guide shapes; docs/decisions.md). Splitting K over 4 warps
-    pays where each keeps 14+ chunks (W13, K=7168), not at K=3072 (W2); there, at 17-32 rows
-    per expert, 48-row warps with no register ring (232 registers) beat 64-row ones."""
+    1, 8 and 16 rows per expert (guide shapes; docs/decisions.md). Splitting K over 4 warps
+    pays where each keeps 14+ chunks (W13, K=7168), not at K=3072 (W2)."""
     per_expert = -(-max_rows // E)
     if per_expert > MAX_ROWS_PER_EXPERT:
         return None
     long_k = K >= _LONG_K
     if per_expert <= 8:
         return 332142 if long_k else 32142
-    if per_expert <= 16:
-        return 32242
-    return 364441 if long_k else 48441
+    return 32242
 
 
 # the library's units: this decode GEMM and the wgmma one (nvfp4_wgmma.py), one shared header

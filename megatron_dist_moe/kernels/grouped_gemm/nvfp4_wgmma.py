@@ -30,7 +30,7 @@ from . import nvfp4_decode
 
 __all__ = ["variants", "variant_shape", "describe", "default_variant", "nvfp4_wgmma_mm",
            "A16_ORDER", "is_variant", "cuda_variant", "cuda_describe", "run", "a16_order",
-           "workspace_bytes", "workspace_status", "new_workspace", "DECODE_ROWS_PER_EXPERT"]
+           "workspace_bytes", "workspace_status", "new_workspace"]
 
 _UNIT = "nvfp4_wgmma_mm"
 MAX_BLOCKS_PER_SM = 2   # the library's kMaxBlocksPerSm: the workspace's flags are sized for it
@@ -120,15 +120,12 @@ def is_variant(code: int) -> bool:
     return code >= 1000000
 
 
-DECODE_ROWS_PER_EXPERT = 16   # up to here (on average) the decode GEMM runs
-
-
 def cuda_variant(max_rows: int, E: int, K: int) -> int:
     """The CUDA engine's GEMM for a row bound: the decode GEMM's variant
-    (nvfp4_decode.default_variant) up to DECODE_ROWS_PER_EXPERT rows per expert, where
+    (nvfp4_decode.default_variant) up to its MAX_ROWS_PER_EXPERT rows per expert, where
     streaming the weights through many small independent warps is fastest, this GEMM's
     default_variant above."""
-    if -(-max_rows // E) <= DECODE_ROWS_PER_EXPERT:
+    if -(-max_rows // E) <= nvfp4_decode.MAX_ROWS_PER_EXPERT:
         return nvfp4_decode.default_variant(max_rows, E, K)
     return default_variant(max_rows, E, K)
 
