@@ -184,21 +184,34 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
         lambda: same(dqc.cpu(), want_dqc()), used * D * (1 + 1 / 32) + R * D * 2, f"{R}x{D}",
         [dqc])
 
-    def fp8_quant(name, src, K, rows: bool, cols: bool):
+    T = max(1, R // 6)
+    tok = torch.randint(0, T, (R,), device=dev, generator=g)
+
+    def ptrs_of(src_tokens):
+        return src_tokens.data_ptr() + tok * src_tokens.stride(0) * src_tokens.element_size()
+
+    def fp8_quant(name, src, K, rows: bool, cols: bool, gather: bool = False):
         rb = (torch.empty(R, K, dtype=F8, device=dev),
               torch.empty(R, K // 128, device=dev)) if rows else None
         cb = (torch.empty(K, Rp, dtype=F8, device=dev),
               torch.empty(Rp // 128, K, device=dev)) if cols else None
 
-        def run(gr, tile=None):
-            if tile == "cuda":
-                from megatron_dist_moe.kernels import quant_fp8_cuda
-                quant_fp8_cuda.quantize_rows_cols(src, offs, R, K, rows=rb, cols=cb)
-            else:
-                KF.quantize_rows_cols(src, offs, R, K, rows=rb, cols=cb, **order(gr, tile))
+        # ptrs: the layer's gathered form (row i read from ptrs[i], a token row of src)
+        x_in, ptrs = (None, ptrs_of(src)) if gather else (src, None)
+        dense = src[tok] if gather else src
 
-        want_rb = once(lambda: QF.quantize_rows(src))
-        want_cb = once(lambda: QF.quantize_cols(src.cpu(), offs_c, Rp))
+        def run(gr, tile=None):
+            if isinstance(tile, str):
+                from megatron_dist_moe.kernels import quant_fp8_cuda
+                quant_fp8_cuda.quantize_rows_cols(x_in, offs, R, K, rows=rb, cols=cb,
+                                                  row_ptrs=ptrs,
+                                                  min_blocks=4 if tile == "cuda4" else 3)
+            else:
+                KF.quantize_rows_cols(x_in, offs, R, K, rows=rb, cols=cb, row_ptrs=ptrs,
+                                      **order(gr, tile))
+
+        want_rb = once(lambda: QF.quantize_rows(dense))
+        want_cb = once(lambda: QF.quantize_cols(dense.cpu(), offs_c, Rp))
 
         def check():
             ok = True
@@ -212,10 +225,13 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
             return ok
         nbytes = R * K * 2 + (R * K * (1 + 4 / 128) if rows else 0) + (
             used * K * (1 + 4 / 128) if cols else 0)
+        if gather:   # each token row is read by ~6 routes: count it once
+            nbytes -= (R - T) * K * 2
         outs = (list(rb) if rb else []) + (list(cb) if cb else [])
         out[("fp8_block", name)] = Case(run, check, nbytes, f"{R}x{K}", outs, takes_tile=True)
 
     fp8_quant("quantize_x", x, D, True, True)
+    fp8_quant("quantize_x_gathered", x[:T].contiguous(), D, True, True, gather=True)
     fp8_quant("quantize_gh1", gh1, 2 * F, True, True)
     fp8_quant("quantize_h2_cols", h2, F, False, True)
     f1 = (torch.empty(R, 2 * F, dtype=F8, device=dev), torch.empty(R, 2 * F // 128, device=dev))
@@ -283,7 +299,7 @@ def main() -> int:
     wanted = {k for k in args.kernels.split(",") if k}
     tiles = {"mxfp8": parse_tiles(args.tiles, "--tiles", KM.QUANT_TILES, "RxCxW"),
              "fp8_block": parse_tiles(args.fp8_tiles, "--fp8-tiles", KF.QUANT_TILES, "CxW",
-                                      ("cuda",))}
+                                      ("cuda", "cuda4"))}
     rows, failed = [], 0
     print("| precision | kernel | shape | group_rows | tile | us | TB/s | of copy | equal |")
     print("|---|---|---|---|---|---|---|---|---|")
