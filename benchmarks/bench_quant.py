@@ -201,11 +201,10 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
         dense = src[tok] if gather else src
 
         def run(gr, tile=None):
-            if isinstance(tile, str):
+            if tile == "cuda":
                 from megatron_dist_moe.kernels import quant_fp8_cuda
                 quant_fp8_cuda.quantize_rows_cols(x_in, offs, R, K, rows=rb, cols=cb,
-                                                  row_ptrs=ptrs,
-                                                  min_blocks=4 if tile == "cuda4" else 3)
+                                                  row_ptrs=ptrs)
             else:
                 KF.quantize_rows_cols(x_in, offs, R, K, rows=rb, cols=cb, row_ptrs=ptrs,
                                       **order(gr, tile))
@@ -299,7 +298,7 @@ def main() -> int:
     wanted = {k for k in args.kernels.split(",") if k}
     tiles = {"mxfp8": parse_tiles(args.tiles, "--tiles", KM.QUANT_TILES, "RxCxW"),
              "fp8_block": parse_tiles(args.fp8_tiles, "--fp8-tiles", KF.QUANT_TILES, "CxW",
-                                      ("cuda", "cuda4"))}
+                                      ("cuda",))}
     rows, failed = [], 0
     print("| precision | kernel | shape | group_rows | tile | us | TB/s | of copy | equal |")
     print("|---|---|---|---|---|---|---|---|---|")

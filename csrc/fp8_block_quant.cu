@@ -145,8 +145,9 @@ __device__ __forceinline__ float amax_f32(uint32_t w, bool hi) {
   return m != m ? 0.f : m;
 }
 
-template <bool ROWS, bool COLS, bool GATHER, int MINB>
-__global__ void __launch_bounds__(kThreads, MINB) quant_rows_cols(Args a) {
+// 3 blocks per SM (80 registers): 4 (64 registers) measured 1-8 % slower (docs/decisions.md)
+template <bool ROWS, bool COLS, bool GATHER>
+__global__ void __launch_bounds__(kThreads, 3) quant_rows_cols(Args a) {
   __shared__ Segment seg;
   __shared__ __align__(16) uint32_t tile_t[COLS ? 128 * 32 : 4];   // e4m3 [128 cols][128 rows]
   __shared__ __align__(16) uint32_t col_amax[COLS ? 8 * 64 : 4];   // bf16x2 per warp
@@ -310,11 +311,8 @@ __global__ void __launch_bounds__(kThreads, MINB) quant_rows_cols(Args a) {
 }
 
 template <bool ROWS, bool COLS, bool GATHER>
-int launch(const Args& a, int blocks, int minb, cudaStream_t stream) {
-  if (minb == 4)
-    quant_rows_cols<ROWS, COLS, GATHER, 4><<<blocks, kThreads, 0, stream>>>(a);
-  else
-    quant_rows_cols<ROWS, COLS, GATHER, 3><<<blocks, kThreads, 0, stream>>>(a);
+int launch(const Args& a, int blocks, cudaStream_t stream) {
+  quant_rows_cols<ROWS, COLS, GATHER><<<blocks, kThreads, 0, stream>>>(a);
   return cudaGetLastError() == cudaSuccess ? 0 : 5;
 }
 
@@ -327,7 +325,7 @@ extern "C" int dm_fp8_block_quant_run(int K, int E, int64_t n_pb, const int64_t*
                                       const int64_t* row_ptrs, const int32_t* offsets,
                                       const int64_t* q_addr, const int64_t* s_addr,
                                       const int64_t* qc_addr, const int64_t* sc_addr, int pow2,
-                                      float eps, void* stream, int minb) {
+                                      float eps, void* stream) {
   using namespace dm_fp8q;
   if (K < 128 || K % 128 != 0 || E < 1 || n_pb < 1) return 1;
   if ((x_addr == nullptr) == (row_ptrs == nullptr)) return 1;
@@ -340,8 +338,7 @@ extern "C" int dm_fp8_block_quant_run(int K, int E, int64_t n_pb, const int64_t*
   Args a{x_addr, row_ptrs, offsets, q_addr, s_addr, qc_addr, sc_addr, K, E, pow2, eps};
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int b = static_cast<int>(blocks);
-  if (rows && cols)
-    return gather ? launch<true, true, true>(a, b, minb, s) : launch<true, true, false>(a, b, minb, s);
-  if (rows) return gather ? launch<true, false, true>(a, b, minb, s) : launch<true, false, false>(a, b, minb, s);
-  return gather ? launch<false, true, true>(a, b, minb, s) : launch<false, true, false>(a, b, minb, s);
+  if (rows && cols) return gather ? launch<true, true, true>(a, b, s) : launch<true, true, false>(a, b, s);
+  if (rows) return gather ? launch<true, false, true>(a, b, s) : launch<true, false, false>(a, b, s);
+  return gather ? launch<false, true, true>(a, b, s) : launch<false, true, false>(a, b, s);
 }

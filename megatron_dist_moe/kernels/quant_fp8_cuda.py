@@ -40,7 +40,7 @@ def _run_fn():
     fn = ctypes.CDLL(str(build_library())).dm_fp8_block_quant_run
     vp = ctypes.c_void_p
     fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, vp, vp, vp, vp, vp, vp, vp,
-                   ctypes.c_int, ctypes.c_float, vp, ctypes.c_int]
+                   ctypes.c_int, ctypes.c_float, vp]
     fn.restype = ctypes.c_int
     return fn
 
@@ -52,7 +52,7 @@ loads = csrc_build.LoadProbe(
 
 def quantize_rows_cols(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows=None,
                        cols=None, recipe: BlockScaling = BlockScaling(),
-                       row_ptrs: torch.Tensor | None = None, min_blocks: int = 3) -> None:
+                       row_ptrs: torch.Tensor | None = None) -> None:
     """`quant_fp8.quantize_rows_cols` (its arguments but the Triton tile and launch order) on
     the CUDA kernel: x bf16 rows [R, K] (tensor or int64 [1] device pointer) or row_ptrs (int64
     [>= R] 16-byte aligned row addresses, 0: a row of zeros); rows = (q, s), cols = (q_t, s_t)
@@ -76,6 +76,6 @@ def quantize_rows_cols(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows=
     with torch.cuda.device(dev):
         rc = _run_fn()(K, E, n_pb, ptr(xa), ptr(row_ptrs), offsets.data_ptr(), ptr(q), ptr(s),
                        ptr(qc), ptr(sc), int(recipe.power_2_scales), float(recipe.amax_epsilon),
-                       torch.cuda.current_stream(dev).cuda_stream, min_blocks)
+                       torch.cuda.current_stream(dev).cuda_stream)
     if rc != 0:
         raise RuntimeError(f"fp8_block quantizer (csrc/{_UNIT}.cu): {_STATUS.get(rc, rc)}")

@@ -281,7 +281,7 @@ def test_fp8_block_quantizer_library_builds_and_refuses_bad_arguments(tmp_path, 
         p = ctypes.c_void_p(16)
 
         def call(K=7168, E=6, n_pb=100, x=p, rows=None, q=p, s=p, qt=p, st=p):
-            return run(K, E, n_pb, x, rows, p, q, s, qt, st, 0, 0.0, None, 3)
+            return run(K, E, n_pb, x, rows, p, q, s, qt, st, 0, 0.0, None)
         assert call(K=7000) == 1 and call(K=0) == 1 and call(E=0) == 1 and call(n_pb=0) == 1
         assert call(x=None) == 1 and call(rows=p) == 1       # exactly one of x and row_ptrs
         assert call(q=None) == 1 and call(st=None) == 1      # a bundle is both of its tensors
