@@ -370,6 +370,8 @@ def main():
             if (args.profile and ctx is not None and case == "guide"
                     and path in args.profile_paths.split(",")):
                 for mode, f in (("fwd", fwd), ("fwdbwd", fwdbwd)):
+                    if (path, mode) not in results:   # a mode --modes left out
+                        continue
                     # every rank's profile: the iteration is the slowest rank's, and the
                     # ranks' barrier waits tell which one that is
                     suffix = "" if rank == 0 else f"_rank{rank}"
