@@ -7,6 +7,7 @@ A Context owns the memory plan, the planner state (slot cursors) and one backend
 from __future__ import annotations
 
 import itertools
+import operator
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,18 @@ def context_from_id(ctx_id: int) -> "Context":
             "ctx", f"no open Dist-MoE context has id {ctx_id} in this process (it was closed, "
             "or the id comes from another process); create a new context")
     return ctx
+
+
+def _index_arg(value, name: str) -> int:
+    """An integer argument of select_activation_slot as a Python int: any integer type
+    (numpy's, a 0-d integer tensor) through __index__, never a bool or a float."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"select_activation_slot({name}): expected an integer, got "
+                         f"{type(value).__name__} {value!r}") from None
 
 
 class Context:
@@ -93,14 +106,15 @@ class Context:
         The framework (e.g. the Megatron pipeline hooks) calls this before each (stage,
         microbatch) forward. Backwards do not need it: each forward keeps its own slot id.
         """
-        self._check_open()
+        self._check_open("select_activation_slot")
         N = self.config.num_activation_slots
         L = self.config.max_moe_layers_per_activation_slot
-        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < N:
+        slot = _index_arg(slot, "slot")
+        if not 0 <= slot < N:
             raise ValueError(f"select_activation_slot(slot): {slot!r} is not in [0, "
                              f"num_activation_slots={N})")
-        if (isinstance(num_moe_layers_in_slot, bool) or not isinstance(num_moe_layers_in_slot, int)
-                or not 1 <= num_moe_layers_in_slot <= L):
+        num_moe_layers_in_slot = _index_arg(num_moe_layers_in_slot, "num_moe_layers_in_slot")
+        if not 1 <= num_moe_layers_in_slot <= L:
             raise ValueError(f"select_activation_slot(num_moe_layers_in_slot): "
                              f"{num_moe_layers_in_slot!r} is not in [1, "
                              f"max_moe_layers_per_activation_slot={L}]")
@@ -111,7 +125,7 @@ class Context:
 
         Also drops every saved state still waiting for a backward: such a backward would fail.
         """
-        self._check_open()
+        self._check_open("reset")
         self.planner.reset(self.plan)
         self.backend.reset()
         with self._saved_lock:
@@ -180,9 +194,10 @@ class Context:
     def closed(self) -> bool:
         return self._closed
 
-    def _check_open(self) -> None:
+    def _check_open(self, method: str) -> None:
+        # a ValueError naming the call, as routed_experts(ctx) raises on a closed context
         if self._closed:
-            raise RuntimeError("this Dist-MoE context is closed")
+            raise ValueError(f"{method}(ctx): this Dist-MoE context is closed; create a new one")
 
     def __enter__(self) -> "Context":
         return self

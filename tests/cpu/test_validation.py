@@ -138,6 +138,13 @@ def _worker(rank, ws):
     # bad slot selections name their parameter
     attempt("slot_index", "slot", lambda: ctx.select_activation_slot(1, 1))
     attempt("slot_negative", "slot", lambda: ctx.select_activation_slot(-1, 1))
+    attempt("slot_float", "slot", lambda: ctx.select_activation_slot(0.0, 1))
+    attempt("slot_bool", "slot", lambda: ctx.select_activation_slot(False, 1))
+    # any integer type is an index (numpy's, a 0-d integer tensor), checked as one
+    import numpy as np
+    attempt("slot_numpy_out_of_range", "slot", lambda: ctx.select_activation_slot(np.int64(1), 1))
+    ctx.select_activation_slot(np.int64(0), torch.tensor(1))
+    out["slot_numpy_accepted"] = True
     attempt("slot_layers_zero", "num_moe_layers_in_slot", lambda: ctx.select_activation_slot(0, 0))
     attempt("slot_layers_too_many", "num_moe_layers_in_slot",
             lambda: ctx.select_activation_slot(0, 2))
@@ -152,6 +159,14 @@ def _worker(rank, ws):
 
     # closed context: the argument is ctx; a fresh context then works
     ctx.close()
+    out["closed_methods"] = {}
+    for method, call in (("select_activation_slot", lambda: ctx.select_activation_slot(0, 1)),
+                         ("reset", ctx.reset)):
+        try:
+            call()
+            out["closed_methods"][method] = None
+        except ValueError as e:
+            out["closed_methods"][method] = str(e)
     try:
         dm.routed_experts(*valid, ctx)
         out["closed"] = dict(raised=None)
@@ -165,7 +180,8 @@ def _worker(rank, ws):
 
 
 NAMES = list(_bad_calls(0)) + ["unequal_T", "one_rank_bad_ids", "one_rank_dtype", "slot_index",
-                               "slot_negative", "slot_layers_zero",
+                               "slot_negative", "slot_float", "slot_bool",
+                               "slot_numpy_out_of_range", "slot_layers_zero",
                                "slot_layers_too_many", "overflow", "wgrad_into_not_a_pair",
                                "wgrad_into_count", "wgrad_into_dtype", "wgrad_into_shape",
                                "wgrad_into_not_tensor"]
@@ -213,6 +229,18 @@ def test_closed_context(results):
         r = res["closed"]
         assert r["is_value_error"] and r["arg"] == "ctx", r
         assert r["next_err"] < 1e-10 and r["next_at_start"]
+        # the context's own methods on a closed context: ValueErrors naming ctx
+        for method in ("select_activation_slot", "reset"):
+            assert res["closed_methods"][method] == f"{method}(ctx): this Dist-MoE context is "\
+                                                    "closed; create a new one", res["closed_methods"]
+
+
+def test_slot_index_takes_any_integer_type(results):
+    for res in results:
+        assert res["slot_numpy_accepted"]
+        assert "expected an integer, got float 0.0" in res["slot_float"]["msg"]
+        assert "expected an integer, got bool False" in res["slot_bool"]["msg"]
+        assert "1 is not in [0, num_activation_slots=1)" in res["slot_numpy_out_of_range"]["msg"]
 
 
 def _differing_config_worker(rank: int, world_size: int):
