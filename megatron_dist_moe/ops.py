@@ -199,6 +199,13 @@ def validate_wgrad_into(wgrad_into, ctx: Context) -> tuple[list, list]:
                 raise RoutedExpertsInputError("wgrad_into", f"{where}: must be contiguous and "
                                               "16-byte aligned")
         out.append(list(accs))
+    # every accumulator its own memory: experts' WGRADs add into them concurrently
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * 4, f"{which}[{e}]")
+                   for which, accs in zip(("w13", "w2"), out) for e, t in enumerate(accs))
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:
+            raise RoutedExpertsInputError("wgrad_into", f"{a} and {b} share memory: each "
+                                          "expert's gradient needs its own accumulator")
     return out[0], out[1]
 
 

@@ -115,6 +115,7 @@ def _worker(rank, ws):
         "wgrad_into_dtype": ([t.to(torch.bfloat16) for t in good[0]], good[1]),
         "wgrad_into_shape": (good[0], [t.T for t in good[1]]),
         "wgrad_into_not_tensor": (good[0], [0.0] * E_local),
+        "wgrad_into_aliased": (good[0], [good[1][0]] * E_local),   # one tensor for every expert
     }
     for name, into in bad_into.items():
         attempt(name, "wgrad_into", lambda into=into: dm.routed_experts(*valid, ctx, wgrad_into=into))
@@ -184,7 +185,7 @@ NAMES = list(_bad_calls(0)) + ["unequal_T", "one_rank_bad_ids", "one_rank_dtype"
                                "slot_numpy_out_of_range", "slot_layers_zero",
                                "slot_layers_too_many", "overflow", "wgrad_into_not_a_pair",
                                "wgrad_into_count", "wgrad_into_dtype", "wgrad_into_shape",
-                               "wgrad_into_not_tensor"]
+                               "wgrad_into_not_tensor", "wgrad_into_aliased"]
 
 
 @pytest.fixture(scope="module")
@@ -233,6 +234,11 @@ def test_closed_context(results):
         for method in ("select_activation_slot", "reset"):
             assert res["closed_methods"][method] == f"{method}(ctx): this Dist-MoE context is "\
                                                     "closed; create a new one", res["closed_methods"]
+
+
+def test_aliased_wgrad_into_names_both_accumulators(results):
+    for res in results:
+        assert "w2[0] and w2[1] share memory" in res["wgrad_into_aliased"]["msg"], res
 
 
 def test_slot_index_takes_any_integer_type(results):
