@@ -14,9 +14,10 @@
 // the amaxes on packed bf16 pairs (exact: a max of bf16 values; two per instruction), the row
 // amaxes over half-warp shuffles and the column amaxes over one shuffle and a shared-memory
 // pass over the 8 warps, then unpacks each value once and scales it by its row's and its
-// column's scale: the row bundle is stored from registers, the column bundle passes through a
-// 16 KB shared tile, so every global store is a 16-byte piece of a 128-byte run. The kernel is
-// bound by instruction issue as much as by bytes, hence the packed amaxes and the one pass.
+// column's scale: the row bundle is stored from registers (8-byte pieces, a half-warp per row),
+// the column bundle passes through a 16 KB shared tile, so each of its stores is a 16-byte piece
+// of a 128-byte run. The kernel is bound by instruction issue as much as by bytes, hence the
+// packed amaxes and the one pass.
 //
 // Thread t holds column group c8 = t % 16 (8 columns) of rows (v / 4) * 64 + (t / 16) * 4 +
 // v % 4, v = 0..7: four consecutive rows per half of the tile, so its e4m3 values of one column
@@ -313,13 +314,14 @@ __global__ void __launch_bounds__(kThreads, 3) quant_rows_cols(Args a) {
 template <bool ROWS, bool COLS, bool GATHER>
 int launch(const Args& a, int blocks, cudaStream_t stream) {
   quant_rows_cols<ROWS, COLS, GATHER><<<blocks, kThreads, 0, stream>>>(a);
-  return cudaGetLastError() == cudaSuccess ? 0 : 5;
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? 0 : 100 + static_cast<int>(err);
 }
 
 }  // namespace dm_fp8q
 
 // Returns 0, 1 (bad arguments: K not a positive multiple of 128, E < 1, no output bundle, neither
-// or both of x_addr and row_ptrs) or 5 (the launch failed). n_pb: the host bound on the padded
+// or both of x_addr and row_ptrs) or 100 + the cudaError_t of a failed launch. n_pb: the host bound on the padded
 // row blocks (layout.padded_rows(max_rows, E) / 128).
 extern "C" int dm_fp8_block_quant_run(int K, int E, int64_t n_pb, const int64_t* x_addr,
                                       const int64_t* row_ptrs, const int32_t* offsets,

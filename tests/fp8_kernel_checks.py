@@ -145,6 +145,45 @@ def check_quantize_rows_cols(device, big=False):
                 if "c" in out:
                     _bits_equal(f"cols {what}", qc[:, :used], want[2][:, :used])
                     _bits_equal(f"col scales {what}", sc[:used // 128], want[3][:used // 128])
+    if big:
+        _check_quantize_edges(device, cuda)
+
+
+def _check_quantize_edges(device, cuda: bool):
+    """quantize_rows_cols at the edges of its rules, the Triton kernel and (cuda) the CUDA one:
+    40 experts (the CUDA kernel's segment search walks them 32 at a time; some empty), an amax
+    floor, +-inf values (scale 1, saturation), a block of tiny values (scale = bf16's max, an
+    fp32 subnormal inverse: neither kernel may flush subnormals)."""
+    from megatron_dist_moe.kernels import quant_fp8_cuda
+    from megatron_dist_moe.kernels.quant_fp8 import quantize_rows_cols
+    g = torch.Generator().manual_seed(99)
+    lens = torch.randint(0, 300, (40,), generator=g)
+    lens[[3, 17, 33, 39]] = 0
+    offs = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32)
+    R, E, K = int(offs[-1]), 40, 256
+    x = (torch.randn(R, K, generator=g) * 1e-2).to(torch.bfloat16)
+    x[5, 7], x[6, 130] = float("inf"), float("-inf")
+    t0 = int(offs[20])
+    x[t0:t0 + min(int(lens[20]), 128), 128:] = 1e-37   # fp32-normal; 448 / amax overflows
+    x = x.to(device)
+    offs = offs.to(device)
+    Rp = padded_rows(R, E)
+    used = int(Q.padded_offsets(offs.cpu())[-1])
+    for rc in (Q.BlockScaling(False, 1e-4), Q.BlockScaling(True, 0.0)):
+        rq, rs = Q.quantize_rows(x, rc)
+        cq, cs = Q.quantize_cols(x, offs.long(), Rp, rc)
+        for engine in ("triton",) + (("cuda",) if cuda else ()):
+            q = torch.full((R, K), 0xFF, dtype=U8, device=device).view(F8)
+            s = torch.full((R, K // 128), float("nan"), device=device)
+            qc = torch.full((K, Rp), 0xFF, dtype=U8, device=device).view(F8)
+            sc = torch.full((Rp // 128, K), float("nan"), device=device)
+            fn = quant_fp8_cuda.quantize_rows_cols if engine == "cuda" else quantize_rows_cols
+            fn(x, offs, R, K, rows=(q, s), cols=(qc, sc), recipe=rc)
+            what = f"edges {engine} {rc}"
+            _bits_equal(f"rows {what}", q, rq)
+            _bits_equal(f"row scales {what}", s, rs)
+            _bits_equal(f"cols {what}", qc[:, :used], cq[:, :used])
+            _bits_equal(f"col scales {what}", sc[:used // 128], cs[:used // 128])
 
 
 def check_swiglu_quant(device, big=False):

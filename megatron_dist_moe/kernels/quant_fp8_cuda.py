@@ -20,14 +20,14 @@ import torch
 
 from ..quant.fp8_block import BLOCK, BlockScaling
 from . import csrc_build
-from .common import as_device_ptr
+from .common import as_device_ptr, check_rows
 
-__all__ = ["quantize_rows_cols", "loads", "build_library"]
+__all__ = ["quantize_rows_cols", "loads", "load", "build_library"]
 
 _UNIT = "fp8_block_quant"
 _STATUS = {1: "bad arguments: K not a positive multiple of 128, E < 1, no output bundle, or "
-              "neither / both of x and row_ptrs",
-           5: "the kernel launch failed"}
+              "neither / both of x and row_ptrs"}
+_CUDA_ERRORS = {209: "no kernel image for this device: the library is built for sm_90a (Hopper)"}
 
 
 def build_library(verbose: bool = False) -> Path:
@@ -45,8 +45,13 @@ def _run_fn():
     return fn
 
 
+def load() -> None:
+    """Build (first use) or load the library; raises RuntimeError / OSError where it cannot."""
+    _run_fn()
+
+
 loads = csrc_build.LoadProbe(
-    lambda: _run_fn(), "fp8_block's quantizer runs on our Triton kernel: the CUDA library "
+    lambda: load(), "fp8_block's quantizer runs on our Triton kernel: the CUDA library "
     f"(csrc/{_UNIT}.cu) could not be built or loaded here")
 
 
@@ -60,7 +65,10 @@ def quantize_rows_cols(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows=
     assert rows is not None or cols is not None
     assert K % BLOCK == 0 and K > 0, f"K={K} must be a positive multiple of {BLOCK}"
     assert (x is None) != (row_ptrs is None), "pass x or row_ptrs"
-    assert offsets.dtype == torch.int32 and offsets.is_cuda, "offsets: int32 on a CUDA device"
+    assert offsets.dtype == torch.int32 and offsets.is_cuda and offsets.is_contiguous(), (
+        "offsets: contiguous int32 [E + 1] on a CUDA device")
+    if row_ptrs is not None:
+        check_rows(row_ptrs, "row_ptrs", max_rows, offsets.device)
     E = offsets.numel() - 1
     from ..layout import padded_rows
     n_pb = max(1, padded_rows(max_rows, E) // BLOCK)
@@ -77,5 +85,10 @@ def quantize_rows_cols(x, offsets: torch.Tensor, max_rows: int, K: int, *, rows=
         rc = _run_fn()(K, E, n_pb, ptr(xa), ptr(row_ptrs), offsets.data_ptr(), ptr(q), ptr(s),
                        ptr(qc), ptr(sc), int(recipe.power_2_scales), float(recipe.amax_epsilon),
                        torch.cuda.current_stream(dev).cuda_stream)
+    if rc >= 100:
+        err = rc - 100
+        raise RuntimeError(f"fp8_block quantizer (csrc/{_UNIT}.cu): the launch failed with "
+                           f"cudaError {err}" + (f" ({_CUDA_ERRORS[err]})" if err in _CUDA_ERRORS
+                                                 else ""))
     if rc != 0:
         raise RuntimeError(f"fp8_block quantizer (csrc/{_UNIT}.cu): {_STATUS.get(rc, rc)}")

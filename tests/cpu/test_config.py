@@ -400,7 +400,15 @@ def test_fp8_quant_engine_is_chosen_at_creation(monkeypatch):
         ex.replace(backend="reference")
     with pytest.raises(ValueError, match="fp8_quant='torch'"):
         X.parse_overrides("fp8_quant=torch")
-    # the backend's kernels call the engine's launcher
+    # the backend's kernels load the library when they are made (a failure names the
+    # override that avoids it) and call the engine's launcher
+    def no_nvcc():
+        raise RuntimeError("nvcc not found")
+    monkeypatch.setattr(quant_fp8_cuda, "load", no_nvcc)
+    with pytest.raises(RuntimeError, match="could not be loaded: nvcc not found\n.*'fp8_quant': "
+                                           "'triton'"):
+        Fp8BlockKernels(cfg, 4, 64, "triton", torch.device("cpu"), fp8_quant="cuda")
+    monkeypatch.setattr(quant_fp8_cuda, "load", lambda: None)
     calls = []
     monkeypatch.setattr(quant_fp8_cuda, "quantize_rows_cols",
                         lambda *a, **k: calls.append(k["recipe"]))

@@ -373,6 +373,15 @@ class Fp8BlockKernels:
         from ...quant.fp8_block import BlockScaling
         self.cfg, self.E, self.max_rows = cfg, num_local_experts, max_rows
         self.fp8_quant = fp8_quant   # Execution.fp8_quant: the quantizer's engine
+        if fp8_quant == "cuda":   # built or loaded here, outside any capture or timed region
+            from ...kernels import quant_fp8_cuda
+            try:
+                quant_fp8_cuda.load()
+            except (RuntimeError, OSError) as err:   # nvcc, the link or the load failed
+                raise RuntimeError(f"fp8_block's CUDA quantizer (Execution.fp8_quant='cuda') "
+                                   f"could not be loaded: {err}\nRun the Triton one instead: "
+                                   "create_context(..., execution_overrides="
+                                   "{'fp8_quant': 'triton'})") from err
         self.recipe = BlockScaling.of(cfg)
         self.act = dict(activation=cfg.activation, swiglu_alpha=cfg.swiglu_alpha,
                         swiglu_limit=cfg.swiglu_limit)
