@@ -249,6 +249,15 @@ def test_slot_index_takes_any_integer_type(results):
         assert "1 is not in [0, num_activation_slots=1)" in res["slot_numpy_out_of_range"]["msg"]
 
 
+def _group_still_works() -> float:
+    """An all_reduce of ones after the refusals: the group's size where no rank was left
+    waiting in a collective."""
+    import torch.distributed as dist
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return float(t)
+
+
 def _differing_config_worker(rank: int, world_size: int):
     """Rank 1 asks for hidden_dim 256 and top_k 3 where rank 0 asks for 128 and 2."""
     import megatron_dist_moe as dm
@@ -263,11 +272,7 @@ def _differing_config_worker(rank: int, world_size: int):
     else:
         out = dict(field=None, msg="no error")
     # the process group still works after the refusal (no rank was left waiting)
-    import torch
-    import torch.distributed as dist
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    out["after"] = float(t)
+    out["after"] = _group_still_works()
     return out
 
 
@@ -285,7 +290,6 @@ def test_config_that_differs_across_ranks_is_refused_on_every_rank():
 
 def _inference_grad_worker(rank: int, world_size: int):
     """On an inference context rank 0 passes an x that requires grad, rank 1 does not."""
-    import torch.distributed as dist
     cfg = _cfg(inference=True, num_activation_slots=0)
     problem = tt.make_problem(cfg, world_size, seed=5, dtype=torch.float64)
     oracle = tt.oracle_results(problem, cfg)
@@ -301,9 +305,7 @@ def _inference_grad_worker(rank: int, world_size: int):
             out.update(arg=e.arg, msg=str(e))
         res = tt.run_rank(ctx, problem, backward=False)
         out["next_err"] = max(tt.rank_errors(res, oracle, problem, rank).values())
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    out["after"] = float(t)
+    out["after"] = _group_still_works()
     return out
 
 
@@ -333,7 +335,6 @@ def test_create_context_names_a_group_that_is_not_a_process_group():
 def _schedule_worker(rank: int, world_size: int):
     """Training forwards after different slot selections, then in different grad modes: every
     rank raises naming ctx (none is left waiting, no planner moved); then a matching call works."""
-    import torch.distributed as dist
     cfg = _cfg(max_moe_layers_per_activation_slot=2)
     problem = tt.make_problem(cfg, world_size, seed=6, dtype=torch.float64)
     oracle = tt.oracle_results(problem, cfg)
@@ -360,9 +361,7 @@ def _schedule_worker(rank: int, world_size: int):
         call("grad_mode", grad=rank == 0)
         res = tt.run_rank(ctx, problem)
         out["next_err"] = max(tt.rank_errors(res, oracle, problem, rank).values())
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    out["after"] = float(t)
+    out["after"] = _group_still_works()
     return out
 
 

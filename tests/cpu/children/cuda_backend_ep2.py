@@ -62,11 +62,12 @@ def rejected_rank(group, cfg, problem, overrides):
         return dict(raised=f"{type(ex).__name__}: {ex}"[:500])
 
 
-def run_rejected(routing):
+def run_two_ranks(worker, routing, seed):
+    """`worker` on both ranks (torch GEMMs, the given routing tables): each rank's result."""
     cfg = dm.Config(**shape, activation_slot_bytes=slot_bytes())
-    problem = tt.make_problem(cfg, EP, seed=5, dtype=torch.bfloat16)
-    out = H.run_ranks(EP, rejected_rank, cfg, problem,
-                      {"gemm_engine": "torch", "routing": routing}, timeout_s=120)
+    problem = tt.make_problem(cfg, EP, seed=seed, dtype=torch.bfloat16)
+    out = H.run_ranks(EP, worker, cfg, problem, {"gemm_engine": "torch", "routing": routing},
+                      timeout_s=120)
     return dict(rank0=out[0], rank1=out[1])
 
 
@@ -81,14 +82,6 @@ def schedule_rank(group, cfg, problem, overrides):
         return dict(returned=True)
     except BaseException as ex:
         return dict(raised=f"{type(ex).__name__}: {ex}"[:500])
-
-
-def run_schedule(routing):
-    cfg = dm.Config(**shape, activation_slot_bytes=slot_bytes())
-    problem = tt.make_problem(cfg, EP, seed=6, dtype=torch.bfloat16)
-    out = H.run_ranks(EP, schedule_rank, cfg, problem,
-                      {"gemm_engine": "torch", "routing": routing}, timeout_s=120)
-    return dict(rank0=out[0], rank1=out[1])
 
 
 VARIANTS = {
@@ -109,10 +102,10 @@ VARIANTS = {
 
 if __name__ == "__main__":
     for routing in ("torch", "triton"):
-        res = dict(name=f"rejected,{routing}_routing", ok=True, **run_rejected(routing))
-        print("RESULT " + json.dumps(res), flush=True)
-        res = dict(name=f"schedule,{routing}_routing", ok=True, **run_schedule(routing))
-        print("RESULT " + json.dumps(res), flush=True)
+        for name, worker, seed in (("rejected", rejected_rank, 5), ("schedule", schedule_rank, 6)):
+            res = dict(name=f"{name},{routing}_routing", ok=True,
+                       **run_two_ranks(worker, routing, seed))
+            print("RESULT " + json.dumps(res), flush=True)
 
     for v, (name, variant) in enumerate(VARIANTS.items()):
         try:
