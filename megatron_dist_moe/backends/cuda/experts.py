@@ -372,9 +372,10 @@ class Fp8BlockKernels:
                  training: bool = True, fp8_quant: str = "triton"):
         from ...quant.fp8_block import BlockScaling
         self.cfg, self.E, self.max_rows = cfg, num_local_experts, max_rows
-        self.fp8_quant = fp8_quant   # Execution.fp8_quant: the quantizer's engine
+        # Execution.fp8_quant: the quantizer's engine, its launcher picked once
         if fp8_quant == "cuda":   # built or loaded here, outside any capture or timed region
             from ...kernels import quant_fp8_cuda
+            self._quantize_rows_cols = quant_fp8_cuda.quantize_rows_cols
             try:
                 quant_fp8_cuda.load()
             except (RuntimeError, OSError) as err:   # nvcc, the link or the load failed
@@ -382,6 +383,9 @@ class Fp8BlockKernels:
                                    f"could not be loaded: {err}\nRun the Triton one instead: "
                                    "create_context(..., execution_overrides="
                                    "{'fp8_quant': 'triton'})") from err
+        else:
+            from ...kernels.quant_fp8 import quantize_rows_cols
+            self._quantize_rows_cols = quantize_rows_cols
         self.recipe = BlockScaling.of(cfg)
         self.act = dict(activation=cfg.activation, swiglu_alpha=cfg.swiglu_alpha,
                         swiglu_limit=cfg.swiglu_limit)
@@ -405,11 +409,7 @@ class Fp8BlockKernels:
                     self.cutlass_wgrad.reserve(M, N)
 
     def quantize(self, x, offs, K: int, rows=None, cols=None, row_ptrs=None):
-        if self.fp8_quant == "cuda":
-            from ...kernels.quant_fp8_cuda import quantize_rows_cols
-        else:
-            from ...kernels.quant_fp8 import quantize_rows_cols
-        quantize_rows_cols(x, offs, self.max_rows, K, rows=rows, cols=cols, recipe=self.recipe,
+        self._quantize_rows_cols(x, offs, self.max_rows, K, rows=rows, cols=cols, recipe=self.recipe,
                            row_ptrs=row_ptrs)
 
     def swiglu_quant(self, h1, nrows, h2q, h1q=None):

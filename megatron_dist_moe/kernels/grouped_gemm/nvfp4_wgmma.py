@@ -33,7 +33,6 @@ __all__ = ["variants", "variant_shape", "describe", "default_variant", "nvfp4_wg
            "workspace_bytes", "workspace_status", "new_workspace"]
 
 _UNIT = "nvfp4_wgmma_mm"
-MAX_BLOCKS_PER_SM = 2   # the library's kMaxBlocksPerSm: the workspace's flags are sized for it
 A16_ORDER = "fragment"   # what dequantize_rows writes for this GEMM
 
 
@@ -67,7 +66,7 @@ def workspace_bytes(code: int, sms: int) -> int:
     """Bytes of the workspace variant `code` needs on a GPU of `sms` SMs (0: none), from the
     library (dm_nvfp4_wgmma_mm_workspace): a status word (checks.STATUS_WORDS int64), two int32
     ticket counters (padded to 32 bytes), one int32 flag per block of the largest grid
-    (MAX_BLOCKS_PER_SM per SM; padded to 16 bytes), then one fp32 partial tile per block of
+    (the library's kMaxBlocksPerSm per SM; padded to 16 bytes), then one fp32 partial tile per block of
     this variant's grid. Every variant finds the status word, the counters, the flags and the
     tiles at the same offsets, so one workspace serves them all (new_workspace). All but the
     tiles must be zero before the first launch; every launch that does not time out leaves
@@ -89,7 +88,7 @@ def new_workspace(codes, device) -> Optional[torch.Tensor]:
     """A zeroed workspace serving every variant in `codes` on `device` (one launch at a time:
     launches on one stream), or None where none needs one. Allocate it outside CUDA graph
     capture and keep it for the graphs that use it. Variants of different grids share it: the
-    flags' region is sized for the largest grid (MAX_BLOCKS_PER_SM)."""
+    flags' region is sized for the largest grid (the library's kMaxBlocksPerSm)."""
     device = torch.device(device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     n = max([workspace_bytes(c, sms) for c in codes if is_variant(c)] + [0])
