@@ -2,7 +2,11 @@
 them, in TB/s of bytes read + written against the HBM copy rate of the same run.
 
 Every kernel is first checked bit for bit against its torch twin (quant/fp8_block.py,
-quant/mxfp8.py) on the same inputs; a kernel that differs is reported and not timed.
+quant/mxfp8.py) on the same inputs (the SwiGLU passes, whose activation's last bit may differ
+from torch's, to a bounded rate of flipped roundings); a kernel that differs is reported and
+not timed. fp8_block's backward SwiGLU pass with the quantizations after it runs composed (the
+Triton pass storing bf16 grad_h1 and h2, then the CUDA quantizer twice) and fused
+(quant_fp8_cuda.swiglu_bwd_quant), both counted at the fused kernel's bytes.
 
     python benchmarks/bench_quant.py --out bench_out [--group-rows 1,4,16,0] [--tiles all]
         [--fp8-tiles all]
@@ -90,6 +94,7 @@ class Case:
     outputs: list
     takes_order: bool = True
     takes_tile: bool = False
+    reset: Callable | None = None   # restores an input the call overwrites, before the check
 
     def launch(self, group_rows, tile) -> None:
         """run() with the tile where the case takes one (tile is then None or an entry of its
@@ -245,6 +250,61 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
                  and rate_differing(f2[1], want_f2()[1]) < 1e-3),
         R * 2 * F * (2 + 1 + 4 / 128) + R * F * (1 + 4 / 128), f"{R}x{2 * F}", [*f1, *f2],
         takes_order=False)
+
+    # the backward's SwiGLU pass with the quantizations after it: the Triton pass (bf16 grad_h1
+    # and h2, h2 over u) and the CUDA quantizer twice, as fp8_quant "cuda" ran it before the
+    # fused kernel, against quant_fp8_cuda.swiglu_bwd_quant. Both count the fused kernel's
+    # bytes (u and the h1 bundle read, the three bundles written), so TB/s compare as us do.
+    # Their bf16 values may differ from the twin's in the last bit (exp, reciprocal), which
+    # can flip an e4m3 rounding: the check bounds the rate of differing bytes as above.
+    u0 = rnd(R, F)
+    u_work = u0.clone()
+    h1b = QF.quantize_rows(h1)
+    gh1_tmp = torch.empty(R, 2 * F, dtype=BF, device=dev)
+
+    def bundles():
+        return ((torch.empty(R, 2 * F, dtype=F8, device=dev),
+                 torch.empty(R, 2 * F // 128, device=dev)),
+                (torch.empty(2 * F, Rp, dtype=F8, device=dev),
+                 torch.empty(Rp // 128, 2 * F, device=dev)),
+                (torch.empty(F, Rp, dtype=F8, device=dev), torch.empty(Rp // 128, F, device=dev)))
+
+    def want_bwd():
+        from megatron_dist_moe.kernels.rows_ref import swiglu_bwd_quant_ref
+        return swiglu_bwd_quant_ref(u0, h1b, offs, Rp, act)
+    want_bwd = once(want_bwd)
+
+    def bwd_check(b):
+        def check():
+            ok = True
+            for i, (q, s) in enumerate(b):
+                wq, ws = want_bwd()[i]
+                n = used if i else R                     # column bundles: the used rows
+                q, s, wq, ws = ((q[:, :n], s[:n // 128], wq[:, :n], ws[:n // 128]) if i
+                                else (q, s, wq, ws))
+                ok &= rate_differing(q, wq) < 1e-3 and rate_differing(s, ws) < 1e-3
+            return ok
+        return check
+    bwd_bytes = R * F * 2 + R * 2 * F * (1 + 4 / 128) + R * 2 * F * (1 + 4 / 128) + used * (
+        3 * F) * (1 + 4 / 128)
+    bc = bundles()
+
+    def composed(gr):
+        from megatron_dist_moe.kernels import quant_fp8_cuda as QC
+        KF.swiglu_bwd_rows(u_work, h1b, gh1_tmp, nr, R, F)
+        QC.quantize_rows_cols(gh1_tmp, offs, R, 2 * F, rows=bc[0], cols=bc[1])
+        QC.quantize_rows_cols(u_work, offs, R, F, cols=bc[2])
+    out[("fp8_block", "swiglu_bwd_composed")] = Case(
+        composed, bwd_check(bc), bwd_bytes, f"{R}x{F}", [t for b in bc for t in b],
+        takes_order=False, reset=lambda: u_work.copy_(u0))
+    bf = bundles()
+
+    def fused(gr):
+        from megatron_dist_moe.kernels import quant_fp8_cuda as QC
+        QC.swiglu_bwd_quant(u0, h1b, offs, R, F, gh1_rows=bf[0], gh1_cols=bf[1], h2_cols=bf[2])
+    out[("fp8_block", "swiglu_bwd_quant")] = Case(
+        fused, bwd_check(bf), bwd_bytes, f"{R}x{F}", [t for b in bf for t in b],
+        takes_order=False)
     return out
 
 
@@ -315,6 +375,8 @@ def main() -> int:
                          else "x".join(map(str, tile)))
             for t in case.outputs:
                 poison(t)
+            if case.reset is not None:
+                case.reset()
             def timed():
                 case.launch(kw, tile)
             timed()

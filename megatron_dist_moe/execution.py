@@ -38,11 +38,13 @@ Development overrides select the plain-torch twins that the tests and baselines 
                   without save_route_outputs; refused at EP > 1, where the rows would stay on
                   the expert's GPU, and with save_route_outputs, whose backward reads the
                   combine buffer)
-    fp8_quant     fp8_block's rows + columns quantizer (x, grad_y, grad_h1, h2's columns): "cuda"
+    fp8_quant     fp8_block's rows + columns quantizer (x, grad_y) and the backward's SwiGLU
+                  pass with its quantizations (grad_h1's rows and columns, h2's columns): "cuda"
                   (csrc/fp8_block_quant.cu: the tile in registers, the transposed column bundle
-                  through shared memory; the default on a Hopper GPU where its library loads:
-                  built on first use in seconds, cached) | "triton" (kernels/quant_fp8.py, the
-                  default elsewhere; the same bits)
+                  through shared memory, the SwiGLU backward quantizing from registers; the
+                  default on a Hopper GPU where its library loads: built on first use in
+                  seconds, cached) | "triton" (kernels/quant_fp8.py, the default elsewhere: the
+                  quantizer's bits, the SwiGLU pass storing bf16 grad_h1 and h2 for it)
     nvfp4_gemm    nvfp4 inference's GEMMs: "cuda" (our CUDA C++ GEMMs: the decode GEMM up to
                   16 rows per expert, csrc/nvfp4_decode_mm.cu, and the wgmma GEMM above,
                   csrc/nvfp4_wgmma_mm.cu, stream-K up to 160; the default on a Hopper GPU where their library
@@ -348,6 +350,10 @@ class Execution:
                           + ("read by the quantizer where they lie; " if self.quantizer_gathers
                              else "after the gather; ") +
                           "SwiGLU writes the h2 row bundle (and the saved h1 row bundle); "
+                          + ("the backward's SwiGLU pass writes grad_h1's and h2's bundles "
+                             "(CUDA C++); " if self.fp8_quant == "cuda" else
+                             "the backward's SwiGLU pass writes bf16 grad_h1 and h2, "
+                             "quantized after it; ") +
                           "weights by every forward (both orientations), reused by its "
                           "backward, or once per step into the context's weight cache "
                           "(routed_experts(is_first_microbatch=True), reused by False calls)")]

@@ -398,6 +398,99 @@ def check_swiglu_bwd_rows(device, big=False):
     _w2_dgrad_split(device, big, triton_u)
 
 
+def _bundle_gap(got, want, used: int | None = None):
+    """(fraction of e4m3 codes that differ, norm-wise error of the dequantized bundle) of a row
+    bundle `got` = (q, s) against `want`, or of a column bundle over its first `used` padded
+    rows (the calls' segments; the kernels leave the rest alone)."""
+    deq = Q.dequantize_rows
+    if used is not None:
+        deq = Q.dequantize_cols
+        got = (got[0][:, :used], got[1][:used // 128])
+        want = (want[0][:, :used], want[1][:used // 128])
+    codes = (got[0].view(U8) != want[0].view(U8)).double().mean().item()
+    g, w = deq(*got).double(), deq(*want).double()
+    assert not torch.isnan(g).any(), "NaN in a bundle (unwritten?)"
+    return codes, ((g - w).norm() / w.norm().clamp(min=1e-30)).item()
+
+
+def check_swiglu_bwd_quant_cuda(device, big=False):
+    """quant_fp8_cuda.swiglu_bwd_quant (GPU only: csrc/) against its twin
+    (rows_ref.swiglu_bwd_quant_ref), both activations, scored (a zero score, a row without a
+    score address, parts per 128 and per 64 columns) and not, both scale rules, on poisoned
+    outputs. Its bf16 values are the twin's up to the kernel's exp and reciprocal
+    approximations, so its bundles may differ where a value sits on an e4m3 rounding boundary:
+    the bound is twice what the composed Triton path (swiglu_bwd_rows, then quantize_rows_cols
+    twice) gets against the same twin, which carries approximations of the same kind (floors:
+    1e-3 of the codes, 1e-3 norm-wise)."""
+    from megatron_dist_moe.kernels import quant_fp8_cuda
+    from megatron_dist_moe.kernels.quant_fp8 import quantize_rows_cols, swiglu_bwd_rows
+    from megatron_dist_moe.kernels.rows_ref import swiglu_bwd_quant_ref
+    lens, offs, R = _segments(big, device)
+    E, F = len(lens), (3072 if big else 256)
+    Rp = padded_rows(R, E)
+    nrows = offs[-1:].clone()
+    g = torch.Generator().manual_seed(17)
+    h1 = (torch.randn(R, 2 * F, generator=g) * 3).to(torch.bfloat16).to(device)  # past +-7 too
+    u = torch.randn(R, F, generator=g).to(torch.bfloat16).to(device)
+    cases = [("swiglu", False, 128, True), ("swiglu", True, 128, True),
+             ("swiglu_clamped", False, 128, False), ("swiglu_clamped", True, 64, True)]
+    for kind, scored, part_cols, pow2 in cases:
+        act = Activation(kind)
+        rc = Q.BlockScaling(pow2)
+        h1q = Q.quantize_rows(h1, rc)
+        kw, tkw, s, buf, tbuf = {}, {}, None, None, None
+        if scored:
+            s = torch.rand(R, generator=g).to(device)
+            s[2] = 0.0                                    # a zero score
+            s[3] = 0.0                                    # row 3 has no score address: s = 0
+            buf = torch.zeros(R, 1 + F // part_cols, device=device)
+            buf[:, 0] = s
+            tbuf = buf.clone()
+
+            def score_table(b):   # row r's score address, parts at + 4 + 4 * part
+                p = b.data_ptr() + torch.arange(R, device=device) * b.stride(0) * 4
+                p[3] = 0
+                return dict(score_ptrs=p, score_grad_delta=4, part_stride=4)
+            kw, tkw = score_table(buf), score_table(tbuf)
+        want = swiglu_bwd_quant_ref(u, h1q, offs, Rp, act, s, part_cols, rc)
+        actkw = dict(activation=kind, swiglu_alpha=act.alpha, swiglu_limit=act.limit)
+
+        def outs():
+            return ((torch.full((R, 2 * F), 0xFF, dtype=U8, device=device).view(F8),
+                     torch.full((R, 2 * F // 128), float("nan"), device=device)),
+                    (torch.full((2 * F, Rp), 0xFF, dtype=U8, device=device).view(F8),
+                     torch.full((Rp // 128, 2 * F), float("nan"), device=device)),
+                    (torch.full((F, Rp), 0xFF, dtype=U8, device=device).view(F8),
+                     torch.full((Rp // 128, F), float("nan"), device=device)))
+        # the composed Triton path: the bound's base
+        tr = outs()
+        uh2 = u.clone()
+        gh1 = torch.empty(R, 2 * F, dtype=torch.bfloat16, device=device)
+        swiglu_bwd_rows(uh2, h1q, gh1, nrows, R, F, block_n=part_cols, **tkw, **actkw)
+        quantize_rows_cols(gh1, offs, R, 2 * F, rows=tr[0], cols=tr[1], recipe=rc)
+        quantize_rows_cols(uh2, offs, R, F, cols=tr[2], recipe=rc)
+        # the fused kernel
+        cu = outs()
+        quant_fp8_cuda.swiglu_bwd_quant(u, h1q, offs, R, F, gh1_rows=cu[0], gh1_cols=cu[1],
+                                        h2_cols=cu[2], recipe=rc, part_cols=part_cols, **kw,
+                                        **actkw)
+        what = f"{kind} scored={scored} part_cols={part_cols} pow2={pow2}"
+        used = int(Q.padded_offsets(offs.cpu())[-1])
+        for i, name in enumerate(("grad_h1 rows", "grad_h1 cols", "h2 cols")):
+            t_codes, t_err = _bundle_gap(tr[i], want[i], used if i else None)
+            c_codes, c_err = _bundle_gap(cu[i], want[i], used if i else None)
+            print(f"{name} {what}: codes differing / norm-wise error vs the twin: CUDA "
+                  f"{c_codes:.2e} / {c_err:.2e}, Triton path {t_codes:.2e} / {t_err:.2e}")
+            assert c_codes <= max(2 * t_codes, 1e-3) and c_err <= max(2 * t_err, 1e-3), (
+                f"{name} {what}: {c_codes:.2e} of the codes differ from the twin, norm-wise "
+                f"error {c_err:.2e} (the Triton path: {t_codes:.2e}, {t_err:.2e})")
+        if scored:
+            live = torch.arange(R, device=device) != 3
+            _close(f"parts {what}", buf[live, 1:], want[3][live], 1e-4)
+            assert not buf[3, 1:].any(), "parts written for a row without a score address"
+            assert torch.equal(buf[:, 0], s), "a score was overwritten"
+
+
 def check_fp8_wgrad(device, big=False):
     from megatron_dist_moe.kernels.grouped_gemm import ExpertOutTable
     from megatron_dist_moe.kernels.grouped_gemm.fp8 import fp8_grouped_wgrad
@@ -424,4 +517,4 @@ def check_fp8_wgrad(device, big=False):
 
 
 CHECKS = {n[len("check_"):]: f for n, f in sorted(globals().items()) if n.startswith("check_")}
-GPU_ONLY = ("fp8_fprop_cutlass",)   # a CUDA C++ kernel: not in the interpreter's list
+GPU_ONLY = ("fp8_fprop_cutlass", "swiglu_bwd_quant_cuda")   # CUDA C++: not in the interpreter's list

@@ -9,7 +9,7 @@ from ..activation import Activation
 
 __all__ = ["act_ref", "act_bwd_ref", "combine_routes_ref", "fanout_rows_ref",
            "publish_grad_routes_ref", "reduce_routes_ref", "score_grad_rows_ref",
-           "swiglu_bwd_rows_ref"]
+           "swiglu_bwd_rows_ref", "swiglu_bwd_quant_ref"]
 
 
 def act_ref(h1_R2F: torch.Tensor, F: int, clamped: bool, alpha: float, limit: float) -> torch.Tensor:
@@ -81,3 +81,16 @@ def swiglu_bwd_rows_ref(u_RF: torch.Tensor, h1q, act: Activation, s_R=None, bloc
     dh = (s * u).to(torch.bfloat16).float()
     parts = (u * h2f.to(torch.bfloat16).float()).view(R, F // block_n, block_n).sum(-1)
     return act.backward(h1, dh).to(torch.bfloat16), (s * h2f).to(torch.bfloat16), parts
+
+
+def swiglu_bwd_quant_ref(u_RF: torch.Tensor, h1q, offsets: torch.Tensor, Rp: int, act: Activation,
+                         s_R=None, part_cols: int = 128, recipe=None):
+    """quant_fp8_cuda.swiglu_bwd_quant in torch: (grad_h1's row bundle, its column bundle, h2's
+    column bundle, parts or None), swiglu_bwd_rows_ref's bf16 values quantized by
+    quant/fp8_block.py (offsets: int [E + 1]; Rp: the padded rows of the column bundles)."""
+    from ..quant import fp8_block as Q
+    recipe = recipe if recipe is not None else Q.BlockScaling()
+    gh1, h2, parts = swiglu_bwd_rows_ref(u_RF, h1q, act, s_R, part_cols)
+    offs = offsets.long()
+    return (Q.quantize_rows(gh1, recipe), Q.quantize_cols(gh1, offs, Rp, recipe),
+            Q.quantize_cols(h2, offs, Rp, recipe), parts)

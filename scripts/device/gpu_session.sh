@@ -5,7 +5,8 @@
 #   env        GPU, clocks, topology, torch / Triton versions
 #   kernels    tests/gpu kernel tests (grouped GEMMs, fp8_block kernels, routing; not the
 #              CUTLASS units)
-#   fp8kernels the fp8_block kernel tests alone (quantizers bit-exact, GEMMs vs their twins)
+#   fp8kernels the fp8_block kernel tests alone (quantizers bit-exact, GEMMs vs their twins; FP8K:
+#              a pytest -k expression to narrow them, e.g. "quantize or swiglu_bwd")
 #   mxkernels  the mxfp8 kernel tests alone (every output bit-exact vs quant/mxfp8.py)
 #   nvkernels  the nvfp4 kernel tests alone (byte rows bit-exact, the NVFP4 GEMMs vs their twin:
 #              the Triton kernel and the CUDA GEMMs of csrc/nvfp4_decode_mm.cu, nvfp4_wgmma_mm.cu)
@@ -58,7 +59,7 @@
 #   pack       fold everything under $OUT into one archive (the device tool brings back few files)
 # GIT_COMMIT: the commit of the tree that travels (the device copy's git HEAD is the last
 # landed commit, not the working tree's), written into every CSV row; pass it in the command.
-# Knobs: CHECK_ARGS PACKING_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS FP8_ARGS QUANT_ARGS DECODE_ARGS
+# Knobs: FP8K CHECK_ARGS PACKING_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS FP8_ARGS QUANT_ARGS DECODE_ARGS
 # QUANT_BASE_ARGS BASE_LAYER_ARGS BASE_DECODE_ARGS (extra arguments), BASE_TREE BASE_COMMIT (the baseline tree and
 # its commit), TMO (seconds per step).
 # megatron-core travels as a wheel in .whl/ (carry it); it is installed into /tmp/site here.
@@ -96,8 +97,8 @@ for s in $sections; do case $s in
                -k "not cuda_backend and not sm90" ;;
   check) LIMIT=300 run check1 torchrun --nproc-per-node=1 tests/gpu/dist_check.py ${CHECK_ARGS:-}
          [ "$NGPU" -ge 2 ] && LIMIT=300 run check2 torchrun --nproc-per-node=2 tests/gpu/dist_check.py ${CHECK_ARGS:-} ;;
-  fp8kernels) LIMIT=300 run fp8kernels python3 -m pytest -q tests/gpu/test_kernel_checks_gpu.py -m gpu \
-                  -k "fp8_kernel_checks and not mxfp8" ;;
+  fp8kernels) LIMIT=300 run fp8kernels python3 -m pytest -q -s tests/gpu/test_kernel_checks_gpu.py -m gpu \
+                  -k "fp8_kernel_checks and not mxfp8${FP8K:+ and ($FP8K)}" ;;
   mxkernels) LIMIT=240 run mxkernels python3 -m pytest -q tests/gpu/test_kernel_checks_gpu.py -m gpu -k mxfp8 ;;
   routing) LIMIT=180 run routing python3 -m pytest -q tests/gpu/test_routing_gpu.py -m gpu ;;
   nvkernels) LIMIT=240 run nvkernels python3 -m pytest -q tests/gpu/test_kernel_checks_gpu.py -m gpu -k nvfp4 ;;

@@ -270,15 +270,15 @@ def test_nvfp4_decode_library_builds_and_refuses_bad_shapes(tmp_path, monkeypatc
 @pytest.mark.skipif(shutil.which("nvcc") is None and not os.environ.get("CUDACXX"),
                     reason="nvcc is missing")
 def test_fp8_block_quantizer_library_builds_and_refuses_bad_arguments(tmp_path, monkeypatch):
-    """fp8_block's CUDA quantizer (one unit, no CUTLASS) builds here in seconds, and its entry
-    point refuses bad arguments before launching anything (status 1)."""
+    """fp8_block's CUDA quantizing kernels (one unit, no CUTLASS) build here in seconds, and
+    both entry points refuse bad arguments before launching anything (status 1)."""
     from megatron_dist_moe.kernels import quant_fp8_cuda as qc
     monkeypatch.setenv("DIST_MOE_CSRC_CACHE", str(tmp_path))
-    qc._run_fn.cache_clear()
+    qc._lib.cache_clear()
     try:
         path = qc.build_library()
         assert path.is_file() and tmp_path in path.parents and qc.build_library() == path
-        run = qc._run_fn()
+        run = qc._lib().dm_fp8_block_quant_run
         p = ctypes.c_void_p(16)
 
         def call(K=7168, E=6, n_pb=100, x=p, rows=None, q=p, s=p, qt=p, st=p):
@@ -288,5 +288,16 @@ def test_fp8_block_quantizer_library_builds_and_refuses_bad_arguments(tmp_path, 
         assert call(q=None) == 1 and call(st=None) == 1      # a bundle is both of its tensors
         assert call(q=None, s=None, qt=None, st=None) == 1   # no bundle
         assert call(n_pb=2 ** 40) == 1                       # more blocks than a grid holds
+
+        # the SwiGLU backward + quantization entry point
+        bwd = qc._lib().dm_fp8_block_swiglu_bwd_quant_run
+
+        def call_bwd(F=3072, E=6, n_pb=100, scores=None, part_cols=128):
+            return bwd(F, E, n_pb, *([p] * 10), scores, 0, 0, part_cols, 0, 1.702, 7.0, 0, 0.0,
+                       None)
+        assert call_bwd(F=3000) == 1 and call_bwd(F=0) == 1 and call_bwd(E=0) == 1
+        assert call_bwd(n_pb=0) == 1 and call_bwd(n_pb=2 ** 40) == 1
+        for part_cols in (0, 8, 48, 256):                     # with scores: 16..128 dividing 128
+            assert call_bwd(scores=p, part_cols=part_cols) == 1
     finally:
-        qc._run_fn.cache_clear()
+        qc._lib.cache_clear()

@@ -6,10 +6,11 @@ tests/fp8_kernel_checks.py (check_fp8_fprop_cutlass).
 
     W13 FPROP   the unit stores h1 (the Triton kernel's "store" epilogue otherwise)
     W2 DGRAD    the GEMM (the unit, or Triton's "store" epilogue on the Triton engine) stores
-                u = g3 W2 into h2's region, then quant_fp8.swiglu_bwd_rows writes grad_h1,
-                h2 and the score parts, and the quantizer their bundles: bitwise alike on both
-                engines, and close to the fused epilogue ("swiglu_bwd", u in fp32) followed by
-                the quantizer
+                u = g3 W2 into h2's region, then (fp8_quant "triton", the interpreter's)
+                quant_fp8.swiglu_bwd_rows writes grad_h1, h2 and the score parts, and the
+                quantizer their bundles: bitwise alike on both engines, and close to the fused
+                epilogue ("swiglu_bwd", u in fp32) followed by the quantizer (the CUDA pass of
+                fp8_quant "cuda" is checked on the GPU: tests/fp8_kernel_checks.py)
     W13 DGRAD   the unit stores dense rows into the dead g3 buffer, rows.scatter_rows copies
                 them to the owners' addresses; bitwise the scattering epilogue's rows
 """

@@ -414,6 +414,9 @@ def main():
     ap.add_argument("--fp8-gemms", default="cutlass,triton",
                     help="fp8_block's GEMM engines to check (Execution.fp8_gemm): each runs "
                          "the fp8_block cases once")
+    ap.add_argument("--fp8-quants", default="cuda,triton",
+                    help="fp8_block's quantizing engines to check (Execution.fp8_quant: the CUDA "
+                         "kernels, or the Triton ones; each with each --fp8-gemms engine)")
     ap.add_argument("--save-route-outputs", default="0", choices=["0", "1"],
                     help="Config.save_route_outputs (0: score gradients on the expert side)")
     args = ap.parse_args()
@@ -426,14 +429,16 @@ def main():
     if not args.quick:
         shapes.append(dict(T=256, D=1024, F=512, K=6, E_local=6))
     from megatron_dist_moe.execution import runs
+    fp8_engines = [(g, q) for g in args.fp8_gemms.split(",") for q in args.fp8_quants.split(",")]
     combos = [(pr, e, p, f8) for pr in args.precisions.split(",")
               for e in args.engines.split(",") for p in args.pipelines.split(",")
-              for f8 in (args.fp8_gemms.split(",") if pr == "fp8_block" else [None])
+              for f8 in (fp8_engines if pr == "fp8_block" else [None])
               if not (e == "torch" and (p != "standard" or pr != "bf16")) and runs("cuda", pr, p)
               and pr != "nvfp4"]     # nvfp4 runs inference only: inference_check.py
-    for (precision, engine, pipeline, fp8_gemm), sh in ((c, sh) for c in combos
-                                                        for sh in shapes):
-        exe = {"gemm_engine": engine, **({"fp8_gemm": fp8_gemm} if fp8_gemm else {})}
+    for (precision, engine, pipeline, f8), sh in ((c, sh) for c in combos for sh in shapes):
+        fp8_gemm, fp8_quant = f8 if f8 else (None, None)
+        exe = {"gemm_engine": engine, **({"fp8_gemm": fp8_gemm, "fp8_quant": fp8_quant}
+                                         if f8 else {})}
         T = sh["T"]
         F = sh["F"] if precision == "bf16" else -(-sh["F"] // 128) * 128   # block-scaled: % 128
         for activation in ("swiglu", "swiglu_clamped"):
@@ -444,8 +449,8 @@ def main():
                             swiglu_limit=3.0, pipeline=pipeline, precision=precision,
                             save_route_outputs=args.save_route_outputs == "1")
             tag = f"{precision}_{engine}_{pipeline}_T{T}_D{sh['D']}_F{F}_{activation}"
-            if fp8_gemm:
-                tag += f"_fp8gemm-{fp8_gemm}"
+            if f8:
+                tag += f"_fp8gemm-{fp8_gemm}_fp8quant-{fp8_quant}"
             if args.save_route_outputs == "0":
                 tag += "_expert_score_grads"
             try:

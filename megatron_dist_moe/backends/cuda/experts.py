@@ -376,6 +376,7 @@ class Fp8BlockKernels:
         if fp8_quant == "cuda":   # built or loaded here, outside any capture or timed region
             from ...kernels import quant_fp8_cuda
             self._quantize_rows_cols = quant_fp8_cuda.quantize_rows_cols
+            self._swiglu_bwd_quant = self._swiglu_bwd_quant_fused
             try:
                 quant_fp8_cuda.load()
             except (RuntimeError, OSError) as err:   # nvcc, the link or the load failed
@@ -386,6 +387,7 @@ class Fp8BlockKernels:
         else:
             from ...kernels.quant_fp8 import quantize_rows_cols
             self._quantize_rows_cols = quantize_rows_cols
+            self._swiglu_bwd_quant = self._swiglu_bwd_quant_composed
         self.recipe = BlockScaling.of(cfg)
         self.act = dict(activation=cfg.activation, swiglu_alpha=cfg.swiglu_alpha,
                         swiglu_limit=cfg.swiglu_limit)
@@ -439,15 +441,35 @@ class Fp8BlockKernels:
         fp8_grouped_mm(a=a, w=w, w_scales=w_s, expert_offsets=offs, max_rows=self.max_rows,
                        epilogue=epilogue, **kw, **self.act)
 
-    def w2_dgrad(self, g3q, W, offs, nrows, h1q, gh1, h2, **score):
-        """grad_h1 and h2 (bf16) from the g3 row bundle and the saved h1 row bundle: the GEMM
-        (CUTLASS or Triton, as the W13 FPROP) stores u = g3 W2 into h2's region, then one pass
-        (quant_fp8.swiglu_bwd_rows) writes grad_h1, h2 in place of u and the score parts."""
+    def w2_dgrad(self, g3q, W, offs, nrows, h1q, u, gh1, gh1_rows, gh1_cols, h2_cols, **score):
+        """grad_h1's row and column bundles and h2's column bundle from the g3 row bundle and
+        the saved h1 row bundle: the GEMM (CUTLASS or Triton, as the W13 FPROP) stores
+        u = g3 W2 (bf16 [R, F]) into `u`, then the SwiGLU backward (with the score-gradient
+        parts) and the quantizations run as Execution.fp8_quant says: one CUDA pass
+        (quant_fp8_cuda.swiglu_bwd_quant), or Triton's swiglu_bwd_rows writing grad_h1 (bf16,
+        into `gh1`) and h2 (over u) and the quantizer reading them back."""
+        self.mm(g3q, W.w2_t, W.w2_t_s, offs, "store", out=u)
+        self._swiglu_bwd_quant(u, h1q, offs, nrows, gh1, gh1_rows, gh1_cols, h2_cols, score)
+
+    def _swiglu_bwd_quant_fused(self, u, h1q, offs, nrows, gh1, gh1_rows, gh1_cols, h2_cols,
+                                score):
+        from ...kernels import quant_fp8_cuda
+        from ...kernels.grouped_gemm.fp8 import fp8_config
+        quant_fp8_cuda.swiglu_bwd_quant(u, h1q, offs, self.max_rows, self.cfg.intermediate_dim,
+                                        gh1_rows=gh1_rows, gh1_cols=gh1_cols, h2_cols=h2_cols,
+                                        recipe=self.recipe,
+                                        part_cols=fp8_config(offs.device).block_n, **score,
+                                        **self.act)
+
+    def _swiglu_bwd_quant_composed(self, u, h1q, offs, nrows, gh1, gh1_rows, gh1_cols, h2_cols,
+                                   score):
         from ...kernels.grouped_gemm.fp8 import fp8_config
         from ...kernels.quant_fp8 import swiglu_bwd_rows
-        self.mm(g3q, W.w2_t, W.w2_t_s, offs, "store", out=h2)
-        swiglu_bwd_rows(h2, h1q, gh1, nrows, self.max_rows, self.cfg.intermediate_dim,
+        F = self.cfg.intermediate_dim
+        swiglu_bwd_rows(u, h1q, gh1, nrows, self.max_rows, F,
                         block_n=fp8_config(offs.device).block_n, **score, **self.act)
+        self.quantize(gh1, offs, 2 * F, rows=gh1_rows, cols=gh1_cols)
+        self.quantize(u, offs, F, cols=h2_cols)
 
     def w13_dgrad(self, gh1q, W, offs, nrows, scatter_ptrs, dense):
         """grad_x_g rows to the owners' addresses. Triton: one GEMM scattering from its
@@ -485,14 +507,15 @@ class Fp8BlockKernels:
 class Fp8BlockPipeline:
     """fp8_block, standard order. Forward: quantize x's gathered rows (and, training, their
     columns: the saved x_c), read by the quantizer where they lie at EP = 1 or from a bf16
-    fan-out copy x_g (Execution.quantizer_gathers), W13 FP8 GEMM -> h1 (bf16), SwiGLU + quantization (h2 row
-    bundle; training: the saved h1 row bundle), W2 FP8 GEMM + scatter to the owners. Backward:
-    quantize g3's rows and columns (gathered as x is), W2 DGRAD GEMM -> u = g3 W2 (bf16), one pass from
-    u and the saved h1 bundle (quant_fp8.swiglu_bwd_rows: SwiGLU backward, score-gradient
-    parts) -> grad_h1 and h2 (bf16), quantize grad_h1 (rows, columns) and h2 (columns), W2
-    WGRAD, W13 DGRAD + scatter, W13 WGRAD. Execution.fp8_gemm: the W13 FPROP, the WGRADs and
-    the two DGRADs' GEMMs on CUTLASS (the W13 DGRAD's scatter then a separate launch), or all
-    of them on Triton.
+    fan-out copy x_g (Execution.quantizer_gathers), W13 FP8 GEMM -> h1 (bf16), SwiGLU +
+    quantization (h2 row bundle; training: the saved h1 row bundle), W2 FP8 GEMM + scatter to
+    the owners. Backward: quantize g3's rows and columns (gathered as x is), W2 DGRAD GEMM ->
+    u = g3 W2 (bf16, in h2's region), the SwiGLU backward from u and the saved h1 bundle
+    (score-gradient parts too) with grad_h1's row and column bundles and h2's column bundle
+    (Fp8BlockKernels.w2_dgrad: one CUDA pass, or the Triton pass through bf16 grad_h1 and h2
+    and the quantizer), W2 WGRAD, W13 DGRAD + scatter, W13 WGRAD. Execution.fp8_gemm: the W13
+    FPROP, the WGRADs and the two DGRADs' GEMMs on CUTLASS (the W13 DGRAD's scatter then a
+    separate launch), or all of them on Triton.
 
     Weights are quantized by every forward (`prepare`: both orientations, one byte per element
     each); its backward reuses that forward's copies. Across calls only through the caller's
@@ -579,10 +602,8 @@ class Fp8BlockPipeline:
                                                score_grad_delta=score_grad_delta,
                                                part_stride=part_stride)
         self.k.w2_dgrad((at["g3q"], at["g3q_s"]), W, offs, nrows, (at["h1q"], at["h1q_s"]),
-                        at["gh1"], at["h2"], **sc)
-        self.k.quantize(at["gh1"], offs, 2 * F, rows=(at["gh1q"], at["gh1q_s"]),
-                        cols=(at["gh1c"], at["gh1c_s"]))
-        self.k.quantize(at["h2"], offs, F, cols=(at["h2c"], at["h2c_s"]))
+                        at["h2"], at["gh1"], (at["gh1q"], at["gh1q_s"]),
+                        (at["gh1c"], at["gh1c_s"]), (at["h2c"], at["h2c_s"]), **sc)
         grad_w2 = wgrad_output(wgrad_into, 1, (self.E, D, F), out_dtype, self.device)
         self.k.wgrad((at["g3c"], at["g3c_s"]), (at["h2c"], at["h2c_s"]), offs, grad_w2)
         # (g3's bf16 rows are dead once quantized: the CUTLASS W13 DGRAD's dense rows go there)

@@ -64,7 +64,7 @@ def routes_the_w13_fprop_and_splits_the_w2_dgrad(scored):
     assert torch.equal(h1_cut, h1_tri)
 
     # W2 DGRAD: the GEMM storing u (Triton, or the unit) + the SwiGLU-backward pass and the
-    # quantizers on both engines, bitwise alike; against the fused epilogue
+    # quantizer (fp8_quant "triton": the interpreter's) on both GEMM engines, bitwise alike; against the fused epilogue
     # (fp8_grouped_mm "swiglu_bwd", u in fp32 inside) and the quantizer over its bf16 outputs
     from megatron_dist_moe.kernels.grouped_gemm.fp8 import fp8_grouped_mm
     from megatron_dist_moe.kernels.quant_fp8 import quantize_rows_cols
@@ -97,11 +97,9 @@ def routes_the_w13_fprop_and_splits_the_w2_dgrad(scored):
             quantize_rows_cols(h2, offs, R, F, cols=(hqc, hsc))
         else:
             gh1 = torch.full((R, 2 * F), float("nan"), dtype=torch.bfloat16)
-            h2 = torch.full((R, F), float("nan"), dtype=torch.bfloat16)
+            u = torch.full((R, F), float("nan"), dtype=torch.bfloat16)
             k = tri if name == "triton" else cut
-            k.w2_dgrad(g3q, W, offs, nrows, h1q, gh1, h2, **sc)
-            k.quantize(gh1, offs, 2 * F, rows=(gq, gs), cols=(gqc, gsc))
-            k.quantize(h2, offs, F, cols=(hqc, hsc))
+            k.w2_dgrad(g3q, W, offs, nrows, h1q, u, gh1, (gq, gs), (gqc, gsc), (hqc, hsc), **sc)
         outs[name] = (Q.dequantize_rows(gq, gs), Q.dequantize_cols(gqc, gsc)[:used],
                       Q.dequantize_cols(hqc, hsc)[:used], buf)
     assert stand_in.calls[-1] == tuple(W.w2_t.shape), "the W2 DGRAD's GEMM is the unit's"
