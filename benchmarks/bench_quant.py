@@ -250,7 +250,16 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
                  and rate_differing(f2[1], want_f2()[1]) < 1e-3),
         R * 2 * F * (2 + 1 + 4 / 128) + R * F * (1 + 4 / 128), f"{R}x{2 * F}", [*f1, *f2],
         takes_order=False)
+    if torch.device(dev).type == "cuda":
+        out.update(_swiglu_bwd_cases(R, E, F, offs, used, h1, act, rnd, dev))
+    return out
 
+
+def _swiglu_bwd_cases(R, E, F, offs, used, h1, act, rnd, dev):
+    """fp8_block's backward SwiGLU pass, composed and fused (CUDA C++: GPU only)."""
+    out = {}
+    Rp = padded_rows(R, E)
+    nr = offs[-1:].clone()
     # the backward's SwiGLU pass with the quantizations after it: the Triton pass (bf16 grad_h1
     # and h2, h2 over u) and the CUDA quantizer twice, as fp8_quant "cuda" ran it before the
     # fused kernel, against quant_fp8_cuda.swiglu_bwd_quant. Both count the fused kernel's
@@ -269,19 +278,16 @@ def cases(R: int, E: int, D: int, F: int, offs: torch.Tensor, dev):
                  torch.empty(Rp // 128, 2 * F, device=dev)),
                 (torch.empty(F, Rp, dtype=F8, device=dev), torch.empty(Rp // 128, F, device=dev)))
 
-    def want_bwd():
-        from megatron_dist_moe.kernels.rows_ref import swiglu_bwd_quant_ref
-        return swiglu_bwd_quant_ref(u0, h1b, offs, Rp, act)
-    want_bwd = once(want_bwd)
+    from megatron_dist_moe.kernels.rows_ref import swiglu_bwd_quant_ref
+    want_bwd = once(lambda: swiglu_bwd_quant_ref(u0, h1b, offs, Rp, act))
 
     def bwd_check(b):
         def check():
             ok = True
             for i, (q, s) in enumerate(b):
                 wq, ws = want_bwd()[i]
-                n = used if i else R                     # column bundles: the used rows
-                q, s, wq, ws = ((q[:, :n], s[:n // 128], wq[:, :n], ws[:n // 128]) if i
-                                else (q, s, wq, ws))
+                if i:   # the column bundles: the used padded rows
+                    q, s, wq, ws = q[:, :used], s[:used // 128], wq[:, :used], ws[:used // 128]
                 ok &= rate_differing(q, wq) < 1e-3 and rate_differing(s, ws) < 1e-3
             return ok
         return check

@@ -17,6 +17,8 @@ for (prec, name), case in B.cases(R, E, D, F, offs, "cpu").items():
     for tile in tiles:
         for t in case.outputs:
             B.poison(t)
+        if case.reset is not None:
+            case.reset()
         case.launch(None, tile)
         ok = bool(case.check())
         label = "default" if tile is None else "x".join(map(str, tile))
