@@ -558,8 +558,9 @@ extern "C" int dm_fp8_block_quant_run(int K, int E, int64_t n_pb, const int64_t*
   return gather ? launch<false, true, true>(a, b, s) : launch<false, true, false>(a, b, s);
 }
 
-// Returns 0, 1 (bad arguments: F not a positive multiple of 128, E < 1, part_cols not one of
-// 16, 32, 64, 128 with scores) or 100 + the cudaError_t of a failed launch. n_pb: as above.
+// Returns 0, 1 (bad arguments: F not a positive multiple of 128, E < 1, a null operand, part_cols
+// not one of 16, 32, 64, 128 with scores) or 100 + the cudaError_t of a failed launch. n_pb: as
+// above.
 extern "C" int dm_fp8_block_swiglu_bwd_quant_run(
     int F, int E, int64_t n_pb, const int64_t* u_addr, const int64_t* h1q_addr,
     const int64_t* h1s_addr, const int32_t* offsets, const int64_t* gq_addr,
@@ -569,6 +570,12 @@ extern "C" int dm_fp8_block_swiglu_bwd_quant_run(
     float limit, int pow2, float eps, void* stream) {
   using namespace dm_fp8q;
   if (F < 128 || F % 128 != 0 || E < 1 || n_pb < 1) return 1;
+  for (const void* p : {static_cast<const void*>(u_addr), static_cast<const void*>(h1q_addr),
+                        static_cast<const void*>(h1s_addr), static_cast<const void*>(offsets),
+                        static_cast<const void*>(gq_addr), static_cast<const void*>(gs_addr),
+                        static_cast<const void*>(gqc_addr), static_cast<const void*>(gsc_addr),
+                        static_cast<const void*>(hqc_addr), static_cast<const void*>(hsc_addr)})
+    if (p == nullptr) return 1;
   const bool scored = score_ptrs != nullptr;
   if (scored && (part_cols < 16 || part_cols > 128 || 128 % part_cols != 0)) return 1;
   const int64_t blocks = n_pb * (F / 128);

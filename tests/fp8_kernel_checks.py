@@ -415,80 +415,103 @@ def _bundle_gap(got, want, used: int | None = None):
 
 def check_swiglu_bwd_quant_cuda(device, big=False):
     """quant_fp8_cuda.swiglu_bwd_quant (GPU only: csrc/) against its twin
-    (rows_ref.swiglu_bwd_quant_ref), both activations, scored (a zero score, a row without a
-    score address, parts per 128 and per 64 columns) and not, both scale rules, on poisoned
-    outputs. Its bf16 values are the twin's up to the kernel's exp and reciprocal
+    (rows_ref.swiglu_bwd_quant_ref): both activations, scored (a zero score, a row without a
+    score address, parts per 128, 64 and 32 columns) and not, both scale rules, 40 experts (the
+    segment search's second pass), a host row bound above R (blocks past the last segment
+    return), on poisoned outputs with room past R and past the used padded rows that must stay
+    poisoned. Its bf16 values are the twin's up to the kernel's exp and reciprocal
     approximations, so its bundles may differ where a value sits on an e4m3 rounding boundary:
     the bound is twice what the composed Triton path (swiglu_bwd_rows, then quantize_rows_cols
     twice) gets against the same twin, which carries approximations of the same kind (floors:
     1e-3 of the codes, 1e-3 norm-wise)."""
+    lens, _offs, _R = _segments(big, device)
+    F = 3072 if big else 256
+    cases = [("swiglu", False, 128, True), ("swiglu", True, 128, True),
+             ("swiglu_clamped", False, 128, False), ("swiglu_clamped", True, 64, True),
+             ("swiglu", True, 32, False)]
+    g = torch.Generator().manual_seed(17)
+    for kind, scored, part_cols, pow2 in cases:
+        _swiglu_bwd_quant_case(device, lens, F, kind, scored, part_cols, pow2, g)
+    many = torch.randint(0, 300, (40,), generator=g)
+    many[[3, 17, 33, 39]] = 0
+    _swiglu_bwd_quant_case(device, many.tolist(), 256, "swiglu", True, 128, True, g)
+
+
+def _swiglu_bwd_quant_case(device, lens, F, kind, scored, part_cols, pow2, g):
     from megatron_dist_moe.kernels import quant_fp8_cuda
     from megatron_dist_moe.kernels.quant_fp8 import quantize_rows_cols, swiglu_bwd_rows
     from megatron_dist_moe.kernels.rows_ref import swiglu_bwd_quant_ref
-    lens, offs, R = _segments(big, device)
-    E, F = len(lens), (3072 if big else 256)
+    E, R = len(lens), sum(lens)
+    offs = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
+                        device=device)
+    max_rows = R + 300                                   # the host bound the grid covers
     Rp = padded_rows(R, E)
+    used = int(Q.padded_offsets(offs.cpu())[-1])
     nrows = offs[-1:].clone()
-    g = torch.Generator().manual_seed(17)
     h1 = (torch.randn(R, 2 * F, generator=g) * 3).to(torch.bfloat16).to(device)  # past +-7 too
     u = torch.randn(R, F, generator=g).to(torch.bfloat16).to(device)
-    cases = [("swiglu", False, 128, True), ("swiglu", True, 128, True),
-             ("swiglu_clamped", False, 128, False), ("swiglu_clamped", True, 64, True)]
-    for kind, scored, part_cols, pow2 in cases:
-        act = Activation(kind)
-        rc = Q.BlockScaling(pow2)
-        h1q = Q.quantize_rows(h1, rc)
-        kw, tkw, s, buf, tbuf = {}, {}, None, None, None
-        if scored:
-            s = torch.rand(R, generator=g).to(device)
-            s[2] = 0.0                                    # a zero score
-            s[3] = 0.0                                    # row 3 has no score address: s = 0
-            buf = torch.zeros(R, 1 + F // part_cols, device=device)
-            buf[:, 0] = s
-            tbuf = buf.clone()
+    act = Activation(kind)
+    rc = Q.BlockScaling(pow2)
+    h1q = Q.quantize_rows(h1, rc)
+    kw, tkw, s, buf, tbuf = {}, {}, None, None, None
+    if scored:
+        s = torch.rand(R, generator=g).to(device)
+        s[2] = 0.0                                       # a zero score
+        s[3] = 0.0                                       # row 3 has no score address: s = 0
+        buf = torch.full((R, 1 + F // part_cols), float("nan"), device=device)
+        buf[:, 0] = s
+        tbuf = buf.clone()
 
-            def score_table(b):   # row r's score address, parts at + 4 + 4 * part
-                p = b.data_ptr() + torch.arange(R, device=device) * b.stride(0) * 4
-                p[3] = 0
-                return dict(score_ptrs=p, score_grad_delta=4, part_stride=4)
-            kw, tkw = score_table(buf), score_table(tbuf)
-        want = swiglu_bwd_quant_ref(u, h1q, offs, Rp, act, s, part_cols, rc)
-        actkw = dict(activation=kind, swiglu_alpha=act.alpha, swiglu_limit=act.limit)
+        def score_table(b):   # row r's score address, parts at + 4 + 4 * part
+            p = b.data_ptr() + torch.arange(max_rows, device=device) * b.stride(0) * 4
+            p[3] = 0
+            p[R:] = 0
+            return dict(score_ptrs=p, score_grad_delta=4, part_stride=4)
+        kw, tkw = score_table(buf), score_table(tbuf)
+    want = swiglu_bwd_quant_ref(u, h1q, offs, Rp, act, s, part_cols, rc)
+    actkw = dict(activation=kind, swiglu_alpha=act.alpha, swiglu_limit=act.limit)
 
-        def outs():
-            return ((torch.full((R, 2 * F), 0xFF, dtype=U8, device=device).view(F8),
-                     torch.full((R, 2 * F // 128), float("nan"), device=device)),
-                    (torch.full((2 * F, Rp), 0xFF, dtype=U8, device=device).view(F8),
-                     torch.full((Rp // 128, 2 * F), float("nan"), device=device)),
-                    (torch.full((F, Rp), 0xFF, dtype=U8, device=device).view(F8),
-                     torch.full((Rp // 128, F), float("nan"), device=device)))
-        # the composed Triton path: the bound's base
-        tr = outs()
-        uh2 = u.clone()
-        gh1 = torch.empty(R, 2 * F, dtype=torch.bfloat16, device=device)
-        swiglu_bwd_rows(uh2, h1q, gh1, nrows, R, F, block_n=part_cols, **tkw, **actkw)
-        quantize_rows_cols(gh1, offs, R, 2 * F, rows=tr[0], cols=tr[1], recipe=rc)
-        quantize_rows_cols(uh2, offs, R, F, cols=tr[2], recipe=rc)
-        # the fused kernel
-        cu = outs()
-        quant_fp8_cuda.swiglu_bwd_quant(u, h1q, offs, R, F, gh1_rows=cu[0], gh1_cols=cu[1],
-                                        h2_cols=cu[2], recipe=rc, part_cols=part_cols, **kw,
-                                        **actkw)
-        what = f"{kind} scored={scored} part_cols={part_cols} pow2={pow2}"
-        used = int(Q.padded_offsets(offs.cpu())[-1])
-        for i, name in enumerate(("grad_h1 rows", "grad_h1 cols", "h2 cols")):
-            t_codes, t_err = _bundle_gap(tr[i], want[i], used if i else None)
-            c_codes, c_err = _bundle_gap(cu[i], want[i], used if i else None)
-            print(f"{name} {what}: codes differing / norm-wise error vs the twin: CUDA "
-                  f"{c_codes:.2e} / {c_err:.2e}, Triton path {t_codes:.2e} / {t_err:.2e}")
-            assert c_codes <= max(2 * t_codes, 1e-3) and c_err <= max(2 * t_err, 1e-3), (
-                f"{name} {what}: {c_codes:.2e} of the codes differ from the twin, norm-wise "
-                f"error {c_err:.2e} (the Triton path: {t_codes:.2e}, {t_err:.2e})")
-        if scored:
-            live = torch.arange(R, device=device) != 3
-            _close(f"parts {what}", buf[live, 1:], want[3][live], 1e-4)
-            assert not buf[3, 1:].any(), "parts written for a row without a score address"
-            assert torch.equal(buf[:, 0], s), "a score was overwritten"
+    def outs():   # 8 rows past R in the row bundle, the padded rows past `used` in the columns
+        return ((torch.full((R + 8, 2 * F), 0xFF, dtype=U8, device=device).view(F8),
+                 torch.full((R + 8, 2 * F // 128), float("nan"), device=device)),
+                (torch.full((2 * F, Rp), 0xFF, dtype=U8, device=device).view(F8),
+                 torch.full((Rp // 128, 2 * F), float("nan"), device=device)),
+                (torch.full((F, Rp), 0xFF, dtype=U8, device=device).view(F8),
+                 torch.full((Rp // 128, F), float("nan"), device=device)))
+    # the composed Triton path: the bound's base
+    tr = outs()
+    uh2 = u.clone()
+    gh1 = torch.empty(R, 2 * F, dtype=torch.bfloat16, device=device)
+    swiglu_bwd_rows(uh2, h1q, gh1, nrows, max_rows, F, block_n=part_cols, **tkw, **actkw)
+    quantize_rows_cols(gh1, offs, max_rows, 2 * F, rows=tr[0], cols=tr[1], recipe=rc)
+    quantize_rows_cols(uh2, offs, max_rows, F, cols=tr[2], recipe=rc)
+    # the fused kernel
+    cu = outs()
+    quant_fp8_cuda.swiglu_bwd_quant(u, h1q, offs, max_rows, F, gh1_rows=cu[0], gh1_cols=cu[1],
+                                    h2_cols=cu[2], recipe=rc, part_cols=part_cols, **kw,
+                                    **actkw)
+    what = f"{kind} E={E} scored={scored} part_cols={part_cols} pow2={pow2}"
+    assert (cu[0][0][R:].view(U8) == 0xFF).all() and cu[0][1][R:].isnan().all(), (
+        f"{what}: row-bundle rows past R written")
+    for q, sc in cu[1:]:
+        assert (q[:, used:].view(U8) == 0xFF).all() and sc[used // 128:].isnan().all(), (
+            f"{what}: column-bundle rows past the used padded rows written")
+    for i, name in enumerate(("grad_h1 rows", "grad_h1 cols", "h2 cols")):
+        t_i, c_i = tr[i], cu[i]
+        if not i:
+            t_i, c_i = (t_i[0][:R], t_i[1][:R]), (c_i[0][:R], c_i[1][:R])
+        t_codes, t_err = _bundle_gap(t_i, want[i], used if i else None)
+        c_codes, c_err = _bundle_gap(c_i, want[i], used if i else None)
+        print(f"{name} {what}: codes differing / norm-wise error vs the twin: CUDA "
+              f"{c_codes:.2e} / {c_err:.2e}, Triton path {t_codes:.2e} / {t_err:.2e}")
+        assert c_codes <= max(2 * t_codes, 1e-3) and c_err <= max(2 * t_err, 1e-3), (
+            f"{name} {what}: {c_codes:.2e} of the codes differ from the twin, norm-wise "
+            f"error {c_err:.2e} (the Triton path: {t_codes:.2e}, {t_err:.2e})")
+    if scored:
+        live = torch.arange(R, device=device) != 3
+        _close(f"parts {what}", buf[live, 1:], want[3][live], 1e-4)
+        assert buf[3, 1:].isnan().all(), "parts written for a row without a score address"
+        assert torch.equal(buf[:, 0], s), "a score was overwritten"
 
 
 def check_fp8_wgrad(device, big=False):

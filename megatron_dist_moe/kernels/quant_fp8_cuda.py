@@ -36,6 +36,7 @@ from .common import as_device_ptr, check_rows
 __all__ = ["quantize_rows_cols", "swiglu_bwd_quant", "loads", "load", "build_library"]
 
 _UNIT = "fp8_block_quant"
+_E4M3 = torch.float8_e4m3fn
 _CUDA_ERRORS = {209: "no kernel image for this device: the library is built for sm_90a (Hopper)"}
 
 
@@ -138,10 +139,11 @@ def swiglu_bwd_quant(u, h1q, offsets: torch.Tensor, max_rows: int, F: int, *, gh
         assert 16 <= part_cols <= 128 and 128 % part_cols == 0, (
             f"part_cols={part_cols}: 16 to 128, dividing 128")
     E = offsets.numel() - 1
-    ptrs = [as_device_ptr(u, "u", torch.bfloat16), as_device_ptr(h1q[0], "h1q"),
-            as_device_ptr(h1q[1], "h1q scales")]
-    for name, pair in (("gh1_rows", gh1_rows), ("gh1_cols", gh1_cols), ("h2_cols", h2_cols)):
-        ptrs += [as_device_ptr(pair[0], f"{name} q"), as_device_ptr(pair[1], f"{name} s")]
+    ptrs = [as_device_ptr(u, "u", torch.bfloat16)]
+    for name, pair in (("h1q", h1q), ("gh1_rows", gh1_rows), ("gh1_cols", gh1_cols),
+                       ("h2_cols", h2_cols)):
+        ptrs += [as_device_ptr(pair[0], f"{name} q", _E4M3), as_device_ptr(pair[1], f"{name} s",
+                                                                          torch.float32)]
     u_p, hq_p, hs_p, gq, gs, gqc, gsc, hqc, hsc = ptrs
     with torch.cuda.device(dev):
         rc = _lib().dm_fp8_block_swiglu_bwd_quant_run(
@@ -152,4 +154,5 @@ def swiglu_bwd_quant(u, h1q, offsets: torch.Tensor, max_rows: int, F: int, *, gh
             int(recipe.power_2_scales), float(recipe.amax_epsilon),
             torch.cuda.current_stream(dev).cuda_stream)
     _check_rc(rc, "fp8_block SwiGLU backward + quantization",
-              "F not a positive multiple of 128, E < 1, or part_cols not 16, 32, 64 or 128")
+              "F not a positive multiple of 128, E < 1, a null operand, or part_cols not 16, 32, "
+              "64 or 128")

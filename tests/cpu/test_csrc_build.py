@@ -292,10 +292,11 @@ def test_fp8_block_quantizer_library_builds_and_refuses_bad_arguments(tmp_path, 
         # the SwiGLU backward + quantization entry point
         bwd = qc._lib().dm_fp8_block_swiglu_bwd_quant_run
 
-        def call_bwd(F=3072, E=6, n_pb=100, scores=None, part_cols=128):
-            return bwd(F, E, n_pb, *([p] * 10), scores, 0, 0, part_cols, 0, 1.702, 7.0, 0, 0.0,
-                       None)
+        def call_bwd(F=3072, E=6, n_pb=100, scores=None, part_cols=128, null_at=None):
+            ptrs = [None if i == null_at else p for i in range(10)]
+            return bwd(F, E, n_pb, *ptrs, scores, 0, 0, part_cols, 0, 1.702, 7.0, 0, 0.0, None)
         assert call_bwd(F=3000) == 1 and call_bwd(F=0) == 1 and call_bwd(E=0) == 1
+        assert all(call_bwd(null_at=i) == 1 for i in range(10))   # every operand is needed
         assert call_bwd(n_pb=0) == 1 and call_bwd(n_pb=2 ** 40) == 1
         for part_cols in (0, 8, 48, 256):                     # with scores: 16..128 dividing 128
             assert call_bwd(scores=p, part_cols=part_cols) == 1
