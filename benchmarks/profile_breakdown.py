@@ -40,7 +40,7 @@ PARTS = [
     ("weight quantization (every forward)", r"^_(quant_weight|fake_weight)_kernel"),
     ("activation quantization (fp8_block, mxfp8, nvfp4)",
      r"^_(quant_rows_cols|quant_rows|swiglu_quant|quant|deq_rows|deq_cols|publish_quant)_kernel"
-     r"|^(void\s+)?dm_fp8q::quant_rows_cols"),
+     r"|^(void\s+)?dm_fp8q::(quant_rows_cols|swiglu_bwd_quant)"),
     ("row gathers and scatters", r"^_(gather|scatter|fanout)_rows_kernel|^_fanout_deq_kernel"),
     ("owner kernels (combine, grad routes, route reduction)",
      r"^_(combine_routes|publish_grad_routes|publish_grad_y|reduce_routes|sum_score_parts)_kernel"),

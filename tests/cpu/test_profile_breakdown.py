@@ -62,6 +62,8 @@ def test_stored_profile_matches_the_hand_made_table(tmp_path):
     ("void dm_sm90::fill_fp8_fprop_args<dm_sm90::Fp8Gemm<...", "grouped GEMMs (FPROP, DGRAD)"),
     ("void dm_fp8q::quant_rows_cols<true, true, true>(dm_f...",
      "activation quantization (fp8_block, mxfp8, nvfp4)"),
+    ("void dm_fp8q::swiglu_bwd_quant<true, false>(dm_fp...",
+     "activation quantization (fp8_block, mxfp8, nvfp4)"),
     ("_swiglu_bwd_rows_kernel", "SwiGLU row kernels"),
     ("c10d::symmetric_memory::barrier_kernel(unsigned int*...", "device barriers"),
     ("Memset (Device)", "torch ops, copies, memsets"),
