@@ -317,8 +317,9 @@ def main():
                 cached = path in CACHED_PATHS
                 if cached:
                     row_note = f"{row_note}; is_first_microbatch=False (weights quantized once)"
-                if quant == "fp8_block":   # which engine ran its GEMMs (Execution.fp8_gemm)
-                    row_note = f"{row_note}; fp8 GEMMs: {ctx.execution.fp8_gemm}"
+                if quant == "fp8_block":   # which engines ran (Execution.fp8_gemm, fp8_quant)
+                    row_note = (f"{row_note}; fp8 GEMMs: {ctx.execution.fp8_gemm}; fp8 "
+                                f"quantizing kernels: {ctx.execution.fp8_quant}")
                 y = dm.routed_experts(x, ids, s, w13, w2, ctx,
                                       is_first_microbatch=True if cached else None)
                 gx, = torch.autograd.grad(y, (x,), gy)
