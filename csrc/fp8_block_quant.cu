@@ -378,7 +378,14 @@ struct BwdArgs {
   float eps;
 };
 
-__device__ __forceinline__ float sigmoid(float x) { return __frcp_rn(1.f + __expf(-x)); }
+// 1 / (1 + e^-x) on the approximate exp and reciprocal (as Triton's sigmoid): the IEEE-rounded
+// reciprocal is an instruction sequence per value, which measured 217 -> 197 us for the pass
+// (docs/decisions.md); e^-x = inf gives 0
+__device__ __forceinline__ float sigmoid(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.f + __expf(-x)));
+  return r;
+}
 __device__ __forceinline__ float round_bf16(float x) {
   return __bfloat162float(__float2bfloat16_rn(x));
 }
@@ -413,7 +420,9 @@ __device__ __forceinline__ void swiglu_grad(float g, float u, float dh, float al
   }
 }
 
-// 2 blocks per SM: the three output tiles stay in registers until they are quantized
+// 2 blocks per SM (128 registers, 24-76 B of spills in three variants): the three output tiles
+// stay in registers until they are quantized; 1 block per SM (248-255 registers) measured 24 %
+// slower (docs/decisions.md)
 template <bool SCORED, bool CLAMPED>
 __global__ void __launch_bounds__(kThreads, 2) swiglu_bwd_quant(BwdArgs a) {
   __shared__ Segment seg;
