@@ -1,6 +1,10 @@
-// fp8_block's rows + columns quantizer: the contract of
-// megatron_dist_moe.kernels.quant_fp8.quantize_rows_cols (Triton), bit for bit; its torch twin is
-// quant/fp8_block.py (quantize_rows, quantize_cols).
+// fp8_block's quantizing kernels (megatron_dist_moe/kernels/quant_fp8_cuda.py):
+//   quant_rows_cols   the rows + columns quantizer: the contract of
+//                     megatron_dist_moe.kernels.quant_fp8.quantize_rows_cols (Triton), bit for
+//                     bit; its torch twin is quant/fp8_block.py (quantize_rows, quantize_cols)
+//   swiglu_bwd_quant  the backward's SwiGLU pass quantizing its outputs from registers (its
+//                     section below); twin: kernels/rows_ref.swiglu_bwd_quant_ref
+// Both hold 128 x 128 tiles in registers and quantize them with quantize_tile.
 //
 //   rows bundle  q [R, K] e4m3, s [R, K/128] fp32: one scale per row and 128 columns
 //   cols bundle  q_t [K, Rp] e4m3, s_t [Rp/128, K] fp32: one scale per column and 128 rows of
