@@ -151,6 +151,19 @@ __device__ __forceinline__ float amax_f32(uint32_t w, bool hi) {
   return m != m ? 0.f : m;
 }
 
+// Thread t's place in a block's 128 x 128 tile (the layout above): its 8 columns from col0 of
+// column block cb, its rows v = 0..7 at the segment's local rows row(v)
+struct TilePlace {
+  int c8, rg;
+  int64_t col0, local0;
+  __device__ __forceinline__ TilePlace(const Segment& seg, int64_t pb, int cb)
+      : c8(static_cast<int>(threadIdx.x) & 15),
+        rg(static_cast<int>(threadIdx.x) >> 4),
+        col0(static_cast<int64_t>(cb) * 128 + c8 * 8),
+        local0(pb * 128 - seg.pstart + rg * 4) {}
+  __device__ __forceinline__ int64_t row(int v) const { return local0 + (v >> 2) * 64 + (v & 3); }
+};
+
 // The shared memory of one block's column bundles (COLS): the transposed e4m3 tile, the
 // per-warp column amaxes, the column scales
 struct ColSmem {
@@ -170,11 +183,10 @@ __device__ __forceinline__ void quantize_tile(const uint4 (&xv)[8], const Segmen
                                               uint8_t* qc, float* sc, float eps, int pow2,
                                               ColSmem* sm) {
   const int t = threadIdx.x;
-  const int c8 = t & 15, rg = t >> 4;
+  const TilePlace at(seg, pb, cb);
+  const int c8 = at.c8, rg = at.rg;
   const int nkb = K / 128;
   const int64_t p0 = pb * 128;
-  const int64_t col0 = static_cast<int64_t>(cb) * 128 + c8 * 8;
-  const int64_t local0 = p0 - seg.pstart + rg * 4;   // row v's local row: local0 + r_off(v)
 
   // amaxes in bf16x2 (two values per instruction): rm[p] holds rows 2p, 2p + 1 (reduced over
   // the half-warp), cm[i] columns 2i, 2i + 1 of the thread's 8 (over its rows)
@@ -210,7 +222,7 @@ __device__ __forceinline__ void quantize_tile(const uint4 (&xv)[8], const Segmen
     const uint32_t w = c8 & 4 ? w23 : w01;   // rows 2p, 2p + 1 with p = (c8 / 2) % 4
     float inv;
     row_sc = block_scale(amax_f32(w, c8 & 1), eps, pow2, inv);
-    const int64_t local = local0 + (c8 >> 2 & 1) * 64 + (c8 & 3);
+    const int64_t local = at.local0 + (c8 >> 2 & 1) * 64 + (c8 & 3);   // row v = c8 & 7
     if (c8 < 8 && local < seg.n) s[(seg.start + local) * nkb + cb] = inv;
   }
 
@@ -272,9 +284,10 @@ __device__ __forceinline__ void quantize_tile(const uint4 (&xv)[8], const Segmen
         }
       }
       if constexpr (ROWS) {
-        const int64_t local = local0 + h * 64 + i;
+        const int64_t local = at.row(v);
         if (local < seg.n)
-          *reinterpret_cast<uint2*>(q + (seg.start + local) * K + col0) = make_uint2(rq[0], rq[1]);
+          *reinterpret_cast<uint2*>(q + (seg.start + local) * K + at.col0) =
+              make_uint2(rq[0], rq[1]);
       }
     }
     if constexpr (COLS) {
@@ -312,18 +325,14 @@ __global__ void __launch_bounds__(kThreads, 3) quant_rows_cols(Args a) {
   find_segment(a.offsets, a.E, pb * 128, seg);
   if (!seg.found) return;   // past the last padded segment
 
-  const int t = threadIdx.x;
-  const int c8 = t & 15, rg = t >> 4;
-  const int64_t col0 = static_cast<int64_t>(cb) * 128 + c8 * 8;
-  const int64_t local0 = pb * 128 - seg.pstart + rg * 4;
-
+  const TilePlace at(seg, pb, cb);
   uint4 xv[8];
   {
     const __nv_bfloat16* x =
         GATHER ? nullptr : reinterpret_cast<const __nv_bfloat16*>(*a.x_addr);
 #pragma unroll
     for (int v = 0; v < 8; ++v) {
-      const int64_t local = local0 + (v >> 2) * 64 + (v & 3);
+      const int64_t local = at.row(v);
       const bool ok = local < seg.n;
       const __nv_bfloat16* src;
       if constexpr (GATHER) {
@@ -331,7 +340,7 @@ __global__ void __launch_bounds__(kThreads, 3) quant_rows_cols(Args a) {
       } else {
         src = ok ? x + (seg.start + local) * a.K : nullptr;
       }
-      xv[v] = src != nullptr ? *reinterpret_cast<const uint4*>(src + col0)
+      xv[v] = src != nullptr ? *reinterpret_cast<const uint4*>(src + at.col0)
                              : make_uint4(0, 0, 0, 0);
     }
   }
@@ -438,10 +447,8 @@ __global__ void __launch_bounds__(kThreads, 2) swiglu_bwd_quant(BwdArgs a) {
   find_segment(a.offsets, a.E, pb * 128, seg);
   if (!seg.found) return;   // past the last padded segment
 
-  const int t = threadIdx.x;
-  const int c8 = t & 15, rg = t >> 4;
-  const int64_t col0 = static_cast<int64_t>(fb) * 128 + c8 * 8;
-  const int64_t local0 = pb * 128 - seg.pstart + rg * 4;
+  const TilePlace at(seg, pb, fb);
+  const int64_t col0 = at.col0;
   const int64_t F = a.F;
 
   // loads: u (8 bf16 per row), the gate and up e4m3 (8 bytes per row) and scales of 8 rows
@@ -454,7 +461,7 @@ __global__ void __launch_bounds__(kThreads, 2) swiglu_bwd_quant(BwdArgs a) {
     const float* hs = reinterpret_cast<const float*>(*a.h1s_addr);
 #pragma unroll
     for (int v = 0; v < 8; ++v) {
-      const int64_t local = local0 + (v >> 2) * 64 + (v & 3);
+      const int64_t local = at.row(v);
       const int64_t r = seg.start + local;
       if (local < seg.n) {
         uv[v] = *reinterpret_cast<const uint4*>(u + r * F + col0);
@@ -481,7 +488,7 @@ __global__ void __launch_bounds__(kThreads, 2) swiglu_bwd_quant(BwdArgs a) {
   const int lanes = SCORED ? a.part_cols / 8 : 1;
   const int64_t part_off =
       SCORED ? a.score_grad_delta +
-                   (static_cast<int64_t>(fb) * (128 / a.part_cols) + c8 / lanes) * a.part_stride
+                   (static_cast<int64_t>(fb) * (128 / a.part_cols) + at.c8 / lanes) * a.part_stride
              : 0;
 #pragma unroll
   for (int v = 0; v < 8; ++v) {
@@ -517,8 +524,8 @@ __global__ void __launch_bounds__(kThreads, 2) swiglu_bwd_quant(BwdArgs a) {
     }
     if constexpr (SCORED) {
       for (int d = 1; d < lanes; d <<= 1) part += __shfl_xor_sync(0xFFFFFFFFu, part, d);
-      const int64_t local = local0 + (v >> 2) * 64 + (v & 3);
-      if (c8 % lanes == 0 && local < seg.n) {
+      const int64_t local = at.row(v);
+      if (at.c8 % lanes == 0 && local < seg.n) {
         const int64_t sa = a.score_ptrs[seg.start + local];
         if (sa != 0) *reinterpret_cast<float*>(sa + part_off) = part;
       }
