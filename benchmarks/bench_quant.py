@@ -311,6 +311,62 @@ def _swiglu_bwd_cases(R, E, F, offs, used, h1, act, rnd, dev):
     out[("fp8_block", "swiglu_bwd_quant")] = Case(
         fused, bwd_check(bf), bwd_bytes, f"{R}x{F}", [t for b in bf for t in b],
         takes_order=False)
+
+    # With scores, as the layer runs them: row r's score in the owner's route table at a random
+    # route (the rows are expert-major, the routes token-major), and each 128-column block's
+    # score-gradient part one table slice after it (memory_plan's route_score_grads_delta and
+    # score_part_stride). Both count the parts' bytes too.
+    n_parts = F // 128
+    slice_floats = -(-R // 32) * 32   # 128-byte aligned slices
+    table = torch.zeros((1 + n_parts) * slice_floats, device=dev)
+    scores = torch.rand(R, generator=torch.Generator(device=dev).manual_seed(3), device=dev)
+    route = torch.randperm(R, generator=torch.Generator(device=dev).manual_seed(4), device=dev)
+    table[route] = scores
+    parts = table[slice_floats:].view(n_parts, slice_floats)
+    score = dict(score_ptrs=table.data_ptr() + route.to(torch.int64) * 4,
+                 score_grad_delta=slice_floats * 4, part_stride=slice_floats * 4)
+    want_scored = once(lambda: swiglu_bwd_quant_ref(u0, h1b, offs, Rp, act, s_R=scores))
+
+    def parts_bound():
+        # the kernel's act(h1) may differ from torch's in its last bf16 bit: one bf16 unit of
+        # each term, plus fp32 summation
+        from megatron_dist_moe.quant.fp8_block import dequantize_rows
+        terms = (u0.float() * act.forward(dequantize_rows(*h1b)).float()).abs()
+        return terms.view(R, n_parts, 128).sum(-1) * (2.0 ** -8 + 1e-6)
+    bound = once(parts_bound)
+
+    def scored_check(b):
+        def check():
+            ok = True
+            for i, (q, s) in enumerate(b):
+                wq, ws = want_scored()[i]
+                if i:
+                    q, s, wq, ws = q[:, :used], s[:used // 128], wq[:, :used], ws[:used // 128]
+                ok &= rate_differing(q, wq) < 1e-3 and rate_differing(s, ws) < 1e-3
+            got = parts[:, route].t()
+            return ok and bool(((got - want_scored()[3]).abs() <= bound()).all())
+        return check
+    scored_bytes = bwd_bytes + R * 8 + R * 4 * (1 + n_parts)
+    bcs = bundles()
+
+    def composed_scored(gr):
+        from megatron_dist_moe.kernels import quant_fp8_cuda as QC
+        KF.swiglu_bwd_rows(u_work, h1b, gh1_tmp, nr, R, F, block_n=128, **score)
+        QC.quantize_rows_cols(gh1_tmp, offs, R, 2 * F, rows=bcs[0], cols=bcs[1])
+        QC.quantize_rows_cols(u_work, offs, R, F, cols=bcs[2])
+    out[("fp8_block", "swiglu_bwd_composed_scored")] = Case(
+        composed_scored, scored_check(bcs), scored_bytes, f"{R}x{F}",
+        [t for b in bcs for t in b] + [parts], takes_order=False,
+        reset=lambda: u_work.copy_(u0))
+    bfs = bundles()
+
+    def fused_scored(gr):
+        from megatron_dist_moe.kernels import quant_fp8_cuda as QC
+        QC.swiglu_bwd_quant(u0, h1b, offs, R, F, gh1_rows=bfs[0], gh1_cols=bfs[1],
+                            h2_cols=bfs[2], part_cols=128, **score)
+    out[("fp8_block", "swiglu_bwd_quant_scored")] = Case(
+        fused_scored, scored_check(bfs), scored_bytes, f"{R}x{F}",
+        [t for b in bfs for t in b] + [parts], takes_order=False)
     return out
 
 

@@ -162,6 +162,8 @@ struct TilePlace {
         col0(static_cast<int64_t>(cb) * 128 + c8 * 8),
         local0(pb * 128 - seg.pstart + rg * 4) {}
   __device__ __forceinline__ int64_t row(int v) const { return local0 + (v >> 2) * 64 + (v & 3); }
+  // row v's place in the tile (0..127)
+  __device__ __forceinline__ int tile_row(int v) const { return rg * 4 + (v >> 2) * 64 + (v & 3); }
 };
 
 // The shared memory of one block's column bundles (COLS): the transposed e4m3 tile, the
@@ -391,6 +393,13 @@ struct BwdArgs {
   float eps;
 };
 
+// the scored variant's table of its tile's rows: each row's score address (0: none, and every
+// padding row) and score
+struct ScoreSmem {
+  int64_t addr[128];
+  float score[128];
+};
+
 // 1 / (1 + e^-x) on the approximate exp and reciprocal (as Triton's sigmoid): the IEEE-rounded
 // reciprocal is an instruction sequence per value, which measured 217 -> 197 us for the pass
 // (docs/decisions.md); e^-x = inf gives 0
@@ -440,6 +449,7 @@ template <bool SCORED, bool CLAMPED>
 __global__ void __launch_bounds__(kThreads, 2) swiglu_bwd_quant(BwdArgs a) {
   __shared__ Segment seg;
   __shared__ ColSmem sm;
+  __shared__ ScoreSmem ss;   // (unused without scores)
 
   const int nfb = a.F / 128;
   const int64_t pb = blockIdx.x / nfb;
@@ -454,7 +464,7 @@ __global__ void __launch_bounds__(kThreads, 2) swiglu_bwd_quant(BwdArgs a) {
   // loads: u (8 bf16 per row), the gate and up e4m3 (8 bytes per row) and scales of 8 rows
   uint4 uv[8];
   uint2 gv[8], vv[8];
-  float gs[8], vs[8], sv[8];
+  float gs[8], vs[8];
   {
     const __nv_bfloat16* u = reinterpret_cast<const __nv_bfloat16*>(*a.u_addr);
     const uint8_t* hq = reinterpret_cast<const uint8_t*>(*a.h1q_addr);
@@ -469,16 +479,25 @@ __global__ void __launch_bounds__(kThreads, 2) swiglu_bwd_quant(BwdArgs a) {
         vv[v] = *reinterpret_cast<const uint2*>(hq + r * 2 * F + F + col0);
         gs[v] = hs[r * 2 * nfb + fb];
         vs[v] = hs[r * 2 * nfb + nfb + fb];
-        if constexpr (SCORED) {
-          const int64_t sa = a.score_ptrs[r];
-          sv[v] = sa != 0 ? *reinterpret_cast<const float*>(sa) : 0.f;
-        }
       } else {   // padding rows: zeros in every output (u = 0 makes every gradient 0)
         uv[v] = make_uint4(0, 0, 0, 0);
         gv[v] = vv[v] = make_uint2(0, 0);
-        gs[v] = vs[v] = sv[v] = 0.f;
+        gs[v] = vs[v] = 0.f;
       }
     }
+  }
+  // the tile's 128 score addresses and scores, one row per thread of the first half, loaded
+  // while the tile's loads above are in flight (the score waits for its address: kept out of
+  // the loop above, the pair would hold each thread's rows in turn) and read back from shared
+  // memory by the 16 threads of each row
+  if constexpr (SCORED) {
+    if (threadIdx.x < 128) {
+      const int64_t local = pb * 128 - seg.pstart + threadIdx.x;
+      const int64_t sa = local < seg.n ? a.score_ptrs[seg.start + local] : 0;
+      ss.addr[threadIdx.x] = sa;
+      ss.score[threadIdx.x] = sa != 0 ? *reinterpret_cast<const float*>(sa) : 0.f;
+    }
+    __syncthreads();
   }
 
   // the three bf16 tiles; with scores, each row's <u, round(act(h1))> over each part_cols-wide
@@ -497,6 +516,7 @@ __global__ void __launch_bounds__(kThreads, 2) swiglu_bwd_quant(BwdArgs a) {
     uint32_t* duw = &duv[v].x;
     uint32_t* h2w = &h2v4[v].x;
     float part = 0.f;
+    const float sv = SCORED ? ss.score[at.tile_row(v)] : 0.f;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const uint32_t gw = (k < 2 ? gv[v].x : gv[v].y) >> (16 * (k & 1));
@@ -508,12 +528,12 @@ __global__ void __launch_bounds__(kThreads, 2) swiglu_bwd_quant(BwdArgs a) {
       float dg[2], du[2], h2[2];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const float dh = SCORED ? round_bf16(sv[v] * uf[j]) : uf[j];
+        const float dh = SCORED ? round_bf16(sv * uf[j]) : uf[j];
         float h2f;
         swiglu_grad<CLAMPED>(gf[j], vf[j], dh, a.alpha, a.limit, dg[j], du[j], h2f);
         if constexpr (SCORED) {
           part += uf[j] * round_bf16(h2f);
-          h2[j] = sv[v] * h2f;
+          h2[j] = sv * h2f;
         } else {
           h2[j] = h2f;
         }
@@ -524,9 +544,8 @@ __global__ void __launch_bounds__(kThreads, 2) swiglu_bwd_quant(BwdArgs a) {
     }
     if constexpr (SCORED) {
       for (int d = 1; d < lanes; d <<= 1) part += __shfl_xor_sync(0xFFFFFFFFu, part, d);
-      const int64_t local = at.row(v);
-      if (at.c8 % lanes == 0 && local < seg.n) {
-        const int64_t sa = a.score_ptrs[seg.start + local];
+      if (at.c8 % lanes == 0) {   // (padding rows have address 0)
+        const int64_t sa = ss.addr[at.tile_row(v)];
         if (sa != 0) *reinterpret_cast<float*>(sa + part_off) = part;
       }
     }
