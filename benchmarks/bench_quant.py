@@ -279,43 +279,13 @@ def _swiglu_bwd_cases(R, E, F, offs, used, h1, act, rnd, dev):
                 (torch.empty(F, Rp, dtype=F8, device=dev), torch.empty(Rp // 128, F, device=dev)))
 
     from megatron_dist_moe.kernels.rows_ref import swiglu_bwd_quant_ref
-    want_bwd = once(lambda: swiglu_bwd_quant_ref(u0, h1b, offs, Rp, act))
-
-    def bwd_check(b):
-        def check():
-            ok = True
-            for i, (q, s) in enumerate(b):
-                wq, ws = want_bwd()[i]
-                if i:   # the column bundles: the used padded rows
-                    q, s, wq, ws = q[:, :used], s[:used // 128], wq[:, :used], ws[:used // 128]
-                ok &= rate_differing(q, wq) < 1e-3 and rate_differing(s, ws) < 1e-3
-            return ok
-        return check
     bwd_bytes = R * F * 2 + R * 2 * F * (1 + 4 / 128) + R * 2 * F * (1 + 4 / 128) + used * (
         3 * F) * (1 + 4 / 128)
-    bc = bundles()
-
-    def composed(gr):
-        from megatron_dist_moe.kernels import quant_fp8_cuda as QC
-        KF.swiglu_bwd_rows(u_work, h1b, gh1_tmp, nr, R, F)
-        QC.quantize_rows_cols(gh1_tmp, offs, R, 2 * F, rows=bc[0], cols=bc[1])
-        QC.quantize_rows_cols(u_work, offs, R, F, cols=bc[2])
-    out[("fp8_block", "swiglu_bwd_composed")] = Case(
-        composed, bwd_check(bc), bwd_bytes, f"{R}x{F}", [t for b in bc for t in b],
-        takes_order=False, reset=lambda: u_work.copy_(u0))
-    bf = bundles()
-
-    def fused(gr):
-        from megatron_dist_moe.kernels import quant_fp8_cuda as QC
-        QC.swiglu_bwd_quant(u0, h1b, offs, R, F, gh1_rows=bf[0], gh1_cols=bf[1], h2_cols=bf[2])
-    out[("fp8_block", "swiglu_bwd_quant")] = Case(
-        fused, bwd_check(bf), bwd_bytes, f"{R}x{F}", [t for b in bf for t in b],
-        takes_order=False)
 
     # With scores, as the layer runs them: row r's score in the owner's route table at a random
     # route (the rows are expert-major, the routes token-major), and each 128-column block's
     # score-gradient part one table slice after it (memory_plan's route_score_grads_delta and
-    # score_part_stride). Both count the parts' bytes too.
+    # score_part_stride). The scored cases count the parts' bytes too.
     n_parts = F // 128
     slice_floats = -(-R // 32) * 32   # 128-byte aligned slices
     table = torch.zeros((1 + n_parts) * slice_floats, device=dev)
@@ -325,7 +295,6 @@ def _swiglu_bwd_cases(R, E, F, offs, used, h1, act, rnd, dev):
     parts = table[slice_floats:].view(n_parts, slice_floats)
     score = dict(score_ptrs=table.data_ptr() + route.to(torch.int64) * 4,
                  score_grad_delta=slice_floats * 4, part_stride=slice_floats * 4)
-    want_scored = once(lambda: swiglu_bwd_quant_ref(u0, h1b, offs, Rp, act, s_R=scores))
 
     def parts_bound():
         # the kernel's act(h1) may differ from torch's in its last bf16 bit: one bf16 unit
@@ -335,38 +304,42 @@ def _swiglu_bwd_cases(R, E, F, offs, used, h1, act, rnd, dev):
         return terms.view(R, n_parts, 128).sum(-1) * (2.0 ** -7 + 1e-5)
     bound = once(parts_bound)
 
-    def scored_check(b):
+    def bwd_check(b, want):
         def check():
             ok = True
             for i, (q, s) in enumerate(b):
-                wq, ws = want_scored()[i]
-                if i:
+                wq, ws = want()[i]
+                if i:   # the column bundles: the used padded rows
                     q, s, wq, ws = q[:, :used], s[:used // 128], wq[:, :used], ws[:used // 128]
                 ok &= rate_differing(q, wq) < 1e-3 and rate_differing(s, ws) < 1e-3
-            got = parts[:, route].t()
-            return ok and bool(((got - want_scored()[3]).abs() <= bound()).all())
+            if want()[3] is not None:   # the score parts, read back through the route table
+                ok &= bool(((parts[:, route].t() - want()[3]).abs() <= bound()).all())
+            return ok
         return check
-    scored_bytes = bwd_bytes + R * 8 + R * 4 * (1 + n_parts)
-    bcs = bundles()
 
-    def composed_scored(gr):
-        from megatron_dist_moe.kernels import quant_fp8_cuda as QC
-        KF.swiglu_bwd_rows(u_work, h1b, gh1_tmp, nr, R, F, block_n=128, **score)
-        QC.quantize_rows_cols(gh1_tmp, offs, R, 2 * F, rows=bcs[0], cols=bcs[1])
-        QC.quantize_rows_cols(u_work, offs, R, F, cols=bcs[2])
-    out[("fp8_block", "swiglu_bwd_composed_scored")] = Case(
-        composed_scored, scored_check(bcs), scored_bytes, f"{R}x{F}",
-        [t for b in bcs for t in b] + [parts], takes_order=False,
-        reset=lambda: u_work.copy_(u0))
-    bfs = bundles()
+    for suffix, sc, s_R, extra_bytes, extra_outs in (
+            ("", {}, None, 0, []),
+            ("_scored", score, scores, R * 8 + R * 4 * (1 + n_parts), [parts])):
+        want = once(lambda s_R=s_R: swiglu_bwd_quant_ref(u0, h1b, offs, Rp, act, s_R=s_R))
+        bc, bf = bundles(), bundles()
 
-    def fused_scored(gr):
-        from megatron_dist_moe.kernels import quant_fp8_cuda as QC
-        QC.swiglu_bwd_quant(u0, h1b, offs, R, F, gh1_rows=bfs[0], gh1_cols=bfs[1],
-                            h2_cols=bfs[2], part_cols=128, **score)
-    out[("fp8_block", "swiglu_bwd_quant_scored")] = Case(
-        fused_scored, scored_check(bfs), scored_bytes, f"{R}x{F}",
-        [t for b in bfs for t in b] + [parts], takes_order=False)
+        def composed(gr, bc=bc, sc=sc):
+            from megatron_dist_moe.kernels import quant_fp8_cuda as QC
+            KF.swiglu_bwd_rows(u_work, h1b, gh1_tmp, nr, R, F, block_n=128, **sc)
+            QC.quantize_rows_cols(gh1_tmp, offs, R, 2 * F, rows=bc[0], cols=bc[1])
+            QC.quantize_rows_cols(u_work, offs, R, F, cols=bc[2])
+
+        def fused(gr, bf=bf, sc=sc):
+            from megatron_dist_moe.kernels import quant_fp8_cuda as QC
+            QC.swiglu_bwd_quant(u0, h1b, offs, R, F, gh1_rows=bf[0], gh1_cols=bf[1],
+                                h2_cols=bf[2], part_cols=128, **sc)
+        out[("fp8_block", f"swiglu_bwd_composed{suffix}")] = Case(
+            composed, bwd_check(bc, want), bwd_bytes + extra_bytes, f"{R}x{F}",
+            [t for b in bc for t in b] + extra_outs, takes_order=False,
+            reset=lambda: u_work.copy_(u0))
+        out[("fp8_block", f"swiglu_bwd_quant{suffix}")] = Case(
+            fused, bwd_check(bf, want), bwd_bytes + extra_bytes, f"{R}x{F}",
+            [t for b in bf for t in b] + extra_outs, takes_order=False)
     return out
 
 
