@@ -257,7 +257,40 @@ def check_nvfp4_wgmma_mm(device, big=False):
                              nvfp4_wgmma.nvfp4_wgmma_mm, "fragment")
 
 
-def _check_decode_mm(device, lens, N, K, variants, fn=None, order="k"):
+def check_nvfp4_dense_mm(device, big=False):
+    """The GEMM on weights decoded per call (kernels/grouped_gemm/nvfp4_dense.py): the decoded
+    fp16 weights bitwise against the twin's values (E2M1 x block scale), then as
+    check_nvfp4_decode_mm (twin math, the Triton kernel on the same a16, scatter, graph replay
+    with new offsets) with a scratch of one expert (the experts in groups, their offsets a
+    slice) and of every expert."""
+    import megatron_dist_moe as dm
+    from megatron_dist_moe.kernels.grouped_gemm import nvfp4_dense
+    for N, K in ([(6144, 7168), (7168, 3072), (224, 256)] if big else [(224, 256)]):
+        w = (torch.randn(3, N, K, generator=torch.Generator().manual_seed(N)) / K ** 0.5)
+        W = dm.prepare_expert_weights(w.to(BF).to(device),
+                                      torch.zeros(3, K, N // 2, dtype=BF, device=device)).w13
+        w16 = torch.full((2 * N * K,), float("nan"), dtype=torch.float16, device=device)
+        nvfp4_dense.decode_weights(W, 1, 3, w16)
+        want = NV.dequantize_weight(W.packed, W.scales, torch.ones(3, device=device))[1:]
+        assert torch.equal(w16.view(2, N, K).float(), want), (
+            f"decode_weights [N={N}, K={K}]: differs from the twin's E2M1 x block scale values")
+        lens_all = ([[300, 0, 1, 130, 64, 257], [8, 0, 1, 13, 5, 7]] if big or device != "cpu"
+                    else [[8, 0, 1, 13, 5, 7]])
+        for lens in lens_all:
+            _check_decode_mm(device, lens, N, K, (2 * N * K, nvfp4_dense.SCRATCH_BYTES),
+                             _dense_mm, graph_first=device != "cpu")
+
+
+def _dense_mm(*, variant, **kw):
+    """nvfp4_dense_mm with a scratch budget of `variant` bytes (the checks' variant slot)."""
+    from megatron_dist_moe.kernels.grouped_gemm import nvfp4_dense
+    E, N, K = kw["weight"].shape
+    scratch = torch.empty(nvfp4_dense.scratch_numel([(E, N, K)], variant), dtype=torch.float16,
+                          device=kw["weight"].device)
+    nvfp4_dense.nvfp4_dense_mm(scratch=scratch, budget=variant, **kw)
+
+
+def _check_decode_mm(device, lens, N, K, variants, fn=None, order="k", graph_first=True):
     import megatron_dist_moe as dm
     from megatron_dist_moe.kernels.grouped_gemm.nvfp4 import nvfp4_grouped_mm
     from megatron_dist_moe.kernels.quant_nvfp4 import dequantize_rows
@@ -280,9 +313,9 @@ def _check_decode_mm(device, lens, N, K, variants, fn=None, order="k"):
         dequantize_rows(a, torch.tensor([R], dtype=torch.int32, device=device), R + 3, K,
                         out=a16, order=order)
     for variant in variants:
-        stream_k = fn is not None and _stream_k(variant)
+        stream_k = fn is not None and fn.__name__ == "nvfp4_wgmma_mm" and _stream_k(variant)
         _check_decode_variant(device, lens, N, K, variant, offs, a, a16, W, xd, wd, ref, tri,
-                              graph=variant == variants[0] or stream_k, fn=fn,
+                              graph=(graph_first and variant == variants[0]) or stream_k, fn=fn,
                               repeat=stream_k)
 
 
@@ -344,5 +377,6 @@ def _check_decode_variant(device, lens, N, K, variant, offs, a, a16, W, xd, wd, 
 CHECKS = {f.__name__[len("check_"):]: f for f in (check_quantize_rows, check_publish_quantized,
                                                   check_swiglu_quant, check_fanout_dequantize,
                                                   check_nvfp4_mm, check_a16_fragment_order,
-                                                  check_nvfp4_decode_mm, check_nvfp4_wgmma_mm)}
+                                                  check_nvfp4_decode_mm, check_nvfp4_wgmma_mm,
+                                                  check_nvfp4_dense_mm)}
 GPU_ONLY = ("nvfp4_decode_mm", "nvfp4_wgmma_mm")   # CUDA C++: no interpreter

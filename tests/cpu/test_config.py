@@ -230,7 +230,10 @@ def test_cuda_execution_explains_every_step(precision, pipeline, gemm):
     ("bf16", "staged", False, 48, "W13 FPROP 128x256x64 8w 4st, W2 FPROP 64x128x128"),
     ("fp8_block", "standard", False, 48, "64x128x128 4w 3st, 2 programs per SM, every GEMM"),
     ("nvfp4", "standard", True, 48, "16x64x128 4w 3st, 4 programs per SM"),
-    ("nvfp4", "standard", True, 12288, "256x128x64 8w 4st, 1 program per SM")])
+    ("nvfp4", "standard", True, 3072, "256x128x64 8w 4st, 1 program per SM"),
+    ("nvfp4", "standard", True, 12288,
+     "weights decoded once per call into an fp16 scratch (at most 256 MiB, experts in groups), "
+     "then the fp16 GEMM with the global scales in its epilogue: W13 128x256x64 8w 4st")])
 def test_explain_names_the_gemm_tiles(monkeypatch, precision, pipeline, inference, rows, want):
     """explain() shows the tiles the context's GEMMs launch with at its row bound (the decode
     tiles of a small T, also in the Mega kernel, whose W2 items share its W13 tiles; the staged
@@ -458,7 +461,11 @@ def test_nvfp4_gemm_engine_is_chosen_at_creation(monkeypatch):
     assert "stream-K" in mid and "2 blocks per SM" in mid, mid
     big = choice.gemm_tiles(ex, 4 * 33, 4, 256, 128, cuda)
     assert big.startswith("CUDA GEMMs, W13 wgmma variant 3006424: 256 weight rows x 64"), big
-    assert "W2 wgmma variant 5012824" in choice.gemm_tiles(ex, 4 * 2048, 4, 256, 128, cuda)
+    assert "W2 wgmma variant 5012824" in choice.gemm_tiles(ex, 4 * 1000, 4, 256, 128, cuda)
+    # from nvfp4_dense.MIN_ROWS_PER_EXPERT the weights decoded per call, either engine
+    for engine in ("cuda", "triton"):
+        dense = choice.gemm_tiles(ex.replace(nvfp4_gemm=engine), 4 * 1024, 4, 256, 128, cuda)
+        assert dense.startswith("dense: the weights decoded once per call"), dense
     assert not choice.gemm_tiles(ex.replace(nvfp4_gemm="triton"), 32, 4, 256, 128,
                                  cuda).startswith("CUDA")
     # CPU devices never take it; a failing build warns once and is not retried

@@ -95,16 +95,18 @@ def test_block_scaled_within_twice_the_emulated_quantization_error(results, name
 
 def test_nvfp4_inference_on_prepared_weights(results):
     """The CUDA backend's nvfp4 path (source-rank quantization into the dispatch buffer, byte-row
-    fan-out, NVFP4 GEMMs, SwiGLU + h2 quantization, scatter) against the fp64 oracle on the
-    dequantized weights: within 2x of the emulated quantization's error, and nearer to that
+    fan-out, NVFP4 GEMMs, SwiGLU + h2 quantization, scatter; "dense": the GEMMs on weights
+    decoded per call, in expert groups) against the fp64 oracle on the dequantized
+    weights: within 2x of the emulated quantization's error, and nearer to that
     emulation than to the oracle (the same quantization points; the kernels apply the global
     scales after the sum, the twin before, and a row's global scale follows its amax, so an
     fp32 difference in one h2 value can move every E2M1 code of its row: a few % apart)."""
     r = results.get("nvfp4_inference")
     assert r is not None, "nvfp4_inference: no result"
     assert r["ok"], f"{r['error']}\n{r['trace']}"
-    for act in ("swiglu", "swiglu_clamped"):
+    for act in ("swiglu", "swiglu_clamped", "dense"):
         c = r[act]
+        assert c["used_dense"] == (act == "dense"), (act, c)
         assert c["err"] <= 2 * c["emul"], (act, c)
         assert 0.02 < c["err"] < 0.3, (act, c)
         assert c["vs_emulation"] < 0.5 * c["emul"], (act, c)

@@ -756,11 +756,21 @@ class Nvfp4Pipeline:
         # Execution.nvfp4_gemm: the CUDA engine's GEMM per GEMM at this row bound (W13
         # contracts D, W2 F): the decode GEMM up to 16 rows per expert, the wgmma GEMM above
         # (kernels/grouped_gemm/nvfp4_decode.py, nvfp4_wgmma.py), else the Triton NVFP4 GEMM;
-        # each GEMM's a16 is decoded in the order its kernel reads
+        # either engine, from nvfp4_dense.MIN_ROWS_PER_EXPERT, decodes the weights once per
+        # call (nvfp4_dense.py, Triton); each GEMM's a16 is decoded in the order its kernel reads
+        from ...kernels.grouped_gemm import nvfp4_dense
+        D, F = cfg.hidden_dim, cfg.intermediate_dim
         self.cuda_variants = None
         self.gemm_workspace = None   # the stream-K variants' partial sums and flags
         self.gemm_status = None      # its status word (a wait that gave up)
+        self.dense_scratch = None    # nvfp4_dense's decoded weights (its variant only)
         self.a16_orders = ("k", "k")
+        self.dense = -(-max_rows // num_local_experts) >= nvfp4_dense.MIN_ROWS_PER_EXPERT
+        if self.dense:
+            self.dense_scratch = torch.empty(
+                nvfp4_dense.scratch_numel([(num_local_experts, 2 * F, D),
+                                           (num_local_experts, D, F)]),
+                dtype=torch.float16, device=device)
         if execution.nvfp4_gemm == "cuda":
             from ...kernels.grouped_gemm import nvfp4_decode, nvfp4_wgmma
             # an explicit override skips Execution's probe: fail here, at creation
@@ -769,7 +779,6 @@ class Nvfp4Pipeline:
                     "nvfp4's CUDA GEMMs (Execution.nvfp4_gemm='cuda') cannot run on "
                     f"{device}: they need an sm_90 GPU where csrc/nvfp4_*_mm.cu build (nvcc); "
                     "use execution_overrides={'nvfp4_gemm': 'triton'}")
-            D, F = cfg.hidden_dim, cfg.intermediate_dim
             self.cuda_variants = tuple(nvfp4_wgmma.cuda_variant(max_rows, num_local_experts, k)
                                        for k in (D, F))
             self.a16_orders = tuple(nvfp4_wgmma.a16_order(v) for v in self.cuda_variants)
@@ -778,7 +787,10 @@ class Nvfp4Pipeline:
                 self.gemm_status = nvfp4_wgmma.workspace_status(self.gemm_workspace)
 
     def _gemm(self, which: int, **kw) -> None:
-        if self.cuda_variants is not None:
+        if self.dense:
+            from ...kernels.grouped_gemm.nvfp4_dense import nvfp4_dense_mm
+            nvfp4_dense_mm(scratch=self.dense_scratch, **kw)
+        elif self.cuda_variants is not None:
             from ...kernels.grouped_gemm import nvfp4_wgmma
             # the GEMMs share the workspace's status word: one check after the last of them
             nvfp4_wgmma.run(self.cuda_variants[which], workspace=self.gemm_workspace,

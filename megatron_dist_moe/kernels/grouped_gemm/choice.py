@@ -33,6 +33,11 @@ def gemm_tiles(execution, max_rows: int, num_local_experts: int, hidden_dim: int
         return (f"{c.block_m}x{c.block_n}x128 {c.num_warps}w {c.num_stages}st, "
                 f"{_per_sm(c.programs_per_sm)}, every GEMM ({where})")
     if execution.precision == "nvfp4":
+        from . import nvfp4_dense
+        if per_expert >= nvfp4_dense.MIN_ROWS_PER_EXPERT:
+            w13, w2 = (select_config("fwd", n=n, kd=kd, device=device, rows_per_expert=per_expert)
+                       for n, kd in ((2 * F, D), (D, F)))
+            return (f"{nvfp4_dense.describe()}: W13 {bf16(w13)}, W2 {bf16(w2)} ({where})")
         if execution.nvfp4_gemm == "cuda":
             from .nvfp4_wgmma import cuda_describe, cuda_variant
             return (f"CUDA GEMMs, W13 {cuda_describe(cuda_variant(max_rows, E, D))}; W2 "

@@ -79,12 +79,20 @@ class _MMArgs:
     score_grad_delta: int = 0  # bytes from a route's score to its first score-gradient part
     part_stride: int = 0       # bytes between consecutive parts of one route
     a_tail: int = 0            # rows readable past R at A (its TMA descriptor spans them)
+    # NVFP4 operands decoded to fp16 (nvfp4_dense.py): the store / scatter epilogue multiplies
+    # row r by the fp32 S_dec at byte nv_offset of byte row r of nv_rows (nv_stride bytes apart)
+    # and by 1 / S_enc[e] (nv_senc), and stores bf16
+    nv_rows: Optional[torch.Tensor] = None
+    nv_stride: int = 0
+    nv_offset: int = 0
+    nv_senc: Optional[torch.Tensor] = None
+    out_bf16: bool = False
 
 
 def _prepare(*, w_kn, w, expert_offsets, max_rows, a, a_row_ptrs, a_copy_out, epilogue, out,
              out_row_ptrs, h1, h2, activation, swiglu_alpha, swiglu_limit,
              claim_flags=None, score_ptrs=None, score_grad_delta=0, part_stride=0,
-             a_tail_rows=0) -> _MMArgs:
+             a_tail_rows=0, nvfp4_scales=None) -> _MMArgs:
     assert w.dim() == 3 and w.is_contiguous(), "w must be a contiguous [E, *, *] tensor"
     dev, dt = w.device, w.dtype
     num_experts = w.shape[0]
@@ -126,9 +134,22 @@ def _prepare(*, w_kn, w, expert_offsets, max_rows, a, a_row_ptrs, a_copy_out, ep
 
     out_addr = out2_addr = out_rows = dummy
     store_aux = False
+    nv = {}
+    out_dt = dt
+    if nvfp4_scales is not None:
+        nv_rows, nv_stride, nv_senc = nvfp4_scales
+        assert epilogue in ("store", "scatter") and not w_kn and claim_flags is None, (
+            "nvfp4_scales go with a dense FPROP's store or scatter epilogue")
+        assert dt == torch.float16, "nvfp4_scales: the decoded operands are fp16"
+        assert (nv_senc.dtype == torch.float32 and nv_senc.is_contiguous()
+                and nv_senc.numel() == num_experts and nv_senc.device == dev), (
+            f"nvfp4_scales: S_enc must be a contiguous fp32 [{num_experts}] on the weights' device")
+        nv = dict(nv_rows=as_device_ptr(nv_rows, "nvfp4_scales rows"), nv_stride=int(nv_stride),
+                  nv_offset=kd // 2 + kd // 16, nv_senc=nv_senc, out_bf16=True)
+        out_dt = torch.bfloat16
     if epilogue == "store":
         assert out is not None, "epilogue='store' needs out (device pointer to [R, N])"
-        out_addr = as_device_ptr(out, "out", dt)
+        out_addr = as_device_ptr(out, "out", out_dt)
     elif epilogue == "swiglu":
         assert h2 is not None, "epilogue='swiglu' needs h2 (device pointer to [R, F])"
         out2_addr = as_device_ptr(h2, "h2", dt)
@@ -158,7 +179,7 @@ def _prepare(*, w_kn, w, expert_offsets, max_rows, a, a_row_ptrs, a_copy_out, ep
         activation=ACTIVATIONS.index(activation), alpha=float(swiglu_alpha),
         limit=float(swiglu_limit), score_grads=score_ptrs is not None,
         score_grad_delta=int(score_grad_delta), part_stride=int(part_stride),
-        a_tail=a_tail_rows)
+        a_tail=a_tail_rows, **nv)
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,6 +249,7 @@ def _grouped_mm_kernel(
     a_addr_ptr, a_rows_ptr, w_ptr, offsets_ptr,
     out_addr_ptr, out2_addr_ptr, out_rows_ptr, claimed_ptr, copied_ptr, epoch_ptr, status_ptr,
     N, Kd, alpha, limit, score_grad_delta, part_stride, polls_max, rank, a_tail,
+    nv_rows_ptr, nv_stride, nv_offset, nv_senc_ptr,
     E: tl.constexpr, E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     W_KN: tl.constexpr, EPILOGUE: tl.constexpr, STORE_AUX: tl.constexpr, ACT: tl.constexpr,
@@ -235,10 +257,11 @@ def _grouped_mm_kernel(
     A_CLAIM: tl.constexpr = False, CLAIM_AHEAD: tl.constexpr = 0, COPY_K: tl.constexpr = 64,
     PROXY_FENCE: tl.constexpr = False, SLICE_K: tl.constexpr = 512,
     AHEAD_SLICES: tl.constexpr = 1, SCORE_GRADS: tl.constexpr = False,
-    ON_GPU: tl.constexpr = False):
+    ON_GPU: tl.constexpr = False, NV_SCALE: tl.constexpr = False):
     # A_CLAIM: a_addr_ptr is a_copy_out, read as a dense A once `claim_slices_phase` made the
     # tile's rows valid; a_rows_ptr gives the rows to copy there (claim.py).
     DT: tl.constexpr = w_ptr.dtype.element_ty
+    ODT: tl.constexpr = tl.bfloat16 if NV_SCALE else DT   # the store / scatter output
     SWIGLU: tl.constexpr = EPILOGUE == 1
     BN: tl.constexpr = BLOCK_N // 2 if SWIGLU else BLOCK_N  # width of each accumulator
     W_ROWS = 2 * N if SWIGLU else N  # FPROP: rows of w[e]
@@ -336,9 +359,16 @@ def _grouped_mm_kernel(
 
         mask = row_ok[:, None] & col_ok[None, :]
         rows64 = rows.to(tl.int64)
+        if NV_SCALE:
+            # the two NVFP4 global decode scales, in nvfp4.py's order: (acc x S_dec(row)) x
+            # S_dec(e), S_dec(e) = 1 / S_enc[e] correctly rounded, read each launch
+            s_row = tl.load((load_ptr(nv_rows_ptr, tl.uint8)
+                             + tl.minimum(rows, row_end - 1).to(tl.int64) * nv_stride
+                             + nv_offset).to(tl.pointer_type(tl.float32)))
+            acc = acc * s_row[:, None] * tl.math.div_rn(1.0, tl.load(nv_senc_ptr + e))
         if EPILOGUE == 0:  # dense store, row stride N
-            out_base = load_ptr(out_addr_ptr, DT)
-            tl.store(out_base + rows64[:, None] * N + cols[None, :], acc.to(DT), mask=mask)
+            out_base = load_ptr(out_addr_ptr, ODT)
+            tl.store(out_base + rows64[:, None] * N + cols[None, :], acc.to(ODT), mask=mask)
         elif EPILOGUE == 1:  # h1 [R, 2F] (gate | up), h2 [R, F]
             g = acc.to(DT)
             u = acc2.to(DT)
@@ -403,9 +433,9 @@ def _grouped_mm_kernel(
                              limit, DT, ACT == 1, STORE_AUX)
         else:  # scatter: row i to address out_rows[i], skipped when 0
             o_addr = tl.load(out_rows_ptr + rows, mask=row_ok, other=0)
-            o_row_base = tl.multiple_of(o_addr.to(tl.pointer_type(DT)), [16])
+            o_row_base = tl.multiple_of(o_addr.to(tl.pointer_type(ODT)), [16])
             o_ptrs = o_row_base[:, None] + cols[None, :]
-            tl.store(o_ptrs, acc.to(DT), mask=(o_addr != 0)[:, None] & col_ok[None, :])
+            tl.store(o_ptrs, acc.to(ODT), mask=(o_addr != 0)[:, None] & col_ok[None, :])
 
 
 # --------------------------------------------------------------------------------------------
@@ -456,6 +486,9 @@ def _launch_mm(args: _MMArgs, config: GroupedGemmConfig, num_programs: Optional[
         N=args.n, Kd=args.kd, alpha=args.alpha, limit=args.limit,
         score_grad_delta=args.score_grad_delta, part_stride=args.part_stride,
         polls_max=max_polls(timeout_s), rank=rank, a_tail=args.a_tail,
+        nv_rows_ptr=args.nv_rows if args.nv_rows is not None else args.offsets,
+        nv_stride=args.nv_stride, nv_offset=args.nv_offset,
+        nv_senc_ptr=args.nv_senc if args.nv_senc is not None else args.offsets,
         E=args.num_experts, E_PAD=max(2, triton.next_power_of_2(args.num_experts)),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, W_KN=args.w_kn, EPILOGUE=args.epilogue,
@@ -464,7 +497,7 @@ def _launch_mm(args: _MMArgs, config: GroupedGemmConfig, num_programs: Optional[
         A_CLAIM=args.claim is not None, CLAIM_AHEAD=config.claim_ahead, COPY_K=copy_k,
         PROXY_FENCE=args.claim is not None and config.tma and on_gpu,
         SLICE_K=slice_k, AHEAD_SLICES=config.claim_ahead_slices, SCORE_GRADS=args.score_grads,
-        ON_GPU=on_gpu,
+        ON_GPU=on_gpu, NV_SCALE=args.nv_senc is not None,
         num_warps=config.num_warps, num_stages=config.num_stages)
     if args.claim is not None and on_gpu:
         check_status(args.claim.status)   # a wait that timed out traps here, with its numbers
@@ -492,6 +525,7 @@ def grouped_mm_fwd(
     timeout_s: float = 600.0,
     rank: int = 0,
     a_tail_rows: int = 0,
+    nvfp4_scales: Optional[tuple] = None,
 ) -> None:
     """FPROP grouped GEMM: row r of expert e gets a[r] @ w[e].T (fp32 accumulation).
 
@@ -522,12 +556,17 @@ def grouped_mm_fwd(
                     tile past R reads rows whose results are never stored instead of taking
                     TMA's slower out-of-bounds path (the per-call layout keeps
                     layout.GEMM_A_TAIL_ROWS rows there for an inference call's A operands).
+    nvfp4_scales    (rows, row_bytes, S_enc): the operands are NVFP4 values decoded to fp16
+                    before their global scales (a and w fp16; nvfp4_dense.py). The store or
+                    scatter epilogue multiplies row r by the fp32 S_dec of NVFP4 byte row r of
+                    `rows` (tensor or device pointer, row_bytes apart: layout.nvfp4_row_bytes(Kd))
+                    and by 1 / S_enc[e] (fp32 [E]), and stores bf16 (nvfp4.py's epilogue).
     """
     args = _prepare(w_kn=False, w=w, expert_offsets=expert_offsets, max_rows=max_rows, a=a,
                     a_row_ptrs=a_row_ptrs, a_copy_out=a_copy_out, epilogue=epilogue, out=out,
                     out_row_ptrs=out_row_ptrs, h1=h1, h2=h2, activation=activation,
                     swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
-                    claim_flags=claim_flags, a_tail_rows=a_tail_rows)
+                    claim_flags=claim_flags, a_tail_rows=a_tail_rows, nvfp4_scales=nvfp4_scales)
     width = 2 * args.n if epilogue == "swiglu" else args.n
     # the claimed (staged) FPROP keeps the training tiles its claim schedule was measured with
     rows = None if claim_flags is not None else -(-max_rows // w.shape[0])

@@ -58,9 +58,17 @@ def run(variant, seed):
 
 def run_nvfp4(seed):
     """nvfp4 inference on prepared weights: the source rank's quantization into the dispatch
-    buffer, the byte-row fan-out, both NVFP4 GEMMs and the SwiGLU + h2 quantization."""
+    buffer, the byte-row fan-out, both NVFP4 GEMMs and the SwiGLU + h2 quantization; "dense":
+    the same with the weights decoded once per call (nvfp4_dense.py: its row threshold lowered
+    so that this shape takes it, its scratch bound to one expert so the experts run in groups)."""
+    from megatron_dist_moe.kernels.grouped_gemm import nvfp4_dense
     out = {}
-    for act in ("swiglu", "swiglu_clamped"):
+    for act in ("swiglu", "swiglu_clamped", "dense"):
+        dense = act == "dense"
+        saved = nvfp4_dense.MIN_ROWS_PER_EXPERT, nvfp4_dense.SCRATCH_BYTES
+        if dense:
+            act = "swiglu"
+            nvfp4_dense.MIN_ROWS_PER_EXPERT, nvfp4_dense.SCRATCH_BYTES = 1, 2 * 512 * 128
         cfg = dm.Config(num_local_input_tokens=24, hidden_dim=128, intermediate_dim=256, top_k=2,
                         num_experts=4, backend="reference", precision="nvfp4", inference=True,
                         num_activation_slots=0, activation=act, swiglu_limit=1.5)
@@ -71,10 +79,13 @@ def run_nvfp4(seed):
         y, none = be.forward(x, ids, s, prepared.w13, prepared.w2, training=False)
         y2, _ = be.forward(x, ids, s, prepared.w13, prepared.w2, training=False)
         guard = be.bk.status.tolist() if hasattr(be.bk, "status") else [0, 0, 0]
+        used_dense = be.experts.dense
+        nvfp4_dense.MIN_ROWS_PER_EXPERT, nvfp4_dense.SCRATCH_BYTES = saved
         be.close()
         em, orc = tt.nvfp4_emulation(p, cfg), tt.nvfp4_oracle_y(p, cfg)
-        out[act] = dict(err=tt.relative_error(y, orc), emul=tt.relative_error(em, orc),
-                        vs_emulation=tt.relative_error(y, em), saved_none=none is None,
+        out["dense" if dense else act] = dict(
+                        used_dense=used_dense, err=tt.relative_error(y, orc),
+                        emul=tt.relative_error(em, orc), vs_emulation=tt.relative_error(y, em), saved_none=none is None,
                         repeat_equal=bool(torch.equal(y, y2)), layout_guard=guard)
     return out
 
