@@ -781,7 +781,8 @@ class Nvfp4Pipeline:
                     "use execution_overrides={'nvfp4_gemm': 'triton'}")
             self.cuda_variants = tuple(nvfp4_wgmma.cuda_variant(max_rows, num_local_experts, k)
                                        for k in (D, F))
-            self.a16_orders = tuple(nvfp4_wgmma.a16_order(v) for v in self.cuda_variants)
+            if not self.dense:   # the dense form reads a16 in k order
+                self.a16_orders = tuple(nvfp4_wgmma.a16_order(v) for v in self.cuda_variants)
             self.gemm_workspace = nvfp4_wgmma.new_workspace(self.cuda_variants, device)
             if self.gemm_workspace is not None:
                 self.gemm_status = nvfp4_wgmma.workspace_status(self.gemm_workspace)
