@@ -182,7 +182,9 @@ def main():
                     t = time_windows(fwd, graph=True)
                     note = "CUDA graph"
                     if precision == "nvfp4":
-                        note += ("; GEMMs: CUDA W13 / W2 variants %d / %d" % variant
+                        note += ("; GEMMs: weights decoded per call (nvfp4_dense)"
+                                 if ctx.backend.experts.dense else
+                                 "; GEMMs: CUDA W13 / W2 variants %d / %d" % variant
                                  if variant else "; GEMMs: Triton")
                     if str(T) in args.profile_tokens.split(","):
                         os.makedirs(args.out, exist_ok=True)

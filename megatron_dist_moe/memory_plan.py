@@ -51,6 +51,30 @@ def score_parts_count(F: int) -> int:
     return -(-F // SCORE_PART_COLS)
 
 
+# nvfp4 inference from this many rows per expert (the row bound over the local experts) decodes
+# the weights once per call into fp16 (kernels/grouped_gemm/nvfp4_dense.py), in groups of
+# experts within NVFP4_WEIGHT_SCRATCH_BYTES (one expert's largest weight at least): there the
+# MMAs, not the weight read, set the time (docs/decisions.md)
+NVFP4_DENSE_MIN_ROWS_PER_EXPERT = 768
+NVFP4_WEIGHT_SCRATCH_BYTES = 256 * 2 ** 20
+
+
+def nvfp4_dense_experts(N: int, K: int, E: int) -> int:
+    """Experts whose [N, K] weights are decoded (fp16) at once within the scratch bound."""
+    return max(1, min(E, NVFP4_WEIGHT_SCRATCH_BYTES // (2 * N * K)))
+
+
+def nvfp4_weight_scratch_bytes(config: Config, num_local_experts: int, max_rows: int) -> int:
+    """Bytes of the CUDA backend's decoded-weight scratch: nvfp4 inference at a row bound of at
+    least NVFP4_DENSE_MIN_ROWS_PER_EXPERT rows per local expert (else 0), one scratch serving
+    W13 [E, 2F, D] and W2 [E, D, F]."""
+    E, D, F = num_local_experts, config.hidden_dim, config.intermediate_dim
+    if (config.precision != "nvfp4" or not config.inference or E < 1
+            or -(-max_rows // E) < NVFP4_DENSE_MIN_ROWS_PER_EXPERT):
+        return 0
+    return max(2 * nvfp4_dense_experts(N, K, E) * N * K for N, K in ((2 * F, D), (D, F)))
+
+
 def weight_cache_bytes(config: Config, num_local_experts: int) -> int:
     """Bytes of one layer's weight cache entry (weight_cache.py): fp8_block E4M3 W13 and W2
     with fp32 128 x 128 block scales (a training context's entry holds both orientations, for
@@ -192,6 +216,9 @@ class MemoryPlan:
     # weight_cache.py): allocated on the first True call for that layer's weights, not part
     # of total_device_bytes; 0 for precisions without quantized weights
     weight_cache_bytes_per_layer: int = 0
+    # nvfp4 at large row bounds: the CUDA backend's decoded weights (nvfp4_weight_scratch_bytes),
+    # allocated once per context, not part of total_device_bytes
+    weight_scratch_bytes: int = 0
 
     # -- layout -----------------------------------------------------------------------------
     @property
@@ -241,6 +268,10 @@ class MemoryPlan:
             b = self.weight_cache_bytes_per_layer
             out.append(f"  weight cache entry            {b:>16,} B  ({_fmt(b)}; with "
                        "is_first_microbatch, per cached layer)")
+        if self.weight_scratch_bytes:
+            b = self.weight_scratch_bytes
+            out.append(f"  decoded-weight scratch        {b:>16,} B  ({_fmt(b)}; nvfp4 on the CUDA "
+                       "backend, per context)")
         out.append("")
         if not c.inference:
             out.append(f"activation slot ({L} layer(s) per slot, {self.num_slots} slot(s), "
@@ -348,6 +379,7 @@ def plan_memory(config: Config, ep_size: int) -> MemoryPlan:
         dispatch_bytes=dispatch, combine_bytes=combine, symmetric_bytes=symmetric,
         total_device_bytes=act + symmetric, notes=tuple(notes),
         weight_cache_bytes_per_layer=weight_cache_bytes(config, E_local),
+        weight_scratch_bytes=nvfp4_weight_scratch_bytes(config, E_local, total_rows),
     )
     if plan.total_device_bytes >= MAX_PLAN_BYTES:
         raise ConfigError(largest_field(plan), f"the plan needs {plan.total_device_bytes:,} B on "

@@ -10,6 +10,7 @@ import torch
 
 
 from megatron_dist_moe.activation import Activation
+from megatron_dist_moe import memory_plan as MP
 from megatron_dist_moe.layout import nvfp4_row_bytes
 from megatron_dist_moe.quant import nvfp4 as NV
 from kernel_checks import close as _close  # noqa: E402  (tests/ on sys.path)
@@ -277,17 +278,22 @@ def check_nvfp4_dense_mm(device, big=False):
         lens_all = ([[300, 0, 1, 130, 64, 257], [8, 0, 1, 13, 5, 7]] if big or device != "cpu"
                     else [[8, 0, 1, 13, 5, 7]])
         for lens in lens_all:
-            _check_decode_mm(device, lens, N, K, (2 * N * K, nvfp4_dense.SCRATCH_BYTES),
+            _check_decode_mm(device, lens, N, K, (2 * N * K, MP.NVFP4_WEIGHT_SCRATCH_BYTES),
                              _dense_mm, graph_first=device != "cpu")
 
 
 def _dense_mm(*, variant, **kw):
-    """nvfp4_dense_mm with a scratch budget of `variant` bytes (the checks' variant slot)."""
+    """nvfp4_dense_mm with the plan's scratch bound set to `variant` bytes (the checks' variant
+    slot)."""
     from megatron_dist_moe.kernels.grouped_gemm import nvfp4_dense
     E, N, K = kw["weight"].shape
-    scratch = torch.empty(nvfp4_dense.scratch_numel([(E, N, K)], variant), dtype=torch.float16,
-                          device=kw["weight"].device)
-    nvfp4_dense.nvfp4_dense_mm(scratch=scratch, budget=variant, **kw)
+    saved, MP.NVFP4_WEIGHT_SCRATCH_BYTES = MP.NVFP4_WEIGHT_SCRATCH_BYTES, variant
+    try:
+        scratch = torch.empty(nvfp4_dense.scratch_numel([(E, N, K)]), dtype=torch.float16,
+                              device=kw["weight"].device)
+        nvfp4_dense.nvfp4_dense_mm(scratch=scratch, **kw)
+    finally:
+        MP.NVFP4_WEIGHT_SCRATCH_BYTES = saved
 
 
 def _check_decode_mm(device, lens, N, K, variants, fn=None, order="k", graph_first=True):

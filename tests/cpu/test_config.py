@@ -461,10 +461,11 @@ def test_nvfp4_gemm_engine_is_chosen_at_creation(monkeypatch):
     assert "stream-K" in mid and "2 blocks per SM" in mid, mid
     big = choice.gemm_tiles(ex, 4 * 33, 4, 256, 128, cuda)
     assert big.startswith("CUDA GEMMs, W13 wgmma variant 3006424: 256 weight rows x 64"), big
-    assert "W2 wgmma variant 5012824" in choice.gemm_tiles(ex, 4 * 1000, 4, 256, 128, cuda)
-    # from nvfp4_dense.MIN_ROWS_PER_EXPERT the weights decoded per call, either engine
+    assert "W2 wgmma variant 5012824" in choice.gemm_tiles(ex, 4 * 700, 4, 256, 128, cuda)
+    # from memory_plan.NVFP4_DENSE_MIN_ROWS_PER_EXPERT the weights decoded per call, either
+    # engine
     for engine in ("cuda", "triton"):
-        dense = choice.gemm_tiles(ex.replace(nvfp4_gemm=engine), 4 * 1024, 4, 256, 128, cuda)
+        dense = choice.gemm_tiles(ex.replace(nvfp4_gemm=engine), 4 * 768, 4, 256, 128, cuda)
         assert dense.startswith("dense: the weights decoded once per call"), dense
     assert not choice.gemm_tiles(ex.replace(nvfp4_gemm="triton"), 32, 4, 256, 128,
                                  cuda).startswith("CUDA")

@@ -159,6 +159,26 @@ def test_weight_cache_entry_bytes():
     assert bf.weight_cache_bytes_per_layer == 0 and "weight cache" not in bf.explain()
 
 
+def test_nvfp4_decoded_weight_scratch_bytes():
+    """MemoryPlan.weight_scratch_bytes: nvfp4 inference from 768 rows per local expert decodes
+    the weights per call into fp16, as many experts at a time as fit 256 MiB: at the guide's
+    experts 3 of W13's 6144 x 7168 (W2's 7168 x 3072 fit 6, the same bytes); none below the
+    threshold or in another precision."""
+    base = dict(hidden_dim=7168, intermediate_dim=3072, top_k=6, num_experts=6,
+                precision="nvfp4", inference=True, num_activation_slots=0)
+    big = dm.plan_memory(dm.Config(num_local_input_tokens=2048, **base), ep_size=1)
+    assert big.total_scratch_rows // 6 >= 768
+    assert big.weight_scratch_bytes == max(2 * 3 * 6144 * 7168, 2 * 6 * 7168 * 3072)
+    assert "decoded-weight scratch" in big.explain()
+    at = dm.plan_memory(dm.Config(num_local_input_tokens=768, **base), ep_size=1)
+    assert at.total_scratch_rows == 768 * 6 and at.weight_scratch_bytes > 0
+    small = dm.plan_memory(dm.Config(num_local_input_tokens=767, **base), ep_size=1)
+    assert small.weight_scratch_bytes == 0 and "decoded-weight" not in small.explain()
+    bf = dm.plan_memory(dm.Config(num_local_input_tokens=2048, **{**base, "precision": "bf16"}),
+                        ep_size=1)
+    assert bf.weight_scratch_bytes == 0
+
+
 def test_plans_past_int64_offsets_or_device_memory_are_refused():
     from megatron_dist_moe.memory_plan import MAX_PLAN_BYTES, check_plan_fits
     base = dict(num_local_input_tokens=4, hidden_dim=64, intermediate_dim=128, top_k=2,

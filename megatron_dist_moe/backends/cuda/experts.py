@@ -756,21 +756,21 @@ class Nvfp4Pipeline:
         # Execution.nvfp4_gemm: the CUDA engine's GEMM per GEMM at this row bound (W13
         # contracts D, W2 F): the decode GEMM up to 16 rows per expert, the wgmma GEMM above
         # (kernels/grouped_gemm/nvfp4_decode.py, nvfp4_wgmma.py), else the Triton NVFP4 GEMM;
-        # either engine, from nvfp4_dense.MIN_ROWS_PER_EXPERT, decodes the weights once per
-        # call (nvfp4_dense.py, Triton); each GEMM's a16 is decoded in the order its kernel reads
-        from ...kernels.grouped_gemm import nvfp4_dense
+        # either engine, from memory_plan.NVFP4_DENSE_MIN_ROWS_PER_EXPERT, decodes the weights
+        # once per call into the plan's scratch (nvfp4_dense.py, Triton); each GEMM's a16 is
+        # decoded in the order its kernel reads
+        from ...memory_plan import nvfp4_weight_scratch_bytes
         D, F = cfg.hidden_dim, cfg.intermediate_dim
         self.cuda_variants = None
         self.gemm_workspace = None   # the stream-K variants' partial sums and flags
         self.gemm_status = None      # its status word (a wait that gave up)
         self.dense_scratch = None    # nvfp4_dense's decoded weights (its variant only)
         self.a16_orders = ("k", "k")
-        self.dense = -(-max_rows // num_local_experts) >= nvfp4_dense.MIN_ROWS_PER_EXPERT
+        scratch_bytes = nvfp4_weight_scratch_bytes(cfg, num_local_experts, max_rows)
+        self.dense = scratch_bytes > 0
         if self.dense:
-            self.dense_scratch = torch.empty(
-                nvfp4_dense.scratch_numel([(num_local_experts, 2 * F, D),
-                                           (num_local_experts, D, F)]),
-                dtype=torch.float16, device=device)
+            self.dense_scratch = torch.empty(scratch_bytes // 2, dtype=torch.float16,
+                                             device=device)
         if execution.nvfp4_gemm == "cuda":
             from ...kernels.grouped_gemm import nvfp4_decode, nvfp4_wgmma
             # an explicit override skips Execution's probe: fail here, at creation

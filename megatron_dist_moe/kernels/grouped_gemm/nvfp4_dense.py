@@ -15,8 +15,10 @@ by a memory-bound pass that reads 4.5 bits and writes 16 per weight; then our fp
 two global scales in its epilogue (`nvfp4_scales`), storing bf16.
 
 Memory: the decoded weights live in a scratch of `scratch_experts` experts, bounded by
-SCRATCH_BYTES (one expert at least): the experts run in groups, one decode and one GEMM launch
-per group, the group's expert offsets a slice of the call's. Nothing is read on the host; a call
+memory_plan.NVFP4_WEIGHT_SCRATCH_BYTES (one expert at least; plan_memory counts it): the experts
+run in groups, one decode and one GEMM launch per group, the group's expert offsets a slice of
+the call's. The nvfp4 pipeline takes this GEMM from memory_plan.NVFP4_DENSE_MIN_ROWS_PER_EXPERT
+rows per expert. Nothing is read on the host; a call
 is a fixed sequence of launches and can be captured in a CUDA graph.
 """
 
@@ -28,20 +30,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ... import memory_plan
 from ...layout import nvfp4_row_bytes
 from ..common import interpreting
 from ..quant_nvfp4 import _decode_f16, _decode_f16_asm
 from .config import select_config
 from .mm import grouped_mm_fwd
 
-__all__ = ["decode_weights", "nvfp4_dense_mm", "scratch_experts", "scratch_numel", "describe",
-           "SCRATCH_BYTES", "MIN_ROWS_PER_EXPERT"]
-
-# the decoded-weight scratch's bound: 3 of the guide's W13 experts (6144 x 7168 fp16, 88 MB)
-SCRATCH_BYTES = 256 * 2 ** 20
-# from this many rows per expert (the context's row bound over its experts) the nvfp4 pipeline
-# runs this GEMM instead of its engine's (the wgmma kernel, or the Triton NVFP4 kernel)
-MIN_ROWS_PER_EXPERT = 1024
+__all__ = ["decode_weights", "nvfp4_dense_mm", "scratch_experts", "scratch_numel", "describe"]
 
 _BN = 32   # a decode program's weight rows (x 256 values, or 128 where K % 256 != 0)
 
@@ -91,29 +87,26 @@ def decode_weights(weight, e0: int, e1: int, out: torch.Tensor) -> None:
         ASM=on_gpu, num_warps=4)
 
 
-def describe(budget: Optional[int] = None) -> str:
-    budget = SCRATCH_BYTES if budget is None else budget
+def describe() -> str:
     return (f"dense: the weights decoded once per call into an fp16 scratch (at most "
-            f"{budget / 2 ** 20:.0f} MiB, experts in groups), then the fp16 GEMM with the global "
-            f"scales in its epilogue")
+            f"{memory_plan.NVFP4_WEIGHT_SCRATCH_BYTES / 2 ** 20:.0f} MiB, experts in groups), "
+            "then the fp16 GEMM with the global scales in its epilogue")
 
 
-def scratch_experts(N: int, K: int, E: int, budget: Optional[int] = None) -> int:
-    """Experts decoded at once: as many [N, K] fp16 matrices as fit the budget (SCRATCH_BYTES
-    unless given), at least one."""
-    budget = SCRATCH_BYTES if budget is None else budget
-    return max(1, min(E, budget // (2 * N * K)))
+def scratch_experts(N: int, K: int, E: int) -> int:
+    """Experts decoded at once: as many [N, K] fp16 matrices as fit the plan's bound, at least
+    one (memory_plan.nvfp4_dense_experts)."""
+    return memory_plan.nvfp4_dense_experts(N, K, E)
 
 
-def scratch_numel(shapes, budget: Optional[int] = None) -> int:
+def scratch_numel(shapes) -> int:
     """fp16 elements of a scratch that serves every weight of `shapes` ((E, N, K) each)."""
-    return max(scratch_experts(N, K, E, budget) * N * K for E, N, K in shapes)
+    return max(scratch_experts(N, K, E) * N * K for E, N, K in shapes)
 
 
 def nvfp4_dense_mm(*, a, a16, weight, expert_offsets: torch.Tensor, max_rows: int,
                    scratch: torch.Tensor, epilogue: str = "store", out=None,
-                   out_row_ptrs: Optional[torch.Tensor] = None, budget: Optional[int] = None,
-                   num_programs: Optional[int] = None) -> None:
+                   out_row_ptrs: Optional[torch.Tensor] = None, num_programs: Optional[int] = None) -> None:
     """The NVFP4 FPROP with the weights decoded per expert group into `scratch`.
 
     a             the NVFP4 byte rows [R, nvfp4_row_bytes(K)] (tensor or device pointer): their
@@ -121,11 +114,11 @@ def nvfp4_dense_mm(*, a, a16, weight, expert_offsets: torch.Tensor, max_rows: in
     a16           fp16 [R, K] (tensor or device pointer): the rows' values before their global
                   scales, in k order (quant_nvfp4.dequantize_rows(order="k"))
     weight        prepared.PreparedWeight [E, N, K], 16 x 16 block scales
-    scratch       fp16, contiguous, at least scratch_numel([weight.shape], budget) elements
+    scratch       fp16, contiguous, at least scratch_numel([weight.shape]) elements
     epilogue      "store" (bf16 [R, N] at `out`) or "scatter" (row r to out_row_ptrs[r]; 0: skip)
     """
     E, N, K = _check_weight(weight)
-    G = scratch_experts(N, K, E, budget)
+    G = scratch_experts(N, K, E)
     assert scratch.dtype == torch.float16 and scratch.is_contiguous() and scratch.numel() >= G * N * K, (
         f"scratch must be a contiguous fp16 tensor of at least {G * N * K} elements "
         f"(scratch_numel)")

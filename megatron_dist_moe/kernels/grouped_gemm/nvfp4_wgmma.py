@@ -123,7 +123,7 @@ def cuda_variant(max_rows: int, E: int, K: int) -> int:
     """The CUDA engine's GEMM for a row bound: the decode GEMM's variant
     (nvfp4_decode.default_variant) up to its MAX_ROWS_PER_EXPERT rows per expert, where
     streaming the weights through many small independent warps is fastest, this GEMM's
-    default_variant above. (From nvfp4_dense.MIN_ROWS_PER_EXPERT the pipeline decodes the
+    default_variant above. (From memory_plan.NVFP4_DENSE_MIN_ROWS_PER_EXPERT the pipeline decodes the
     weights once per call instead: nvfp4_dense.py.)"""
     if -(-max_rows // E) <= nvfp4_decode.MAX_ROWS_PER_EXPERT:
         return nvfp4_decode.default_variant(max_rows, E, K)

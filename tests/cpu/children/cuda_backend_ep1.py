@@ -61,14 +61,14 @@ def run_nvfp4(seed):
     buffer, the byte-row fan-out, both NVFP4 GEMMs and the SwiGLU + h2 quantization; "dense":
     the same with the weights decoded once per call (nvfp4_dense.py: its row threshold lowered
     so that this shape takes it, its scratch bound to one expert so the experts run in groups)."""
-    from megatron_dist_moe.kernels.grouped_gemm import nvfp4_dense
+    from megatron_dist_moe import memory_plan as MP
     out = {}
     for act in ("swiglu", "swiglu_clamped", "dense"):
         dense = act == "dense"
-        saved = nvfp4_dense.MIN_ROWS_PER_EXPERT, nvfp4_dense.SCRATCH_BYTES
+        saved = MP.NVFP4_DENSE_MIN_ROWS_PER_EXPERT, MP.NVFP4_WEIGHT_SCRATCH_BYTES
         if dense:
             act = "swiglu"
-            nvfp4_dense.MIN_ROWS_PER_EXPERT, nvfp4_dense.SCRATCH_BYTES = 1, 2 * 512 * 128
+            MP.NVFP4_DENSE_MIN_ROWS_PER_EXPERT, MP.NVFP4_WEIGHT_SCRATCH_BYTES = 1, 2 * 512 * 128
         cfg = dm.Config(num_local_input_tokens=24, hidden_dim=128, intermediate_dim=256, top_k=2,
                         num_experts=4, backend="reference", precision="nvfp4", inference=True,
                         num_activation_slots=0, activation=act, swiglu_limit=1.5)
@@ -80,7 +80,7 @@ def run_nvfp4(seed):
         y2, _ = be.forward(x, ids, s, prepared.w13, prepared.w2, training=False)
         guard = be.bk.status.tolist() if hasattr(be.bk, "status") else [0, 0, 0]
         used_dense = be.experts.dense
-        nvfp4_dense.MIN_ROWS_PER_EXPERT, nvfp4_dense.SCRATCH_BYTES = saved
+        MP.NVFP4_DENSE_MIN_ROWS_PER_EXPERT, MP.NVFP4_WEIGHT_SCRATCH_BYTES = saved
         be.close()
         em, orc = tt.nvfp4_emulation(p, cfg), tt.nvfp4_oracle_y(p, cfg)
         out["dense" if dense else act] = dict(
