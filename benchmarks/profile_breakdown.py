@@ -38,6 +38,7 @@ PARTS = [
      r"|^(void\s+)?dm_nvfp4::(\w+::)?nvfp4_(decode|wgmma)_mm_kernel"),
     ("grouped WGRAD", r"^_grouped_mm_wgrad_(persistent_)?kernel|^_fp8_wgrad_kernel"),
     ("weight quantization (every forward)", r"^_(quant_weight|fake_weight)_kernel"),
+    ("weight decode (nvfp4, every forward)", r"^_decode_weights(_bg)?_kernel"),
     ("activation quantization (fp8_block, mxfp8, nvfp4)",
      r"^_(quant_rows_cols|quant_rows|swiglu_quant|quant|deq_rows|deq_cols|publish_quant)_kernel"
      r"|^(void\s+)?dm_fp8q::(quant_rows_cols|swiglu_bwd_quant)"),
