@@ -771,7 +771,7 @@ class Nvfp4Pipeline:
         if self.dense:
             self.dense_scratch = torch.empty(scratch_bytes // 2, dtype=torch.float16,
                                              device=device)
-        if execution.nvfp4_gemm == "cuda":
+        if execution.nvfp4_gemm == "cuda" and not self.dense:   # the dense form needs neither
             from ...kernels.grouped_gemm import nvfp4_decode, nvfp4_wgmma
             # an explicit override skips Execution's probe: fail here, at creation
             if not nvfp4_decode.loads(device):
@@ -781,8 +781,7 @@ class Nvfp4Pipeline:
                     "use execution_overrides={'nvfp4_gemm': 'triton'}")
             self.cuda_variants = tuple(nvfp4_wgmma.cuda_variant(max_rows, num_local_experts, k)
                                        for k in (D, F))
-            if not self.dense:   # the dense form reads a16 in k order
-                self.a16_orders = tuple(nvfp4_wgmma.a16_order(v) for v in self.cuda_variants)
+            self.a16_orders = tuple(nvfp4_wgmma.a16_order(v) for v in self.cuda_variants)
             self.gemm_workspace = nvfp4_wgmma.new_workspace(self.cuda_variants, device)
             if self.gemm_workspace is not None:
                 self.gemm_status = nvfp4_wgmma.workspace_status(self.gemm_workspace)
