@@ -59,6 +59,13 @@ NVFP4_DENSE_MIN_ROWS_PER_EXPERT = 768
 NVFP4_WEIGHT_SCRATCH_BYTES = 256 * 2 ** 20
 
 
+def nvfp4_dense(max_rows: int, num_local_experts: int) -> bool:
+    """Whether nvfp4 inference at this row bound decodes the weights once per call (at least
+    NVFP4_DENSE_MIN_ROWS_PER_EXPERT rows per local expert)."""
+    return (num_local_experts >= 1
+            and -(-max_rows // num_local_experts) >= NVFP4_DENSE_MIN_ROWS_PER_EXPERT)
+
+
 def nvfp4_dense_experts(N: int, K: int, E: int) -> int:
     """Experts whose [N, K] weights are decoded (fp16) at once within the scratch bound."""
     return max(1, min(E, NVFP4_WEIGHT_SCRATCH_BYTES // (2 * N * K)))
@@ -69,8 +76,7 @@ def nvfp4_weight_scratch_bytes(config: Config, num_local_experts: int, max_rows:
     least NVFP4_DENSE_MIN_ROWS_PER_EXPERT rows per local expert (else 0), one scratch serving
     W13 [E, 2F, D] and W2 [E, D, F]."""
     E, D, F = num_local_experts, config.hidden_dim, config.intermediate_dim
-    if (config.precision != "nvfp4" or not config.inference or E < 1
-            or -(-max_rows // E) < NVFP4_DENSE_MIN_ROWS_PER_EXPERT):
+    if config.precision != "nvfp4" or not config.inference or not nvfp4_dense(max_rows, E):
         return 0
     return max(2 * nvfp4_dense_experts(N, K, E) * N * K for N, K in ((2 * F, D), (D, F)))
 

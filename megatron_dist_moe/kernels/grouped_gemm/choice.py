@@ -34,8 +34,8 @@ def gemm_tiles(execution, max_rows: int, num_local_experts: int, hidden_dim: int
                 f"{_per_sm(c.programs_per_sm)}, every GEMM ({where})")
     if execution.precision == "nvfp4":
         from . import nvfp4_dense
-        from ...memory_plan import NVFP4_DENSE_MIN_ROWS_PER_EXPERT
-        if per_expert >= NVFP4_DENSE_MIN_ROWS_PER_EXPERT:
+        from ...memory_plan import nvfp4_dense as takes_dense
+        if takes_dense(max_rows, E):
             w13, w2 = (select_config("fwd", n=n, kd=kd, device=device, rows_per_expert=per_expert)
                        for n, kd in ((2 * F, D), (D, F)))
             return (f"{nvfp4_dense.describe()}: W13 {bf16(w13)}, W2 {bf16(w2)} ({where})")

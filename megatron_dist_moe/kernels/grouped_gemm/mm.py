@@ -81,12 +81,11 @@ class _MMArgs:
     a_tail: int = 0            # rows readable past R at A (its TMA descriptor spans them)
     # NVFP4 operands decoded to fp16 (nvfp4_dense.py): the store / scatter epilogue multiplies
     # row r by the fp32 S_dec at byte nv_offset of byte row r of nv_rows (nv_stride bytes apart)
-    # and by 1 / S_enc[e] (nv_senc), and stores bf16
+    # and by 1 / S_enc[e] (nv_senc; set: NV_SCALE), and stores bf16
     nv_rows: Optional[torch.Tensor] = None
     nv_stride: int = 0
     nv_offset: int = 0
     nv_senc: Optional[torch.Tensor] = None
-    out_bf16: bool = False
 
 
 def _prepare(*, w_kn, w, expert_offsets, max_rows, a, a_row_ptrs, a_copy_out, epilogue, out,
@@ -145,7 +144,7 @@ def _prepare(*, w_kn, w, expert_offsets, max_rows, a, a_row_ptrs, a_copy_out, ep
                 and nv_senc.numel() == num_experts and nv_senc.device == dev), (
             f"nvfp4_scales: S_enc must be a contiguous fp32 [{num_experts}] on the weights' device")
         nv = dict(nv_rows=as_device_ptr(nv_rows, "nvfp4_scales rows"), nv_stride=int(nv_stride),
-                  nv_offset=kd // 2 + kd // 16, nv_senc=nv_senc, out_bf16=True)
+                  nv_offset=kd // 2 + kd // 16, nv_senc=nv_senc)
         out_dt = torch.bfloat16
     if epilogue == "store":
         assert out is not None, "epilogue='store' needs out (device pointer to [R, N])"
