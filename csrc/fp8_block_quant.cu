@@ -155,12 +155,13 @@ __device__ __forceinline__ float amax_f32(uint32_t w, bool hi) {
 // column block cb, its rows v = 0..7 at the segment's local rows row(v)
 struct TilePlace {
   int c8, rg;
-  int64_t col0, local0;
+  int64_t col0, base, local0;   // base: the segment-local row of the tile's first row
   __device__ __forceinline__ TilePlace(const Segment& seg, int64_t pb, int cb)
       : c8(static_cast<int>(threadIdx.x) & 15),
         rg(static_cast<int>(threadIdx.x) >> 4),
         col0(static_cast<int64_t>(cb) * 128 + c8 * 8),
-        local0(pb * 128 - seg.pstart + rg * 4) {}
+        base(pb * 128 - seg.pstart),
+        local0(base + rg * 4) {}
   __device__ __forceinline__ int64_t row(int v) const { return local0 + (v >> 2) * 64 + (v & 3); }
   // row v's place in the tile (0..127)
   __device__ __forceinline__ int tile_row(int v) const { return rg * 4 + (v >> 2) * 64 + (v & 3); }
@@ -492,7 +493,7 @@ __global__ void __launch_bounds__(kThreads, 2) swiglu_bwd_quant(BwdArgs a) {
   // memory by the 16 threads of each row
   if constexpr (SCORED) {
     if (threadIdx.x < 128) {
-      const int64_t local = pb * 128 - seg.pstart + threadIdx.x;
+      const int64_t local = at.base + threadIdx.x;
       const int64_t sa = local < seg.n ? a.score_ptrs[seg.start + local] : 0;
       ss.addr[threadIdx.x] = sa;
       ss.score[threadIdx.x] = sa != 0 ? *reinterpret_cast<const float*>(sa) : 0.f;
