@@ -16,6 +16,15 @@ spikes), so agreement is judged against that noise: run twice and give both CSVs
 benchmarks/megatron_loss_noise.py. `--fp32 --dist-moe-backend reference` takes rounding out and
 should track alltoall closely step by step.
 
+FP8 experts (Megatron's --fp8-format e4m3 --fp8-recipe blockwise, or mxfp8): the dist_moe
+model's experts run fp8_block (mxfp8), judged against the bf16 alltoall noise band, with a bf16
+dist_moe model beside it for tokens/s (GPU only):
+
+    torchrun --nproc-per-node 1 examples/tiny_gpt_dist_moe.py --preset small --steps 300 \\
+        --compare --repeat-alltoall --repeat-perturb 1e-3 --fp8-recipe blockwise --te off \\
+        --csv out/fp8_block.csv
+    python benchmarks/megatron_loss_noise.py out/fp8_block.csv --out out
+
 CPU smoke run (2 gloo ranks spawned here, reference backend, fp32; Megatron-Core's CUDA-only
 calls are replaced by the test shims in tests/cpu/megatron_shims):
 
@@ -119,6 +128,15 @@ def parse_args(argv=None):
                         "when comparing with alltoall")
     p.add_argument("--te", choices=["auto", "on", "off"], default="auto",
                    help="Transformer Engine modules (alltoall then uses TEGroupedMLP)")
+    p.add_argument("--fp8-recipe", choices=["blockwise", "mxfp8"], default=None,
+                   help="Megatron's --fp8-recipe on the dist_moe models' TransformerConfig (with "
+                        "--fp8-format): their experts run dist_moe's fp8_block / mxfp8 through "
+                        "the plugin's mapping; the alltoall models stay bf16, so --compare "
+                        "--repeat-alltoall judges the fp8 curve against the bf16 noise band, "
+                        "and a bf16 dist_moe model (columns *_dist_moe_bf16) gives the tokens/s "
+                        "next to it. With Transformer Engine the dense layers run TE's fp8 too")
+    p.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default="e4m3",
+                   help="with --fp8-recipe (dist_moe's block-scaled recipes are E4M3)")
     args = p.parse_args(argv)
     if args.fp32 and args.device == "cuda" and args.dist_moe_backend != "reference":
         p.error("--fp32 needs --dist-moe-backend reference (the cuda backend runs bf16 experts)")
@@ -132,6 +150,9 @@ def parse_args(argv=None):
         p.error(f"--repeat-perturb must be in [0, 0.1), got {args.repeat_perturb}")
     if args.fp32 and args.te == "on":
         p.error("--fp32 runs without Transformer Engine: use --te off")
+    if args.fp8_recipe and (args.fp32 or args.device == "cpu"):
+        p.error("--fp8-recipe quantizes bf16 experts: it runs on the GPU without --fp32 (the "
+                "CPU run keeps fp32 weights)")
     for name, value in PRESETS[args.preset].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -169,14 +190,18 @@ def use_te(args) -> bool:
     return HAVE_TE
 
 
-def transformer_config(args, dispatcher: str, ep: int):
+def transformer_config(args, dispatcher: str, ep: int, fp8: bool = False):
+    """fp8: the run's --fp8-format / --fp8-recipe (Megatron's fields; the dist_moe plugin maps
+    them to its precision, Megatron's own modules use them only through Transformer Engine)."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cpu = args.device == "cpu"
     fp32 = cpu or args.fp32
     te = use_te(args)
-    return TransformerConfig(
+    fp8_fields = (dict(fp8=args.fp8_format, fp8_recipe=args.fp8_recipe)
+                  if fp8 and args.fp8_recipe else {})
+    config = TransformerConfig(**(fp8_fields if te else {}),
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, ffn_hidden_size=2 * args.hidden_size,
         num_moe_experts=args.num_experts, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
@@ -189,13 +214,21 @@ def transformer_config(args, dispatcher: str, ep: int):
         init_method_std=0.02, bf16=not fp32, params_dtype=torch.float32 if fp32 else torch.bfloat16,
         use_cpu_initialization=cpu, transformer_impl="transformer_engine" if te else "local",
     )
+    if fp8_fields and not te:
+        # Megatron-Core refuses fp8 on MoE models without Transformer Engine >= 1.7 when the
+        # config is built (its own experts quantize through TE). dist_moe's experts quantize
+        # themselves, and without TE Megatron's fp8 context is a no-op for every other module,
+        # so the fields are set after the check: only the plugin reads them.
+        for name, value in fp8_fields.items():
+            setattr(config, name, value)
+    return config
 
 
-def build_model(args, dispatcher: str, ep: int, device):
+def build_model(args, dispatcher: str, ep: int, device, fp8: bool = False):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    config = transformer_config(args, dispatcher, ep)
+    config = transformer_config(args, dispatcher, ep, fp8)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te(args),
                                       normalization="RMSNorm")
     torch.manual_seed(args.seed)
@@ -217,11 +250,12 @@ def perturb_weights(model, eps: float, seed: int) -> None:
 class Trainer:
     """One model + optimizer; `step()` runs Megatron's schedule over num_microbatches."""
 
-    def __init__(self, args, dispatcher: str, ep: int, device, init_state=None, perturb=0.0):
+    def __init__(self, args, dispatcher: str, ep: int, device, init_state=None, perturb=0.0,
+                 fp8: bool = False):
         import megatron.core.parallel_state as ps
 
         self.args, self.dispatcher, self.device = args, dispatcher, device
-        model, self.config = build_model(args, dispatcher, ep, device)
+        model, self.config = build_model(args, dispatcher, ep, device, fp8)
         if init_state is not None:
             model.load_state_dict(init_state)   # alltoall checkpoint -> dist_moe, unchanged
         if perturb:
@@ -236,6 +270,13 @@ class Trainer:
             self.model = model
             self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1,
                                                betas=(0.9, 0.95))
+
+    def precision(self) -> str:
+        """The experts' precision: what the plugin maps this model's fp8 fields to (alltoall's
+        experts follow Megatron's own modules: bf16 without Transformer Engine)."""
+        from megatron_dist_moe.megatron.config_map import precision_from_transformer_config
+
+        return precision_from_transformer_config(self.config)
 
     def _setup_megatron_optimizer(self, model):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -342,20 +383,28 @@ def run(rank: int, world: int, args) -> None:
         kinds.insert(1, "alltoall_repeat")
     if args.repeat_dist_moe:
         kinds.append("dist_moe_repeat")
+    if args.fp8_recipe and args.compare:
+        kinds.append("dist_moe_bf16")   # the fp8 run's tokens/s next to bf16's
     trainers = {}
     init_state = None
     for kind in kinds:
-        dispatcher = kind.removesuffix("_repeat")
+        dispatcher = kind.removesuffix("_repeat").removesuffix("_bf16")
         repeat = kind.endswith("_repeat")
+        # --fp8-recipe: every dist_moe model but the bf16 one takes Megatron's fp8 fields
+        fp8 = dispatcher == "dist_moe" and not kind.endswith("_bf16")
         trainers[kind] = Trainer(args, dispatcher, ep, device, init_state,
-                                 perturb=args.repeat_perturb if repeat else 0.0)
+                                 perturb=args.repeat_perturb if repeat else 0.0, fp8=fp8)
         if init_state is None:   # every model starts from the first alltoall model's weights
             init_state = trainers[kind].init_state
     tokens_per_step = (args.seq_length * args.micro_batch_size * args.num_microbatches
                        * dist.get_world_size(ps.get_data_parallel_group()))
     if rank == 0:
+        fp8 = (f" fp8={args.fp8_format}/{args.fp8_recipe} (dist_moe precision "
+               f"{trainers['dist_moe' if args.compare else kinds[0]].precision()})"
+               if args.fp8_recipe else "")
         print(f"world={world} EP={ep} device={device} preset={args.preset} "
-              f"te={use_te(args)} dispatchers={kinds} tokens/step={tokens_per_step}", flush=True)
+              f"te={use_te(args)} dispatchers={kinds} tokens/step={tokens_per_step}{fp8}",
+              flush=True)
 
     rows, times = [], {k: [] for k in kinds}
     csv_file = writer = None

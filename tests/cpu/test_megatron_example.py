@@ -138,3 +138,42 @@ def test_example_repeat_alltoall_gives_a_noise_pair(tmp_path):
     assert set(curves) == {"alltoall#0", "alltoall#0r", "dist_moe#0"}
     kinds = {(r["a"], r["b"]): r["kind"] for r in mln.compare(curves, [(0, 4)])}
     assert kinds[("alltoall#0", "alltoall#0r")] == "noise"
+
+
+@pytest.mark.parametrize("recipe, precision", [("blockwise", "fp8_block"), ("mxfp8", "mxfp8")])
+def test_example_fp8_recipe_reaches_only_the_dist_moe_models(recipe, precision):
+    """--fp8-recipe sets Megatron's fp8 fields on the dist_moe models' TransformerConfig (after
+    Megatron's TE-only MoE check when TE is absent) and the plugin maps them to the experts'
+    precision; the alltoall models (the bf16 noise band) and the bf16 dist_moe model keep none."""
+    sys.path.insert(0, os.path.join(REPO, "examples"))
+    try:
+        import tiny_gpt_dist_moe as ex
+    finally:
+        sys.path.pop(0)
+    from megatron_dist_moe.megatron.config_map import precision_from_transformer_config
+
+    args = ex.parse_args(["--device", "cuda", "--te", "off", "--compare", "--fp8-recipe", recipe])
+    fp8_tc = ex.transformer_config(args, "dist_moe", 1, fp8=True)
+    assert (fp8_tc.fp8, fp8_tc.fp8_recipe) == ("e4m3", recipe)
+    assert precision_from_transformer_config(fp8_tc) == precision
+    for tc in (ex.transformer_config(args, "alltoall", 1), ex.transformer_config(args, "dist_moe", 1)):
+        assert not tc.fp8 and precision_from_transformer_config(tc) == "bf16"
+    # hybrid (E5M2 gradients) is refused by the plugin, naming the flag
+    hybrid = ex.parse_args(["--device", "cuda", "--te", "off", "--fp8-recipe", recipe,
+                            "--fp8-format", "hybrid"])
+    with pytest.raises(ValueError, match="--fp8-format"):
+        precision_from_transformer_config(ex.transformer_config(hybrid, "dist_moe", 1, fp8=True))
+
+
+@pytest.mark.parametrize("argv", [["--device", "cpu", "--fp8-recipe", "blockwise"],
+                                  ["--device", "cuda", "--fp32", "--dist-moe-backend", "reference",
+                                   "--fp8-recipe", "mxfp8"]])
+def test_example_fp8_recipe_needs_bf16_on_the_gpu(argv, capsys):
+    sys.path.insert(0, os.path.join(REPO, "examples"))
+    try:
+        import tiny_gpt_dist_moe as ex
+    finally:
+        sys.path.pop(0)
+    with pytest.raises(SystemExit):
+        ex.parse_args(argv)
+    assert "--fp8-recipe quantizes bf16 experts" in capsys.readouterr().err
