@@ -21,6 +21,10 @@ Two verdicts, both per step window:
   smallest curve mean): "no systematic difference" when it is within.
 The exit status is 0 only when both hold in every window.
 
+A run with `--fp8-recipe` (column loss_dist_moe_bf16) judges its fp8 dist_moe curve against a
+bf16 band: its bf16 dist_moe curve (`bf16_dist_moe#i`) joins the alltoall curves in the
+reference group, so every bf16-vs-bf16 pair counts as noise.
+
 Writes OUTDIR/loss_noise.csv (one row per window and pair) and OUTDIR/loss_noise.png.
 """
 
@@ -37,6 +41,16 @@ from plotting import pyplot
 from megatron_dist_moe.testing import moving_average
 
 
+# curve names (before '#') of the reference group: bf16 curves that dist_moe's is judged against
+REFERENCE = ("alltoall", "bf16_dist_moe")
+
+
+def group(name: str) -> str:
+    """'alltoall' for a reference-group curve, else its kind ('dist_moe')."""
+    kind = name.split("#")[0]
+    return "alltoall" if kind in REFERENCE else kind
+
+
 def load_curves(paths: list[str]) -> dict[str, list[float]]:
     """{'alltoall#0': [...], 'dist_moe#0': [...], ...}, one pair per CSV, in file order."""
     curves = {}
@@ -51,6 +65,8 @@ def load_curves(paths: list[str]) -> dict[str, list[float]]:
         for kind in ("alltoall", "dist_moe"):   # --repeat-alltoall / --repeat-dist-moe
             if f"loss_{kind}_repeat" in rows[0]:
                 curves[f"{kind}#{i}r"] = [float(r[f"loss_{kind}_repeat"]) for r in rows]
+        if "loss_dist_moe_bf16" in rows[0]:   # --fp8-recipe: the bf16 dist_moe model
+            curves[f"bf16_dist_moe#{i}"] = [float(r["loss_dist_moe_bf16"]) for r in rows]
     return curves
 
 
@@ -67,7 +83,7 @@ def compare(curves: dict[str, list[float]], windows: list[tuple[int, int]]) -> l
             n = min(hi, len(curves[a]), len(curves[b]))
             if n <= lo:
                 continue
-            ka, kb = a.split("#")[0], b.split("#")[0]
+            ka, kb = group(a), group(b)
             kind = {("alltoall", "alltoall"): "noise", ("dist_moe", "dist_moe"): "dist_moe_noise"
                     }.get((ka, kb), "dist_moe_vs_alltoall")
             gap = max(abs(smooth[a][i] - smooth[b][i]) for i in range(lo, n))
@@ -85,7 +101,7 @@ def group_means(curves: dict[str, list[float]], windows: list[tuple[int, int]]) 
     out = []
     for lo, hi in windows:
         means = {k: sum(v[lo:hi]) / len(v[lo:hi]) for k, v in curves.items() if len(v) > lo}
-        grp = {g: [m for k, m in means.items() if k.split("#")[0] == g]
+        grp = {g: [m for k, m in means.items() if group(k) == g]
                for g in ("alltoall", "dist_moe")}
         if not grp["alltoall"] or not grp["dist_moe"]:
             continue
@@ -130,7 +146,7 @@ def verdict(rows: list[dict]) -> tuple[bool, list[str]]:
                          f"{'within noise' if good else 'OUTSIDE noise'}")
         else:
             r = ours[0]
-            ref = r["mean_a"] if r["a"].startswith("alltoall") else r["mean_b"]
+            ref = r["mean_a"] if group(r["a"]) == "alltoall" else r["mean_b"]
             good = abs(r["mean_diff"]) <= 0.02 * abs(ref)
             lines.append(f"steps {w}: mean loss difference {abs(r['mean_diff']):.4f} "
                          f"({'within' if good else 'beyond'} 2% of {ref:.4f}; one run: no noise band)")
@@ -178,6 +194,9 @@ def main(argv=None) -> int:
     ok, lines = verdict(rows)
     groups = group_means(curves, default_windows(n))
     gok, glines = group_verdict(groups)
+    if any(k.startswith("bf16_dist_moe") for k in curves):
+        lines.insert(0, "reference group ('alltoall' below): the alltoall curves and the bf16 "
+                        "dist_moe curve; 'dist_moe' is the fp8 curve")
     print("\n".join(lines + glines))
     ok &= gok
     plot(curves, os.path.join(args.out, "loss_noise.png"))

@@ -51,7 +51,9 @@
 #   decodebase the same bench_decode run on the tree in $BASE_TREE (BASE_DECODE_ARGS instead of
 #              DECODE_ARGS where the old tree takes other arguments)
 #   megatron   tiny GPT, dist_moe vs alltoall (SEEDS, STEPS, MB, MOE_BACKEND, PERTURB,
-#              MEGATRON_ARGS)
+#              MEGATRON_ARGS, e.g. "--fp8-recipe blockwise": fp8_block experts against the bf16
+#              band, a bf16 dist_moe model beside them; ~8 min for 300 steps on one H100; then
+#              benchmarks/megatron_loss_noise.py on the CSV)
 #   lmeval     examples/tiny_lm_nvfp4_eval.py on the CUDA backend: bf16 / fp8_block / mxfp8
 #              training against the bf16 noise band (six perturbed repeats; then
 #              benchmarks/lm_noise_band.py's verdicts), then the held-out loss with nvfp4 experts
@@ -93,7 +95,7 @@ for s in $sections; do case $s in
   env) nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.limit --format=csv
        nvidia-smi topo -m | head -5
        python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' ;;
-  kernels) LIMIT=360 run kernels python3 -m pytest -q -x tests/gpu -m gpu \
+  kernels) LIMIT=540 run kernels python3 -m pytest -q -x tests/gpu -m gpu \
                -k "not cuda_backend and not sm90" ;;
   check) LIMIT=300 run check1 torchrun --nproc-per-node=1 tests/gpu/dist_check.py ${CHECK_ARGS:-}
          [ "$NGPU" -ge 2 ] && LIMIT=300 run check2 torchrun --nproc-per-node=2 tests/gpu/dist_check.py ${CHECK_ARGS:-} ;;

@@ -96,3 +96,26 @@ def test_group_means_flag_a_systematic_offset_the_pairs_miss(tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "o" / "loss_noise.csv")))
     kinds = {(r["a"], r["b"]): r["kind"] for r in rows}
     assert kinds[("dist_moe#0", "dist_moe#0r")] == "dist_moe_noise"
+
+
+def test_an_fp8_run_judges_its_dist_moe_curve_against_every_bf16_curve(tmp_path):
+    """A --fp8-recipe CSV: the bf16 dist_moe curve joins the alltoall curves in the reference
+    group (its gaps to them count as noise, and it widens the group spread), and the fp8
+    dist_moe curve is judged against that band."""
+    path = tmp_path / "fp8.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", "loss_alltoall", "loss_alltoall_repeat", "loss_dist_moe",
+                    "loss_dist_moe_bf16"])
+        for i, row in enumerate(zip(_curve(130), _curve(130, 0.01), _curve(130, 0.03),
+                                    _curve(130, 0.05))):
+            w.writerow([i, *row])
+    curves = mln.load_curves([str(path)])
+    assert set(curves) == {"alltoall#0", "alltoall#0r", "dist_moe#0", "bf16_dist_moe#0"}
+    kinds = {(r["a"], r["b"]): r["kind"] for r in mln.compare(curves, [(0, 130)])}
+    assert kinds[("alltoall#0", "bf16_dist_moe#0")] == "noise"
+    assert kinds[("dist_moe#0", "bf16_dist_moe#0")] == "dist_moe_vs_alltoall"
+    g = mln.group_means(curves, [(0, 130)])[0]
+    assert g["n_alltoall"] == 3 and g["spread_alltoall"] == pytest.approx(0.05, abs=1e-4)
+    # fp8 at +0.03 sits inside the bf16 band [0, 0.05]: within noise on both verdicts
+    assert mln.main([str(path), "--out", str(tmp_path / "o")]) == 0
