@@ -20,7 +20,7 @@ weights, a ~200 µs floor at ~4 TB/s. Per T (tokens per GPU, K=6 routes each) an
 Correctness first: every precision's y against baseline (a)'s (bf16 within 2e-2, the
 block-scaled ones within bench_layer's FP8_CHECK band; a mismatch exits 1 before timing). The
 block-scaled training precisions prepare their weights inside every forward
-(backends/cuda/experts.py), which the note of their rows says with the share it takes; nvfp4
+(backends/cuda/experts/), which the note of their rows says with the share it takes; nvfp4
 reads weights prepared once (dm.prepare_expert_weights), judged within NVFP4_CHECK. CSV rows (commit, GPU, precision,
 T, ms, useful TFLOP/s, ratio to baseline (a), fraction of the floor) and a plot of ms against T.
 """

@@ -12,7 +12,7 @@ Forward, per call (one CUDA stream, no host synchronisation):
        row counts (0 for what is not kept)
 Backward mirrors it (guide §05), replaying the forward under a device predicate when the planner
 chose recompute. The expert-MLP step is delegated to the context's expert pipeline
-(experts.py), chosen by its Execution.
+(the experts/ package: one module per precision), chosen by its Execution.
 """
 
 from __future__ import annotations
