@@ -52,8 +52,8 @@
 #              DECODE_ARGS where the old tree takes other arguments)
 #   megatron   tiny GPT, dist_moe vs alltoall (SEEDS, STEPS, MB, MOE_BACKEND, PERTURB,
 #              MEGATRON_ARGS, e.g. "--fp8-recipe blockwise": fp8_block experts against the bf16
-#              band, a bf16 dist_moe model beside them; ~8 min for 300 steps on one H100; then
-#              benchmarks/megatron_loss_noise.py on the CSV)
+#              band, a bf16 dist_moe model beside them; ~8 min for 300 steps on one H100), then
+#              each seed's benchmarks/megatron_loss_noise.py verdict
 #   lmeval     examples/tiny_lm_nvfp4_eval.py on the CUDA backend: bf16 / fp8_block / mxfp8
 #              training against the bf16 noise band (six perturbed repeats; then
 #              benchmarks/lm_noise_band.py's verdicts), then the held-out loss with nvfp4 experts
@@ -168,6 +168,10 @@ for s in $sections; do case $s in
                 --dist-moe-backend "${MOE_BACKEND:-cuda}" --repeat-alltoall \
                 ${PERTURB:+--repeat-perturb "$PERTURB"} ${MEGATRON_ARGS:-} \
                 --csv "$OUT/megatron_cmp_${MOE_BACKEND:-cuda}_$seed.csv"
+              # the seed's verdict against its own noise band (a CSV cut short still has one)
+              [ -s "$OUT/megatron_cmp_${MOE_BACKEND:-cuda}_$seed.csv" ] && LIMIT=60 \
+                run "loss_noise_$seed" python3 benchmarks/megatron_loss_noise.py \
+                  "$OUT/megatron_cmp_${MOE_BACKEND:-cuda}_$seed.csv" --out "$OUT/loss_noise_$seed"
             done ;;
   lmeval) band_args=""   # one run per seed (~10 s per model on one H200), then the verdicts
           for seed in ${LMEVAL_SEEDS:-1234}; do
