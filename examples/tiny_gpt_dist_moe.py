@@ -399,11 +399,11 @@ def run(rank: int, world: int, args) -> None:
     tokens_per_step = (args.seq_length * args.micro_batch_size * args.num_microbatches
                        * dist.get_world_size(ps.get_data_parallel_group()))
     if rank == 0:
-        fp8 = (f" fp8={args.fp8_format}/{args.fp8_recipe} (dist_moe precision "
-               f"{trainers['dist_moe' if args.compare else kinds[0]].precision()})"
-               if args.fp8_recipe else "")
+        fp8_note = (f" fp8={args.fp8_format}/{args.fp8_recipe} (dist_moe precision "
+                    f"{trainers['dist_moe' if args.compare else kinds[0]].precision()})"
+                    if args.fp8_recipe else "")
         print(f"world={world} EP={ep} device={device} preset={args.preset} "
-              f"te={use_te(args)} dispatchers={kinds} tokens/step={tokens_per_step}{fp8}",
+              f"te={use_te(args)} dispatchers={kinds} tokens/step={tokens_per_step}{fp8_note}",
               flush=True)
 
     rows, times = [], {k: [] for k in kinds}

@@ -23,6 +23,16 @@ pytest.importorskip("megatron.core")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _example():
+    """examples/tiny_gpt_dist_moe.py as a module (parse_args, transformer_config, ...)."""
+    sys.path.insert(0, os.path.join(REPO, "examples"))
+    try:
+        import tiny_gpt_dist_moe
+    finally:
+        sys.path.pop(0)
+    return tiny_gpt_dist_moe
+
+
 def test_example_compare_smoke_run(tmp_path):
     out_csv = tmp_path / "cmp.csv"
     proc = subprocess.run(
@@ -78,11 +88,7 @@ def test_example_repeats_start_from_one_perturbed_state(tmp_path):
     (["--compare", "--repeat-alltoall", "--repeat-perturb", "0.5"], "--repeat-perturb must be"),
 ])
 def test_example_fp32_flag_is_checked(argv, message, capsys):
-    sys.path.insert(0, os.path.join(REPO, "examples"))
-    try:
-        import tiny_gpt_dist_moe as ex
-    finally:
-        sys.path.pop(0)
+    ex = _example()
     with pytest.raises(SystemExit):
         ex.parse_args(argv)
     assert message in capsys.readouterr().err
@@ -95,11 +101,7 @@ def test_perturb_weights_is_rank_independent_and_eps_sized():
     (two ranks) get the same draw; the relative change has standard deviation eps."""
     import torch
 
-    sys.path.insert(0, os.path.join(REPO, "examples"))
-    try:
-        import tiny_gpt_dist_moe as ex
-    finally:
-        sys.path.pop(0)
+    ex = _example()
     torch.manual_seed(0)
     a = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
     b = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
@@ -145,11 +147,7 @@ def test_example_fp8_recipe_reaches_only_the_dist_moe_models(recipe, precision):
     """--fp8-recipe sets Megatron's fp8 fields on the dist_moe models' TransformerConfig (after
     Megatron's TE-only MoE check when TE is absent) and the plugin maps them to the experts'
     precision; the alltoall models (the bf16 noise band) and the bf16 dist_moe model keep none."""
-    sys.path.insert(0, os.path.join(REPO, "examples"))
-    try:
-        import tiny_gpt_dist_moe as ex
-    finally:
-        sys.path.pop(0)
+    ex = _example()
     from megatron_dist_moe.megatron.config_map import precision_from_transformer_config
 
     args = ex.parse_args(["--device", "cuda", "--te", "off", "--compare", "--fp8-recipe", recipe])
@@ -169,11 +167,7 @@ def test_example_fp8_recipe_reaches_only_the_dist_moe_models(recipe, precision):
                                   ["--device", "cuda", "--fp32", "--dist-moe-backend", "reference",
                                    "--fp8-recipe", "mxfp8"]])
 def test_example_fp8_recipe_needs_bf16_on_the_gpu(argv, capsys):
-    sys.path.insert(0, os.path.join(REPO, "examples"))
-    try:
-        import tiny_gpt_dist_moe as ex
-    finally:
-        sys.path.pop(0)
+    ex = _example()
     with pytest.raises(SystemExit):
         ex.parse_args(argv)
     assert "--fp8-recipe quantizes bf16 experts" in capsys.readouterr().err
