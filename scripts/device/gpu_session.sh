@@ -9,7 +9,8 @@
 #              a pytest -k expression to narrow them, e.g. "quantize or swiglu_bwd")
 #   mxkernels  the mxfp8 kernel tests alone (every output bit-exact vs quant/mxfp8.py)
 #   nvkernels  the nvfp4 kernel tests alone (byte rows bit-exact, the NVFP4 GEMMs vs their twin:
-#              the Triton kernel and the CUDA GEMMs of csrc/nvfp4_decode_mm.cu, nvfp4_wgmma_mm.cu)
+#              the Triton kernel and the CUDA GEMMs of csrc/nvfp4_decode_mm.cu, nvfp4_wgmma_mm.cu;
+#              NVK: a pytest -k expression to narrow them, e.g. "dense_mm")
 #   sm90       the CUTLASS units of csrc/ (bf16 FPROP / WGRAD, FP8 FPROP / WGRAD) vs their oracles
 #              (SM90_K: a pytest -k expression, e.g. "fp8")
 #   megakernel the Mega forward kernel against the standard two launches
@@ -61,7 +62,7 @@
 #   pack       fold everything under $OUT into one archive (the device tool brings back few files)
 # GIT_COMMIT: the commit of the tree that travels (the device copy's git HEAD is the last
 # landed commit, not the working tree's), written into every CSV row; pass it in the command.
-# Knobs: FP8K CHECK_ARGS PACKING_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS FP8_ARGS QUANT_ARGS DECODE_ARGS
+# Knobs: FP8K NVK CHECK_ARGS PACKING_ARGS LAYER_ARGS PACK_ARGS BENCH_ARGS FP8_ARGS QUANT_ARGS DECODE_ARGS
 # QUANT_BASE_ARGS BASE_LAYER_ARGS BASE_DECODE_ARGS (extra arguments), BASE_TREE BASE_COMMIT (the baseline tree and
 # its commit), TMO (seconds per step).
 # megatron-core travels as a wheel in .whl/ (carry it); it is installed into /tmp/site here.
@@ -103,7 +104,8 @@ for s in $sections; do case $s in
                   -k "fp8_kernel_checks and not mxfp8${FP8K:+ and ($FP8K)}" ;;
   mxkernels) LIMIT=240 run mxkernels python3 -m pytest -q tests/gpu/test_kernel_checks_gpu.py -m gpu -k mxfp8 ;;
   routing) LIMIT=180 run routing python3 -m pytest -q tests/gpu/test_routing_gpu.py -m gpu ;;
-  nvkernels) LIMIT=240 run nvkernels python3 -m pytest -q tests/gpu/test_kernel_checks_gpu.py -m gpu -k nvfp4 ;;
+  nvkernels) LIMIT=240 run nvkernels python3 -m pytest -q tests/gpu/test_kernel_checks_gpu.py -m gpu \
+                -k "nvfp4${NVK:+ and ($NVK)}" ;;
   sm90) LIMIT=300 run sm90 python3 -m pytest -q tests/gpu/test_grouped_gemm_sm90_gpu.py -m gpu \
             ${SM90_K:+-k "$SM90_K"} ;;
   megakernel) LIMIT=240 run megakernel python3 -m pytest -q tests/gpu/test_kernel_checks_gpu.py -m gpu -k mega ;;
