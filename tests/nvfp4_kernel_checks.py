@@ -280,6 +280,49 @@ def check_nvfp4_dense_mm(device, big=False):
         for lens in lens_all:
             _check_decode_mm(device, lens, N, K, (2 * N * K, MP.NVFP4_WEIGHT_SCRATCH_BYTES),
                              _dense_mm, graph_first=device != "cpu")
+        _check_dense_swiglu(device, W, N, K, lens_all[-1])
+
+
+def _check_dense_swiglu(device, W, N, K, lens):
+    """W13's SwiGLU epilogue on the dense GEMM, then quantize_rows of its bf16 h2, against the
+    store epilogue's bf16 h1, then swiglu_quant: the same h2 byte rows and a16, bit for bit
+    (both activations, experts in groups of one and all at once)."""
+    import megatron_dist_moe as dm
+    from megatron_dist_moe.kernels.quant_nvfp4 import (dequantize_rows, quantize_rows,
+                                                        swiglu_quant)
+    if N // 2 % 64:   # the row quantizers' F: a multiple of 64
+        N = 256
+        w = torch.randn(W.shape[0], N, K, generator=torch.Generator().manual_seed(N)) / K ** 0.5
+        W = dm.prepare_expert_weights(w.to(BF).to(device),
+                                      torch.zeros(W.shape[0], K, N // 2, dtype=BF,
+                                                  device=device)).w13
+    E, F, R = W.shape[0], N // 2, sum(lens[: W.shape[0]])
+    offs = torch.tensor([0] + torch.tensor(lens[:E]).cumsum(0).tolist(), dtype=torch.int32,
+                        device=device)
+    x = (torch.randn(R, K, generator=torch.Generator().manual_seed(9)) * 3).to(BF).to(device)
+    a = NV.quantize_row_bytes(x)
+    nrows = torch.tensor([R], dtype=torch.int32, device=device)
+    a16 = torch.empty(R, K, dtype=torch.float16, device=device)
+    dequantize_rows(a, nrows, R, K, out=a16)
+    rb = nvfp4_row_bytes(F)
+    for act in ("swiglu", "swiglu_clamped"):
+        kw = dict(activation=act, swiglu_alpha=1.702, swiglu_limit=0.5)
+        for bound in (2 * N * K, MP.NVFP4_WEIGHT_SCRATCH_BYTES):
+            h1 = torch.full((R, N), float("nan"), dtype=BF, device=device)
+            _dense_mm(variant=bound, a=a, a16=a16, weight=W, expert_offsets=offs, max_rows=R,
+                      out=h1)
+            want_q = torch.zeros(R, rb, dtype=torch.uint8, device=device)
+            want16 = torch.full((R, F), float("nan"), dtype=torch.float16, device=device)
+            swiglu_quant(h1, nrows, R, F, out=want_q, a16=want16, **kw)
+            h2 = torch.full((R, F), float("nan"), dtype=BF, device=device)
+            _dense_mm(variant=bound, a=a, a16=a16, weight=W, expert_offsets=offs, max_rows=R,
+                      epilogue="swiglu", h2=h2, **kw)
+            got_q = torch.zeros_like(want_q)
+            got16 = torch.full_like(want16, float("nan"))
+            quantize_rows(h2, nrows, R, F, out=got_q, a16=got16)
+            name = f"nvfp4_dense_mm swiglu epilogue ({act}, scratch {bound} B) [N={N}, K={K}]"
+            assert torch.equal(got_q, want_q), f"{name}: h2 byte rows differ from swiglu_quant's"
+            assert torch.equal(got16, want16), f"{name}: h2's a16 differs from swiglu_quant's"
 
 
 def _dense_mm(*, variant, **kw):

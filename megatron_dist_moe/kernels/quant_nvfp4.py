@@ -340,12 +340,15 @@ def _launch(src, num_rows, max_rows, K, out, act, alpha, limit, clamped, out_str
 
 
 def quantize_rows(x, num_rows: torch.Tensor, max_rows: int, K: int, *, out,
-                  out_stride: int | None = None) -> None:
+                  out_stride: int | None = None, a16=None, a16_order: str = "k") -> None:
     """out [>= R, nvfp4_row_bytes(K)] uint8 = quant/nvfp4.quantize_row_bytes(x [R, K] bf16)
     (tensors or device pointers; R = num_rows[0] on the device, max_rows its host bound);
     out_stride: bytes between out's rows (default the row size; a source rank writes its rows
-    into the dispatch buffer's bf16 row slots, 2K bytes apart)."""
-    _launch(x, num_rows, max_rows, K, out, False, 1.702, 7.0, False, out_stride)
+    into the dispatch buffer's bf16 row slots, 2K bytes apart). a16 (fp16 [>= R, K], tensor or
+    device pointer): also what dequantize_rows(out, order=a16_order) would write there, from the
+    same pass (as swiglu_quant's)."""
+    _launch(x, num_rows, max_rows, K, out, False, 1.702, 7.0, False, out_stride, a16=a16,
+            a16_order=a16_order)
 
 
 def publish_quantized(x_TD: torch.Tensor, ids_TK: torch.Tensor, header: torch.Tensor,

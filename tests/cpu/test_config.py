@@ -233,7 +233,8 @@ def test_cuda_execution_explains_every_step(precision, pipeline, gemm):
     ("nvfp4", "standard", True, 3072, "256x128x64 8w 4st, 1 program per SM"),
     ("nvfp4", "standard", True, 12288,
      "weights decoded once per call into an fp16 scratch (at most 256 MiB, experts in groups), "
-     "then the fp16 GEMM with the global scales in its epilogue: W13 128x256x64 8w 4st")])
+     "then the fp16 GEMM with the global scales (and W13's SwiGLU) in its epilogue: W13 "
+     "128x256x64 8w 4st")])
 def test_explain_names_the_gemm_tiles(monkeypatch, precision, pipeline, inference, rows, want):
     """explain() shows the tiles the context's GEMMs launch with at its row bound (the decode
     tiles of a small T, also in the Mega kernel, whose W2 items share its W13 tiles; the staged

@@ -33,6 +33,7 @@ from ..checks import max_polls
 from ..common import (as_device_ptr, check_offsets, check_rows, default_num_programs,
                       ensure_tma_allocator, interpreting, load_ptr)
 from ...memory_plan import SCORE_PART_COLS
+from ..quant_fp8 import round_bf16
 from ..rows import _act_fwd, swiglu_grad
 from ..checks import check_status
 from .claim import ClaimFlags, claim_ahead_phase, claim_slices_phase
@@ -137,8 +138,8 @@ def _prepare(*, w_kn, w, expert_offsets, max_rows, a, a_row_ptrs, a_copy_out, ep
     out_dt = dt
     if nvfp4_scales is not None:
         nv_rows, nv_stride, nv_senc = nvfp4_scales
-        assert epilogue in ("store", "scatter") and not w_kn and claim_flags is None, (
-            "nvfp4_scales go with a dense FPROP's store or scatter epilogue")
+        assert epilogue in ("store", "scatter", "swiglu") and not w_kn and claim_flags is None, (
+            "nvfp4_scales go with a dense FPROP's store, scatter or swiglu epilogue")
         assert dt == torch.float16, "nvfp4_scales: the decoded operands are fp16"
         assert (nv_senc.dtype == torch.float32 and nv_senc.is_contiguous()
                 and nv_senc.numel() == num_experts and nv_senc.device == dev), (
@@ -151,9 +152,9 @@ def _prepare(*, w_kn, w, expert_offsets, max_rows, a, a_row_ptrs, a_copy_out, ep
         out_addr = as_device_ptr(out, "out", out_dt)
     elif epilogue == "swiglu":
         assert h2 is not None, "epilogue='swiglu' needs h2 (device pointer to [R, F])"
-        out2_addr = as_device_ptr(h2, "h2", dt)
+        out2_addr = as_device_ptr(h2, "h2", out_dt)
         if h1 is not None:
-            out_addr, store_aux = as_device_ptr(h1, "h1", dt), True
+            out_addr, store_aux = as_device_ptr(h1, "h1", out_dt), True
     elif epilogue == "swiglu_bwd":
         assert w_kn, "the swiglu_bwd epilogue is a W2 DGRAD epilogue"
         assert h1 is not None, "epilogue='swiglu_bwd' needs h1 (device pointer to [R, 2F])"
@@ -364,22 +365,29 @@ def _grouped_mm_kernel(
             s_row = tl.load((load_ptr(nv_rows_ptr, tl.uint8)
                              + tl.minimum(rows, row_end - 1).to(tl.int64) * nv_stride
                              + nv_offset).to(tl.pointer_type(tl.float32)))
-            acc = acc * s_row[:, None] * tl.math.div_rn(1.0, tl.load(nv_senc_ptr + e))
+            s_e = tl.math.div_rn(1.0, tl.load(nv_senc_ptr + e))
+            acc = acc * s_row[:, None] * s_e
+            if SWIGLU:
+                acc2 = acc2 * s_row[:, None] * s_e
         if EPILOGUE == 0:  # dense store, row stride N
             out_base = load_ptr(out_addr_ptr, ODT)
             tl.store(out_base + rows64[:, None] * N + cols[None, :], acc.to(ODT), mask=mask)
         elif EPILOGUE == 1:  # h1 [R, 2F] (gate | up), h2 [R, F]
-            g = acc.to(DT)
-            u = acc2.to(DT)
+            # (ODT: the compute dtype, or bf16 for NVFP4's fp16 operands)
+            g = acc.to(ODT)
+            u = acc2.to(ODT)
             if STORE_AUX:
-                h1_ptrs = (load_ptr(out_addr_ptr, DT)
+                h1_ptrs = (load_ptr(out_addr_ptr, ODT)
                            + rows64[:, None] * (2 * N) + cols[None, :])
                 tl.store(h1_ptrs, g, mask=mask)
                 tl.store(h1_ptrs + N, u, mask=mask)
-            # NOTE: the activation reads the rounded h1, exactly what backward will reload.
+            # NOTE: the activation reads the rounded h1, exactly what backward will reload (and
+            # what quant_nvfp4.swiglu_quant computes from a stored bf16 h1).
             h = _act_fwd(g.to(tl.float32), u.to(tl.float32), ACT == 1, alpha, limit)
-            h2_base = load_ptr(out2_addr_ptr, DT)
-            tl.store(h2_base + rows64[:, None] * N + cols[None, :], h.to(DT), mask=mask)
+            if NV_SCALE:   # nearest even in the interpreter too, as quant_nvfp4.swiglu_quant
+                h = round_bf16(h, ON_GPU)
+            h2_base = load_ptr(out2_addr_ptr, ODT)
+            tl.store(h2_base + rows64[:, None] * N + cols[None, :], h.to(ODT), mask=mask)
         elif EPILOGUE == 3 and SCORE_GRADS:
             # W2 DGRAD with expert-side score gradients: acc is u = W2^T grad_y (unscaled);
             # out_rows_ptr holds each row's address of its owner's score. This tile's share of
@@ -556,10 +564,11 @@ def grouped_mm_fwd(
                     TMA's slower out-of-bounds path (the per-call layout keeps
                     layout.GEMM_A_TAIL_ROWS rows there for an inference call's A operands).
     nvfp4_scales    (rows, row_bytes, S_enc): the operands are NVFP4 values decoded to fp16
-                    before their global scales (a and w fp16; nvfp4_dense.py). The store or
-                    scatter epilogue multiplies row r by the fp32 S_dec of NVFP4 byte row r of
-                    `rows` (tensor or device pointer, row_bytes apart: layout.nvfp4_row_bytes(Kd))
-                    and by 1 / S_enc[e] (fp32 [E]), and stores bf16 (nvfp4.py's epilogue).
+                    before their global scales (a and w fp16; nvfp4_dense.py). The epilogue
+                    (store, scatter or swiglu) multiplies row r by the fp32 S_dec of NVFP4 byte
+                    row r of `rows` (tensor or device pointer, row_bytes apart:
+                    layout.nvfp4_row_bytes(Kd)) and by 1 / S_enc[e] (fp32 [E]), and stores bf16
+                    (nvfp4.py's epilogue; swiglu: h1 rounded to bf16, h2 = act(h1) in bf16).
     """
     args = _prepare(w_kn=False, w=w, expert_offsets=expert_offsets, max_rows=max_rows, a=a,
                     a_row_ptrs=a_row_ptrs, a_copy_out=a_copy_out, epilogue=epilogue, out=out,

@@ -12,7 +12,8 @@ weight is decoded once per call, into fp16 (exact: an E2M1 value times an E4M3 b
 at most six significant bits and lies in fp16's normal range, the same decode as `_decode_f16`),
 by a memory-bound pass that reads 4.5 bits and writes 16 per weight; then our fp16 grouped GEMM
 (mm.py, the bf16 path's kernel and tiles) multiplies the fp16 a16 rows by it and applies the
-two global scales in its epilogue (`nvfp4_scales`), storing bf16.
+two global scales in its epilogue (`nvfp4_scales`), storing bf16; W13's SwiGLU epilogue stores
+h2 = act(h1) alone, so h1 never goes to memory.
 
 Memory: the decoded weights live in a scratch of `scratch_experts` experts, bounded by
 memory_plan.NVFP4_WEIGHT_SCRATCH_BYTES (one expert at least; plan_memory counts it): the experts
@@ -90,7 +91,7 @@ def decode_weights(weight, e0: int, e1: int, out: torch.Tensor) -> None:
 def describe() -> str:
     return (f"dense: the weights decoded once per call into an fp16 scratch (at most "
             f"{memory_plan.NVFP4_WEIGHT_SCRATCH_BYTES / 2 ** 20:.0f} MiB, experts in groups), "
-            "then the fp16 GEMM with the global scales in its epilogue")
+            "then the fp16 GEMM with the global scales (and W13's SwiGLU) in its epilogue")
 
 
 def scratch_experts(N: int, K: int, E: int) -> int:
@@ -106,7 +107,9 @@ def scratch_numel(shapes) -> int:
 
 def nvfp4_dense_mm(*, a, a16, weight, expert_offsets: torch.Tensor, max_rows: int,
                    scratch: torch.Tensor, epilogue: str = "store", out=None,
-                   out_row_ptrs: Optional[torch.Tensor] = None, num_programs: Optional[int] = None) -> None:
+                   out_row_ptrs: Optional[torch.Tensor] = None, h2=None,
+                   activation: str = "swiglu", swiglu_alpha: float = 1.702,
+                   swiglu_limit: float = 7.0, num_programs: Optional[int] = None) -> None:
     """The NVFP4 FPROP with the weights decoded per expert group into `scratch`.
 
     a             the NVFP4 byte rows [R, nvfp4_row_bytes(K)] (tensor or device pointer): their
@@ -115,7 +118,10 @@ def nvfp4_dense_mm(*, a, a16, weight, expert_offsets: torch.Tensor, max_rows: in
                   scales, in k order (quant_nvfp4.dequantize_rows(order="k"))
     weight        prepared.PreparedWeight [E, N, K], 16 x 16 block scales
     scratch       fp16, contiguous, at least scratch_numel([weight.shape]) elements
-    epilogue      "store" (bf16 [R, N] at `out`) or "scatter" (row r to out_row_ptrs[r]; 0: skip)
+    epilogue      "store" (bf16 [R, N] at `out`), "scatter" (row r to out_row_ptrs[r]; 0: skip)
+                  or, for W13 [E, 2F, D], "swiglu": bf16 h2 [R, F] at `h2` = act(h1) of the
+                  bf16-rounded h1 = [gate | up] (`activation`, `swiglu_alpha`, `swiglu_limit`:
+                  grouped_mm_fwd's), which is never stored
     """
     E, N, K = _check_weight(weight)
     G = scratch_experts(N, K, E)
@@ -131,6 +137,8 @@ def nvfp4_dense_mm(*, a, a16, weight, expert_offsets: torch.Tensor, max_rows: in
         w16 = scratch[: (e1 - e0) * N * K].view(e1 - e0, N, K)
         decode_weights(weight, e0, e1, w16)
         grouped_mm_fwd(w=w16, expert_offsets=expert_offsets[e0:e1 + 1], max_rows=max_rows,
-                       a=a16, epilogue=epilogue, out=out, out_row_ptrs=out_row_ptrs,
+                       a=a16, epilogue=epilogue, out=out, out_row_ptrs=out_row_ptrs, h2=h2,
+                       activation=activation, swiglu_alpha=swiglu_alpha,
+                       swiglu_limit=swiglu_limit,
                        nvfp4_scales=(a, nvfp4_row_bytes(K), senc[e0:e1]), config=config,
                        num_programs=num_programs)

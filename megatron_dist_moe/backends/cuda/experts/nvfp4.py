@@ -14,8 +14,9 @@ class Nvfp4Pipeline:
     rows into its dispatch buffer (`publish`: one NVFP4 byte row per token in each bf16 row
     slot, so the routing tables' addresses hold); the experts' owner gathers them (fan-out,
     layout.nvfp4_row_bytes(D) bytes per row) into x_g and, in the same pass, their values into
-    a16 (fp16), W13 -> h1 (bf16), SwiGLU + quantization -> h2q (NVFP4 rows) and its a16, W2 +
-    scatter to the owners' combine rows in bf16
+    a16 (fp16), W13 -> h1 (bf16), SwiGLU + quantization -> h2q (NVFP4 rows) and its a16 (the
+    dense GEMM: W13 with the SwiGLU epilogue -> h2 (bf16), quantization -> h2q and its a16), W2
+    + scatter to the owners' combine rows in bf16
     (kernels/quant_nvfp4.py, kernels/grouped_gemm/nvfp4.py)."""
 
     name = "standard"
@@ -87,19 +88,27 @@ class Nvfp4Pipeline:
 
     def forward(self, tabs: RoutingTables, w13, w2, scatter_ptrs, at: dict, rows=None,
                 prepared=None, training: bool = False) -> None:
-        from ....kernels.quant_nvfp4 import fanout_dequantize, swiglu_quant
+        from ....kernels.quant_nvfp4 import fanout_dequantize, quantize_rows, swiglu_quant
         D, F = self.cfg.hidden_dim, self.cfg.intermediate_dim
         offs, nrows = rows if rows is not None else (tabs.expert_offsets, tabs.num_rows)
         fan = tabs.fanout
         # each quantized token read once, decoded once into a16 for all of its rows here
         fanout_dequantize(fan.dispatch_base_EP, 2 * D, fan.dest_rows, fan.T, fan.K, at["x_g"],
                           nrows, D, a16=at["a16"], order=self.a16_orders[0])
-        self._gemm(0, a=at["x_g"], a16=at["a16"], weight=w13, expert_offsets=offs,
-                   max_rows=self.max_rows, epilogue="store", out=at["h1"])
         # h2's byte rows, and their decode into a16 (W13's a16 is read by then), in one pass
-        swiglu_quant(at["h1"], nrows, self.max_rows, F, out=at["h2q"],
-                     a16=at["a16"] if scatter_ptrs is not None else None,
-                     a16_order=self.a16_orders[1], **self.act)
+        a16_h2 = at["a16"] if scatter_ptrs is not None else None
+        if self.dense:
+            # the dense GEMM's SwiGLU epilogue stores bf16 h2 (in h1's region) and never h1;
+            # its quantization then reads half of swiglu_quant's bytes, to the same bits
+            self._gemm(0, a=at["x_g"], a16=at["a16"], weight=w13, expert_offsets=offs,
+                       max_rows=self.max_rows, epilogue="swiglu", h2=at["h1"], **self.act)
+            quantize_rows(at["h1"], nrows, self.max_rows, F, out=at["h2q"], a16=a16_h2,
+                          a16_order=self.a16_orders[1])
+        else:
+            self._gemm(0, a=at["x_g"], a16=at["a16"], weight=w13, expert_offsets=offs,
+                       max_rows=self.max_rows, epilogue="store", out=at["h1"])
+            swiglu_quant(at["h1"], nrows, self.max_rows, F, out=at["h2q"], a16=a16_h2,
+                         a16_order=self.a16_orders[1], **self.act)
         if scatter_ptrs is not None:
             self._gemm(1, a=at["h2q"], a16=at["a16"], weight=w2, expert_offsets=offs,
                        max_rows=self.max_rows, epilogue="scatter", out_row_ptrs=scatter_ptrs)
