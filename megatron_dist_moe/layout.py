@@ -65,9 +65,9 @@ nvfp4 (inference only; quant/nvfp4.py): a row of K values is one byte row of
 `nvfp4_row_bytes(K)` = align16(K/2 packed E2M1 bytes | K/16 E4M3 block scales | the row's fp32
 inverse global scale), the form the source rank publishes and the experts read:
 
-    inference       x_g (nvfp4 rows) | h1 (bf16) | h2q (nvfp4 rows of h2) | a16 (fp16 values of
-                    x_g, then of h2q, before their rows' global scales: each GEMM's A operand
-                    decoded once)
+    inference       x_g (nvfp4 rows) | h1 (bf16; the dense GEMM's bf16 h2 [R, F] instead) | h2q
+                    (nvfp4 rows of h2) | a16 (fp16 values of x_g, then of h2q, before their rows'
+                    global scales: each GEMM's A operand decoded once)
 
 Within one mode every region is live at the same time, so regions never overlap. Who uses it:
 `memory_plan.plan_memory` sizes the scratch as the largest layout over the modes a context

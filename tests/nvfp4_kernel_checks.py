@@ -280,13 +280,14 @@ def check_nvfp4_dense_mm(device, big=False):
         for lens in lens_all:
             _check_decode_mm(device, lens, N, K, (2 * N * K, MP.NVFP4_WEIGHT_SCRATCH_BYTES),
                              _dense_mm, graph_first=device != "cpu")
-        _check_dense_swiglu(device, W, N, K, lens_all[-1])
+        _check_dense_swiglu(device, W, N, K, lens_all[0])
 
 
 def _check_dense_swiglu(device, W, N, K, lens):
     """W13's SwiGLU epilogue on the dense GEMM, then quantize_rows of its bf16 h2, against the
     store epilogue's bf16 h1, then swiglu_quant: the same h2 byte rows and a16, bit for bit
-    (both activations, experts in groups of one and all at once)."""
+    (both activations, experts in groups of one and all at once). The GEMMs get the row bound
+    of 1,024 rows per expert, so a GPU runs the tiles the pipeline's dense form runs."""
     import megatron_dist_moe as dm
     from megatron_dist_moe.kernels.quant_nvfp4 import (dequantize_rows, quantize_rows,
                                                         swiglu_quant)
@@ -305,18 +306,19 @@ def _check_dense_swiglu(device, W, N, K, lens):
     a16 = torch.empty(R, K, dtype=torch.float16, device=device)
     dequantize_rows(a, nrows, R, K, out=a16)
     rb = nvfp4_row_bytes(F)
+    bound_rows = max(R, 1024 * E)
     for act in ("swiglu", "swiglu_clamped"):
         kw = dict(activation=act, swiglu_alpha=1.702, swiglu_limit=0.5)
         for bound in (2 * N * K, MP.NVFP4_WEIGHT_SCRATCH_BYTES):
             h1 = torch.full((R, N), float("nan"), dtype=BF, device=device)
-            _dense_mm(variant=bound, a=a, a16=a16, weight=W, expert_offsets=offs, max_rows=R,
-                      out=h1)
+            _dense_mm(variant=bound, a=a, a16=a16, weight=W, expert_offsets=offs,
+                      max_rows=bound_rows, out=h1)
             want_q = torch.zeros(R, rb, dtype=torch.uint8, device=device)
             want16 = torch.full((R, F), float("nan"), dtype=torch.float16, device=device)
             swiglu_quant(h1, nrows, R, F, out=want_q, a16=want16, **kw)
             h2 = torch.full((R, F), float("nan"), dtype=BF, device=device)
-            _dense_mm(variant=bound, a=a, a16=a16, weight=W, expert_offsets=offs, max_rows=R,
-                      epilogue="swiglu", h2=h2, **kw)
+            _dense_mm(variant=bound, a=a, a16=a16, weight=W, expert_offsets=offs,
+                      max_rows=bound_rows, epilogue="swiglu", h2=h2, **kw)
             got_q = torch.zeros_like(want_q)
             got16 = torch.full_like(want16, float("nan"))
             quantize_rows(h2, nrows, R, F, out=got_q, a16=got16)

@@ -2,7 +2,8 @@
 
     quantize_rows   bf16 rows [R, K] -> NVFP4 byte rows (layout.nvfp4_row_bytes(K) each: packed
                     E2M1 | E4M3 scales per 16 | the row's fp32 S_dec), each row its own tensor
-                    (its amax sets its global scale): what a source rank publishes
+                    (its amax sets its global scale): what a source rank publishes, and
+                    the dense GEMM's bf16 h2 (optionally with its a16, as swiglu_quant)
     publish_quantized  quantize_rows of a source rank's tokens into its dispatch buffer, with
                     the routing header (T, int16 IDs), in one launch
     swiglu_quant    h1 [R, 2F] -> the byte rows of h2 = round(act(h1)) (the W2 operand), and

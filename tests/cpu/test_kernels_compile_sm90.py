@@ -43,7 +43,7 @@ VARIANTS = ["fwd_swiglu_tma", "fwd_swiglu_decode", "fwd_w2_scatter_decode",
             "mxfp8_quantize_x_32x128x4", "nvfp4_quantize_rows",
             "nvfp4_swiglu_quant", "nvfp4_mm_store", "nvfp4_mm_store_medium",
             "nvfp4_mm_scatter_decode", "nvfp4_dequantize_rows", "nvfp4_swiglu_quant_a16",
-            "nvfp4_fanout_dequantize", "mega_fwd"]
+            "nvfp4_fanout_dequantize", "nvfp4_dense_swiglu", "nvfp4_dense_scatter", "mega_fwd"]
 
 MAX_SPILL_BYTES = 256
 
@@ -86,6 +86,9 @@ EXPECT = {
     # nvfp4: the training-size tiles reach wgmma through shared memory after the decode
     "nvfp4_mm_store": dict(wgmma=1),
     "nvfp4_mm_store_medium": dict(wgmma=1),
+    # the dense form: fp16 wgmma on TMA-loaded operands, the global scales in the epilogue
+    "nvfp4_dense_swiglu": dict(wgmma=1, tma_load=1),
+    "nvfp4_dense_scatter": dict(wgmma=1, tma_load=1),
 }
 
 

@@ -9,7 +9,8 @@ into a_copy_out once and all its n-tiles read A densely from there.
 
 Epilogues:
     store       out [R, N] dense at a device pointer
-    swiglu      (W13 FPROP) h1 = [gate | up] rounded to the compute dtype, h2 = act(h1)
+    swiglu      (W13 FPROP) h1 = [gate | up] rounded to the compute dtype (bf16 with
+                nvfp4_scales), h2 = act(h1)
     scatter     row r to the address out_row_ptrs[r] (a peer's combine or dispatch row; 0: skip)
     swiglu_bwd  (W2 DGRAD) the grad_h2 tile never leaves the kernel: grad_h1 = act'(h1) grad_h2
                 is written over h1 in place, h2 = act(h1) rebuilt for the W2 WGRAD; with
@@ -80,9 +81,9 @@ class _MMArgs:
     score_grad_delta: int = 0  # bytes from a route's score to its first score-gradient part
     part_stride: int = 0       # bytes between consecutive parts of one route
     a_tail: int = 0            # rows readable past R at A (its TMA descriptor spans them)
-    # NVFP4 operands decoded to fp16 (nvfp4_dense.py): the store / scatter epilogue multiplies
-    # row r by the fp32 S_dec at byte nv_offset of byte row r of nv_rows (nv_stride bytes apart)
-    # and by 1 / S_enc[e] (nv_senc; set: NV_SCALE), and stores bf16
+    # NVFP4 operands decoded to fp16 (nvfp4_dense.py): the store / scatter / swiglu epilogue
+    # multiplies row r by the fp32 S_dec at byte nv_offset of byte row r of nv_rows (nv_stride
+    # bytes apart) and by 1 / S_enc[e] (nv_senc; set: NV_SCALE), and stores bf16
     nv_rows: Optional[torch.Tensor] = None
     nv_stride: int = 0
     nv_offset: int = 0
@@ -261,7 +262,7 @@ def _grouped_mm_kernel(
     # A_CLAIM: a_addr_ptr is a_copy_out, read as a dense A once `claim_slices_phase` made the
     # tile's rows valid; a_rows_ptr gives the rows to copy there (claim.py).
     DT: tl.constexpr = w_ptr.dtype.element_ty
-    ODT: tl.constexpr = tl.bfloat16 if NV_SCALE else DT   # the store / scatter output
+    ODT: tl.constexpr = tl.bfloat16 if NV_SCALE else DT   # the store / scatter / swiglu output
     SWIGLU: tl.constexpr = EPILOGUE == 1
     BN: tl.constexpr = BLOCK_N // 2 if SWIGLU else BLOCK_N  # width of each accumulator
     W_ROWS = 2 * N if SWIGLU else N  # FPROP: rows of w[e]
@@ -365,10 +366,12 @@ def _grouped_mm_kernel(
             s_row = tl.load((load_ptr(nv_rows_ptr, tl.uint8)
                              + tl.minimum(rows, row_end - 1).to(tl.int64) * nv_stride
                              + nv_offset).to(tl.pointer_type(tl.float32)))
-            s_e = tl.math.div_rn(1.0, tl.load(nv_senc_ptr + e))
-            acc = acc * s_row[:, None] * s_e
             if SWIGLU:
+                s_e = tl.math.div_rn(1.0, tl.load(nv_senc_ptr + e))
+                acc = acc * s_row[:, None] * s_e
                 acc2 = acc2 * s_row[:, None] * s_e
+            else:   # (this form keeps the store / scatter tile at 233 registers, not 255)
+                acc = acc * s_row[:, None] * tl.math.div_rn(1.0, tl.load(nv_senc_ptr + e))
         if EPILOGUE == 0:  # dense store, row stride N
             out_base = load_ptr(out_addr_ptr, ODT)
             tl.store(out_base + rows64[:, None] * N + cols[None, :], acc.to(ODT), mask=mask)

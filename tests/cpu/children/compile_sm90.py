@@ -281,6 +281,15 @@ VARIANTS["nvfp4_mm_scatter_decode"] = lambda: GN.nvfp4_grouped_mm(
     a=p, weight=_W4, expert_offsets=offs, max_rows=48, epilogue="scatter", out_row_ptrs=rows_tab,
     a16=p, tiles=GN.DECODE_TILES, decode="f16_asm")
 VARIANTS["nvfp4_dequantize_rows"] = lambda: KN.dequantize_rows(p, offs[-1:], R, D, out=p)
+# the dense form's fp16 GEMMs with the NVFP4 global scales in their epilogues (nvfp4_dense.py)
+_W16_13, _W16_2 = (torch.empty(E, 2 * F, D, dtype=torch.float16),
+                   torch.empty(E, D, F, dtype=torch.float16))
+VARIANTS["nvfp4_dense_swiglu"] = lambda: G.grouped_mm_fwd(w=_W16_13, expert_offsets=offs,
+    max_rows=R, a=p, epilogue="swiglu", h2=p, activation="swiglu_clamped",
+    nvfp4_scales=(p, 4096, torch.ones(E)), config=BIG)
+VARIANTS["nvfp4_dense_scatter"] = lambda: G.grouped_mm_fwd(w=_W16_2, expert_offsets=offs,
+    max_rows=R, a=p, epilogue="scatter", out_row_ptrs=rows_tab,
+    nvfp4_scales=(p, 2048, torch.ones(E)), config=BIG)
 # the two passes that also decode into a16 (the wgmma GEMM's fragment order)
 VARIANTS["nvfp4_swiglu_quant_a16"] = lambda: KN.swiglu_quant(p, offs[-1:], R, F, out=p, a16=p,
                                                              a16_order="fragment")
