@@ -59,6 +59,10 @@
 #              training against the bf16 noise band (six perturbed repeats; then
 #              benchmarks/lm_noise_band.py's verdicts), then the held-out loss with nvfp4 experts
 #              (LMEVAL_SEEDS, e.g. "1234 7 11 23 42", default 1234; LMEVAL_ARGS)
+#   targets    the open issues' target rows in one go, into $OUT/targets: bench_layer at the guide
+#              load (bf16 standard, Mega, fp8_block with cached weights: issues 16 and 19),
+#              bench_decode at T = 1..2048 (bf16 standard and Mega, nvfp4: issues 18 and 19),
+#              bench_fp8_gemm (W13 FPROP: issue 16); ~2 min on one GPU
 #   pack       fold everything under $OUT into one archive (the device tool brings back few files)
 # GIT_COMMIT: the commit of the tree that travels (the device copy's git HEAD is the last
 # landed commit, not the working tree's), written into every CSV row; pass it in the command.
@@ -185,6 +189,11 @@ for s in $sections; do case $s in
             band_args="$band_args --seed $seed=$OUT/tiny_lm_seed$seed.csv"
           done
           run lm_noise_band python3 benchmarks/lm_noise_band.py $band_args --out "$OUT" ;;
+  targets) LIMIT=300 run targets_layer torchrun --nproc-per-node="$NGPU" benchmarks/bench_layer.py \
+               --out "$OUT/targets" --cases guide --paths dist_moe,dist_moe_mega,dist_moe_fp8_cached
+           LIMIT=300 run targets_decode torchrun --nproc-per-node="$NGPU" benchmarks/bench_decode.py \
+               --out "$OUT/targets" --tokens 1,8,32,128,512,1024,2048 --precisions bf16,nvfp4 --no-a2a
+           LIMIT=300 run targets_fp8gemm python3 benchmarks/bench_fp8_gemm.py --out "$OUT/targets" ;;
   pack) tar czf /tmp/session.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/session.tgz "$OUT/" \
           && ls -la "$OUT" ;;
   *) echo "unknown section $s" ;;
