@@ -67,7 +67,8 @@ inverse global scale), the form the source rank publishes and the experts read:
 
     inference       x_g (nvfp4 rows) | h1 (bf16; the dense GEMM's bf16 h2 [R, F] instead) | h2q
                     (nvfp4 rows of h2) | a16 (fp16 values of x_g, then of h2q, before their rows'
-                    global scales: each GEMM's A operand decoded once)
+                    global scales: each GEMM's A operand decoded once). The CUDA pipeline
+                    stores only each x_g and h2q row's S_dec (all its GEMMs read a16 and S_dec)
 
 Within one mode every region is live at the same time, so regions never overlap. Who uses it:
 `memory_plan.plan_memory` sizes the scratch as the largest layout over the modes a context

@@ -28,6 +28,15 @@ def _bits_equal(name, got, want, K):
                              f"{r}, byte {c}, {part}: {int(got[r, c])} vs {int(want[r, c])})")
 
 
+def _check_s_dec_only(name, got, full, K, fill):
+    """got: byte rows written with s_dec_only (over `fill`): each row's S_dec and pad equal the
+    full rows', its packed values and block scales untouched."""
+    got, full = got.cpu(), full.cpu()
+    body = K // 2 + K // 16
+    assert (got[:, :body] == fill).all(), f"{name}: s_dec_only wrote packed values or scales"
+    assert torch.equal(got[:, body:], full[:, body:]), f"{name}: s_dec_only's S_dec / pad differ"
+
+
 def rows_of(R, K, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(R, K, generator=g)
@@ -50,6 +59,19 @@ def check_quantize_rows(device, big=False):
         quantize_rows(x, torch.tensor([R], dtype=torch.int32, device=device), R + 2, K, out=out)
         _bits_equal(f"rows K={K}", out[:R], NV.quantize_row_bytes(x.cpu()), K)
         assert (out[R:] == 0xAB).all(), "rows past num_rows written"
+        # with a16 (the dense GEMM's h2), then with only S_dec stored: the same a16 bits
+        n = torch.tensor([R], dtype=torch.int32, device=device)
+        a16 = torch.full((R + 2, K), 3.0, dtype=torch.float16, device=device)
+        order = "fragment" if K % 128 == 0 else "k"
+        quantize_rows(x, n, R + 2, K, out=out, a16=a16, a16_order=order)
+        _bits_equal(f"rows K={K} with a16", out[:R], NV.quantize_row_bytes(x.cpu()), K)
+        out_s = torch.full_like(out, 0xAB)
+        a16_s = torch.full_like(a16, 3.0)
+        quantize_rows(x, n, R + 2, K, out=out_s, a16=a16_s, a16_order=order, s_dec_only=True)
+        assert torch.equal(a16_s.view(torch.int16), a16.view(torch.int16)), (
+            f"K={K}: s_dec_only changed quantize_rows' a16")
+        _check_s_dec_only(f"rows K={K}", out_s[:R], out[:R], K, 0xAB)
+        assert (out_s[R:] == 0xAB).all() and (a16_s[R:] == 3.0).all(), "s_dec_only: past R"
 
 
 def check_publish_quantized(device, big=False):
@@ -107,6 +129,15 @@ def check_swiglu_quant(device, big=False):
             assert torch.equal(a16[:R - 3].view(torch.int16), want16.view(torch.int16)), (
                 f"{act}, order {order}: swiglu_quant's a16 differs from dequantize_rows")
             assert (a16[R - 3:] == 7.0).all(), f"{act}: a16 past num_rows written"
+            # only S_dec stored in the byte rows: the same a16 bits, the same S_dec
+            out3 = torch.full_like(out, 0xAB)
+            a16s = torch.full_like(a16, 7.0)
+            swiglu_quant(h1, n, R, F, out=out3, activation=act, swiglu_alpha=a.alpha,
+                         swiglu_limit=a.limit, a16=a16s, a16_order=order, s_dec_only=True)
+            assert torch.equal(a16s.view(torch.int16), a16.view(torch.int16)), (
+                f"{act}, order {order}: s_dec_only changed a16")
+            _check_s_dec_only(f"swiglu_quant {act}", out3[:R - 3], out2[:R - 3], F, 0xAB)
+            assert (out3[R - 3:] == 0xAB).all(), f"{act}: s_dec_only wrote rows past num_rows"
 
 
 def check_fanout_dequantize(device, big=False):
@@ -145,6 +176,13 @@ def check_fanout_dequantize(device, big=False):
         assert torch.equal(a16[:R].view(torch.int16), want16.view(torch.int16)), (
             f"order {order}: fanout_dequantize's a16 differs from dequantize_rows")
         assert (a16[R:] == 5.0).all(), f"order {order}: a16 past num_rows written"
+        xs = torch.full_like(xg, 0xEE)
+        a16s = torch.full_like(a16, 5.0)
+        fanout_dequantize(base, 2 * D, dest, T, KR, xs, n, D, a16=a16s, order=order,
+                          s_dec_only=True)
+        assert torch.equal(a16s.view(torch.int16), a16.view(torch.int16)), (
+            f"order {order}: s_dec_only changed the fan-out's a16")
+        _check_s_dec_only(f"fanout order {order}", xs, want, D, 0xEE)
     xz = torch.full((R + 2, W), 0xEE, dtype=torch.uint8, device=device)
     fanout_dequantize(base, 2 * D, dest, T, KR, xz, torch.zeros_like(n), D,
                       a16=torch.zeros(R + 2, D, dtype=torch.float16, device=device))

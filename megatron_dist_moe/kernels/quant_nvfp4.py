@@ -80,10 +80,13 @@ def _in_a16_order(v, CHUNK: tl.constexpr, FRAGMENT: tl.constexpr):
 
 @triton.jit
 def _quant_row(src, r, out, a16, K, alpha, limit, ACT: tl.constexpr, CLAMPED: tl.constexpr,
-               CHUNK: tl.constexpr, PAD: tl.constexpr, HW: tl.constexpr, A16: tl.constexpr):
+               CHUNK: tl.constexpr, PAD: tl.constexpr, HW: tl.constexpr, A16: tl.constexpr,
+               VALUES: tl.constexpr):
     """The NVFP4 byte row of row r of src (bf16) at out (uint8): two passes, the second from
     L2 (one when the row is one CHUNK). A16 (1 "k", 2 "fragment"): the row's values before its
-    global scale also go to a16 (fp16, dequantize_rows' result without its launch)."""
+    global scale also go to a16 (fp16, dequantize_rows' result without its launch). VALUES
+    False (with A16): only the row's S_dec and pad are stored in out, not its packed values and
+    block scales."""
     F = K      # ACT: the row is h2 [F] from h1 [2F]
     amax = tl.zeros((), tl.float32)
     for k0 in range(0, K, CHUNK):
@@ -107,10 +110,11 @@ def _quant_row(src, r, out, a16, K, alpha, limit, ACT: tl.constexpr, CLAMPED: tl
         lo, hi = tl.split(tl.reshape(codes, (CHUNK // 2, 2)))
         cb = k0 // 2 + tl.arange(0, CHUNK // 2)
         packed = (lo | (hi << 4)).to(tl.uint8)
-        tl.store(out + cb, packed, mask=cb < K // 2)
         cs = k0 // 16 + tl.arange(0, NB)
         s8_bits = s8.to(tl.uint8, bitcast=True)
-        tl.store(out + K // 2 + cs, s8_bits, mask=cs < K // 16)
+        if VALUES:
+            tl.store(out + cb, packed, mask=cb < K // 2)
+            tl.store(out + K // 2 + cs, s8_bits, mask=cs < K // 16)
         if A16 > 0:
             # decoded from the stored bytes by dequantize_rows' own steps, so a16 is its result
             # bit for bit (a decode from the codes and the fp8 scale through fp32 gave other
@@ -126,7 +130,8 @@ def _quant_row(src, r, out, a16, K, alpha, limit, ACT: tl.constexpr, CLAMPED: tl
 @triton.jit
 def _quant_rows_kernel(src_addr, num_rows_ptr, out_addr, a16_addr, K, out_stride, alpha, limit,
                        ACT: tl.constexpr, CLAMPED: tl.constexpr, CHUNK: tl.constexpr,
-                       PAD: tl.constexpr, HW: tl.constexpr, A16: tl.constexpr):
+                       PAD: tl.constexpr, HW: tl.constexpr, A16: tl.constexpr,
+                       VALUES: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     if r >= tl.load(num_rows_ptr):
         return
@@ -134,9 +139,9 @@ def _quant_rows_kernel(src_addr, num_rows_ptr, out_addr, a16_addr, K, out_stride
     out = load_ptr(out_addr, tl.uint8) + r * out_stride
     if A16 > 0:
         _quant_row(src, r, out, load_ptr(a16_addr, tl.float16) + r * K, K, alpha, limit, ACT,
-                   CLAMPED, CHUNK, PAD, HW, A16)
+                   CLAMPED, CHUNK, PAD, HW, A16, VALUES)
     else:
-        _quant_row(src, r, out, a16_addr, K, alpha, limit, ACT, CLAMPED, CHUNK, PAD, HW, 0)
+        _quant_row(src, r, out, a16_addr, K, alpha, limit, ACT, CLAMPED, CHUNK, PAD, HW, 0, True)
 
 
 @triton.jit
@@ -147,7 +152,7 @@ def _publish_quant_kernel(x_ptr, ids_ptr, header_ptr, ids16_ptr, out_ptr, sched_
     publish_ids(t, T, ids_ptr, header_ptr, ids16_ptr, sched_ptr, sched_mul, KI, KI_PAD)
     if t < T:
         _quant_row(x_ptr, t, out_ptr + t * out_stride, x_ptr, K, 1.702, 7.0, False, False,
-                   CHUNK, PAD, HW, 0)
+                   CHUNK, PAD, HW, 0, True)
 
 
 @triton.jit
@@ -234,7 +239,7 @@ def _deq_rows_kernel(src_addr, num_rows_ptr, out_addr, K, src_stride, CHUNK: tl.
 @triton.jit
 def _fanout_deq_kernel(src_base_ptr, dest_ptr, xg_addr, a16_addr, num_rows_ptr, n_tokens, T,
                        src_stride_bytes, D, W, KR: tl.constexpr, KR_PAD: tl.constexpr,
-                       CH: tl.constexpr, FRAGMENT: tl.constexpr):
+                       CH: tl.constexpr, FRAGMENT: tl.constexpr, VALUES: tl.constexpr):
     tok = tl.program_id(0)            # flat (source rank r, token t)
     c0 = tl.program_id(1) * CH        # its values [c0, c0 + CH)
     if tok >= n_tokens:
@@ -265,19 +270,21 @@ def _fanout_deq_kernel(src_base_ptr, dest_ptr, xg_addr, a16_addr, num_rows_ptr, 
         dk = tl.sum(tl.where(kk == k, d, 0), 0)
         okk = tl.sum(tl.where(kk == k, ok.to(tl.int32), 0), 0) > 0
         row = xg + dk * W                                 # ... written to every row
-        tl.store(row + cb, packed, mask=pm & okk)
-        tl.store(row + D // 2 + cs, s8, mask=sm & okk)
+        if VALUES:
+            tl.store(row + cb, packed, mask=pm & okk)
+            tl.store(row + D // 2 + cs, s8, mask=sm & okk)
         tl.store(row + D // 2 + D // 16 + tb, tail, mask=tm & okk)
         tl.store(a16 + dk * D + c, v, mask=(c < D) & okk)
 
 
 def fanout_dequantize(src_base_EP: torch.Tensor, src_stride_bytes: int, dest_rows: torch.Tensor,
                       T: int, K_routes: int, x_g, num_rows: torch.Tensor, D: int, *, a16,
-                      order: str = "k") -> None:
+                      order: str = "k", s_dec_only: bool = False) -> None:
     """rows.fanout_rows of NVFP4 byte rows (layout.nvfp4_row_bytes(D) each) into x_g, and in
     the same pass dequantize_rows(x_g, order=order) into a16 (fp16 [>= R, D]): each token's
     byte row is read once over NVLink and decoded once for all of its rows here. x_g, a16:
-    tensors or device pointers."""
+    tensors or device pointers. s_dec_only: of each x_g row only its S_dec and pad are written
+    (the NVFP4 GEMMs given a16 read nothing else of a byte row)."""
     assert order in DEQ_ORDERS, f"order={order!r}: expected one of {DEQ_ORDERS}"
     assert D % 32 == 0 and (order == "k" or D % 128 == 0), (
         f"D={D}: a multiple of 32 (128 for order='fragment')")
@@ -294,7 +301,7 @@ def fanout_dequantize(src_base_EP: torch.Tensor, src_stride_bytes: int, dest_row
         src_base_EP, dest_rows, as_device_ptr(x_g, "x_g"),
         as_device_ptr(a16, "a16", torch.float16), num_rows, EP * T, T, src_stride_bytes, D,
         nvfp4_row_bytes(D), KR=K_routes, KR_PAD=max(2, triton.next_power_of_2(K_routes)), CH=ch,
-        FRAGMENT=order == "fragment", num_warps=4)
+        FRAGMENT=order == "fragment", VALUES=not s_dec_only, num_warps=4)
 
 
 _ONE_PASS = 8192   # rows up to this width are read once (one masked block: one load round trip)
@@ -327,8 +334,10 @@ def _row_layout(K: int, out_stride: int | None) -> tuple[int, int, int, int]:
 
 
 def _launch(src, num_rows, max_rows, K, out, act, alpha, limit, clamped, out_stride=None,
-            a16=None, a16_order="k"):
+            a16=None, a16_order="k", s_dec_only=False):
     out_stride, pad, chunk, warps = _row_layout(K, out_stride)
+    assert a16 is not None or not s_dec_only, (
+        "s_dec_only=True needs a16: without it the byte rows are the only output")
     assert a16_order in DEQ_ORDERS, f"a16_order={a16_order!r}: expected one of {DEQ_ORDERS}"
     assert a16_order == "k" or K % 128 == 0, f"a16_order='fragment' needs K % 128 == 0, K={K}"
     src_addr = as_device_ptr(src, "src", torch.bfloat16)
@@ -337,19 +346,21 @@ def _launch(src, num_rows, max_rows, K, out, act, alpha, limit, clamped, out_str
         src_addr if a16 is None else as_device_ptr(a16, "a16", torch.float16), K, out_stride,
         float(alpha), float(limit), ACT=act, CLAMPED=clamped, CHUNK=chunk, PAD=pad,
         HW=_hw(num_rows), A16=0 if a16 is None else DEQ_ORDERS.index(a16_order) + 1,
-        num_warps=warps)
+        VALUES=not s_dec_only, num_warps=warps)
 
 
 def quantize_rows(x, num_rows: torch.Tensor, max_rows: int, K: int, *, out,
-                  out_stride: int | None = None, a16=None, a16_order: str = "k") -> None:
+                  out_stride: int | None = None, a16=None, a16_order: str = "k",
+                  s_dec_only: bool = False) -> None:
     """out [>= R, nvfp4_row_bytes(K)] uint8 = quant/nvfp4.quantize_row_bytes(x [R, K] bf16)
     (tensors or device pointers; R = num_rows[0] on the device, max_rows its host bound);
     out_stride: bytes between out's rows (default the row size; a source rank writes its rows
     into the dispatch buffer's bf16 row slots, 2K bytes apart). a16 (fp16 [>= R, K], tensor or
     device pointer): also what dequantize_rows(out, order=a16_order) would write there, from the
-    same pass (as swiglu_quant's)."""
+    same pass (as swiglu_quant's). s_dec_only (with a16): of each out row only its S_dec and pad
+    are written (the NVFP4 GEMMs given a16 read nothing else of a byte row)."""
     _launch(x, num_rows, max_rows, K, out, False, 1.702, 7.0, False, out_stride, a16=a16,
-            a16_order=a16_order)
+            a16_order=a16_order, s_dec_only=s_dec_only)
 
 
 def publish_quantized(x_TD: torch.Tensor, ids_TK: torch.Tensor, header: torch.Tensor,
@@ -393,10 +404,11 @@ def dequantize_rows(rows, num_rows: torch.Tensor, max_rows: int, K: int, *, out,
 
 def swiglu_quant(h1, num_rows: torch.Tensor, max_rows: int, F: int, *, out,
                  activation: str = "swiglu", swiglu_alpha: float = 1.702,
-                 swiglu_limit: float = 7.0, a16=None, a16_order: str = "k") -> None:
+                 swiglu_limit: float = 7.0, a16=None, a16_order: str = "k",
+                 s_dec_only: bool = False) -> None:
     """out [>= R, nvfp4_row_bytes(F)] uint8: the byte rows of h2 = round(act(h1)) from bf16 h1
     [R, 2F] = [g | u]. a16 (fp16 [>= R, F], tensor or device pointer): also what
     dequantize_rows(out, order=a16_order) would write there (the W2 GEMM's operand), from the
-    same pass."""
+    same pass. s_dec_only (with a16): of each out row only its S_dec and pad are written."""
     _launch(h1, num_rows, max_rows, F, out, True, swiglu_alpha, swiglu_limit,
-            activation == "swiglu_clamped", a16=a16, a16_order=a16_order)
+            activation == "swiglu_clamped", a16=a16, a16_order=a16_order, s_dec_only=s_dec_only)

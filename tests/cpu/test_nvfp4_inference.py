@@ -160,3 +160,7 @@ def test_row_kernels_refuse_widths_they_cannot_store():
                              torch.zeros(4, dtype=torch.int32), 2, 2,
                              torch.zeros(1, dtype=torch.int64), n, 128,
                              a16=torch.zeros(1, dtype=torch.int64))
+    # S_dec alone in the byte rows only where a16 holds the values
+    with pytest.raises(AssertionError, match="s_dec_only=True needs a16"):
+        KN.quantize_rows(torch.zeros(2, 128, dtype=torch.bfloat16), n, 2, 128,
+                         out=torch.zeros(2, 128, dtype=torch.uint8), s_dec_only=True)

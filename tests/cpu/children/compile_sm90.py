@@ -290,12 +290,16 @@ VARIANTS["nvfp4_dense_swiglu"] = lambda: G.grouped_mm_fwd(w=_W16_13, expert_offs
 VARIANTS["nvfp4_dense_scatter"] = lambda: G.grouped_mm_fwd(w=_W16_2, expert_offsets=offs,
     max_rows=R, a=p, epilogue="scatter", out_row_ptrs=rows_tab,
     nvfp4_scales=(p, 2048, torch.ones(E)), config=BIG)
-# the two passes that also decode into a16 (the wgmma GEMM's fragment order)
+# the passes that also decode into a16 (the wgmma GEMM's fragment order), as the pipeline
+# runs them: only each byte row's S_dec stored
 VARIANTS["nvfp4_swiglu_quant_a16"] = lambda: KN.swiglu_quant(p, offs[-1:], R, F, out=p, a16=p,
-                                                             a16_order="fragment")
+                                                             a16_order="fragment", s_dec_only=True)
+VARIANTS["nvfp4_quantize_rows_a16"] = lambda: KN.quantize_rows(p, offs[-1:], R, F, out=p, a16=p,
+                                                               a16_order="fragment",
+                                                               s_dec_only=True)
 VARIANTS["nvfp4_fanout_dequantize"] = lambda: KN.fanout_dequantize(
     torch.zeros(2, dtype=torch.int64), 2 * D, torch.zeros(2 * 8 * 6, dtype=torch.int32), 8, 6,
-    p, offs[-1:], D, a16=p, order="fragment")
+    p, offs[-1:], D, a16=p, order="fragment", s_dec_only=True)
 # the Mega forward, with the GPU's tile config
 from megatron_dist_moe.kernels.grouped_gemm import mega as GM  # noqa: E402
 _MEGA_CFG = G.CONFIG_TABLE[("fwd", "large")]
@@ -311,6 +315,7 @@ JIT = {"rows_device_check": (K_checks, "_device_check_kernel"),
        "nvfp4_dequantize_rows": (KN, "_deq_rows_kernel"),
        "nvfp4_swiglu_quant": (KN, "_quant_rows_kernel"),
        "nvfp4_swiglu_quant_a16": (KN, "_quant_rows_kernel"),
+       "nvfp4_quantize_rows_a16": (KN, "_quant_rows_kernel"),
        "nvfp4_fanout_dequantize": (KN, "_fanout_deq_kernel"),
        "claim_status_check": (K_checks, "_check_status_kernel"),
        "mxfp8_quantize_all": (KM, "_quant_kernel"),

@@ -92,23 +92,26 @@ class Nvfp4Pipeline:
         D, F = self.cfg.hidden_dim, self.cfg.intermediate_dim
         offs, nrows = rows if rows is not None else (tabs.expert_offsets, tabs.num_rows)
         fan = tabs.fanout
-        # each quantized token read once, decoded once into a16 for all of its rows here
+        # each quantized token read once, decoded once into a16 for all of its rows here. Every
+        # NVFP4 GEMM given a16 reads only the row's S_dec of a byte row: x_g and h2q hold that
+        # alone (the packed values and block scales would be bytes written and never read)
         fanout_dequantize(fan.dispatch_base_EP, 2 * D, fan.dest_rows, fan.T, fan.K, at["x_g"],
-                          nrows, D, a16=at["a16"], order=self.a16_orders[0])
+                          nrows, D, a16=at["a16"], order=self.a16_orders[0], s_dec_only=True)
         # h2's byte rows, and their decode into a16 (W13's a16 is read by then), in one pass
         a16_h2 = at["a16"] if scatter_ptrs is not None else None
+        sdec = a16_h2 is not None
         if self.dense:
             # the dense GEMM's SwiGLU epilogue stores bf16 h2 (in h1's region) and never h1;
             # its quantization then reads half of swiglu_quant's bytes, to the same bits
             self._gemm(0, a=at["x_g"], a16=at["a16"], weight=w13, expert_offsets=offs,
                        max_rows=self.max_rows, epilogue="swiglu", h2=at["h1"], **self.act)
             quantize_rows(at["h1"], nrows, self.max_rows, F, out=at["h2q"], a16=a16_h2,
-                          a16_order=self.a16_orders[1])
+                          a16_order=self.a16_orders[1], s_dec_only=sdec)
         else:
             self._gemm(0, a=at["x_g"], a16=at["a16"], weight=w13, expert_offsets=offs,
                        max_rows=self.max_rows, epilogue="store", out=at["h1"])
             swiglu_quant(at["h1"], nrows, self.max_rows, F, out=at["h2q"], a16=a16_h2,
-                         a16_order=self.a16_orders[1], **self.act)
+                         a16_order=self.a16_orders[1], s_dec_only=sdec, **self.act)
         if scatter_ptrs is not None:
             self._gemm(1, a=at["h2q"], a16=at["a16"], weight=w2, expert_offsets=offs,
                        max_rows=self.max_rows, epilogue="scatter", out_row_ptrs=scatter_ptrs)
