@@ -43,7 +43,8 @@ VARIANTS = ["fwd_swiglu_tma", "fwd_swiglu_decode", "fwd_w2_scatter_decode",
             "mxfp8_quantize_x_32x128x4", "nvfp4_quantize_rows",
             "nvfp4_swiglu_quant", "nvfp4_mm_store", "nvfp4_mm_store_medium",
             "nvfp4_mm_scatter_decode", "nvfp4_dequantize_rows", "nvfp4_swiglu_quant_a16",
-            "nvfp4_quantize_rows_a16", "nvfp4_fanout_dequantize", "nvfp4_dense_swiglu", "nvfp4_dense_scatter", "mega_fwd"]
+            "nvfp4_quantize_rows_a16", "nvfp4_fanout_dequantize", "nvfp4_dense_swiglu",
+            "nvfp4_dense_scatter", "mega_fwd"]
 
 MAX_SPILL_BYTES = 256
 

@@ -163,7 +163,8 @@ def nvfp4_grouped_mm(*, a, weight, expert_offsets: torch.Tensor, max_rows: int,
     a               NVFP4 byte rows [>= R, nvfp4_row_bytes(K)] (tensor or device pointer)
     a16             optional fp16 [>= R, K]: a's values before the rows' global scales
                     (quant_nvfp4.dequantize_rows), read instead of decoding a in every
-                    program; each row's S_dec still comes from a
+                    program; each row's S_dec still comes from a, and nothing else does (the
+                    pipeline's x_g and h2q rows hold only their S_dec: s_dec_only)
     weight          a prepared.PreparedWeight [E, N, K] (16 x 16 tile scales)
     expert_offsets  int32 [E+1] device, R = expert_offsets[E] (never read on the host)
     max_rows        host bound on R (the grid)
