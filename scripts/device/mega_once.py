@@ -78,7 +78,7 @@ def main() -> None:
                 f()
         torch.cuda.synchronize()
         return
-    flops = 2 * R * D * 3 * F * 2
+    flops = 6 * R * D * F   # W13 (2F outputs) and W2, 2 FLOPs per multiply-add
     times: dict[str, list[float]] = {k: [] for k in fns}
     for r in range(args.rounds):
         order = list(fns) if r % 2 == 0 else list(fns)[::-1]
