@@ -22,7 +22,8 @@ more the more of a box lies outside (one H200, guide experts, W13 + W2 at 1 row 
 bf16 (2 bytes per element):
 
     saved           x_g [R, D] | h1 [R, 2F]
-    inference       x_g + tail | h1 | h2 [R, F] + tail
+    inference       x_g + tail | h2 [R, F] + tail
+                                           no h1: nothing reads it after the W13 epilogue
     train_forward   x_g | h1 | h2          x_g and h1 go to the activation slot instead when the
                                            planner keeps the full state (the scratch copies are
                                            then unused)
@@ -137,7 +138,7 @@ def _cols(name: str, width: int) -> tuple[RegionSpec, ...]:
 def _bf16_specs(D: int, F: int) -> dict:
     x_g, h1, h2, g3 = _bf16("x_g", D), _bf16("h1", 2 * F), _bf16("h2", F), _bf16("g3", D)
     return dict(saved=x_g + h1, modes=dict(
-        inference=_gemm_a("x_g", D) + h1 + _gemm_a("h2", F), train_forward=x_g + h1 + h2,
+        inference=_gemm_a("x_g", D) + _gemm_a("h2", F), train_forward=x_g + h1 + h2,
         backward=h2 + g3,
         replay=x_g + h1 + h2 + g3))
 

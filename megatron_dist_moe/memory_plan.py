@@ -11,9 +11,9 @@ tensor. The BF16 formulas follow the design guide §03-§04:
                              runs, at the row bound:
                                training forward              x_g[R,D] + h1[R,2F] + h2[R,F]
                                                              = 2R(D + 3F)
-                               inference forward             the same + 128 rows of tail at x_g
-                                                             and h2 (layout.GEMM_A_TAIL_ROWS)
-                                                             = 2R(D + 3F) + 256(D + F)
+                               inference forward             x_g + h2 (no h1), each with 128
+                                                             rows of tail (layout.GEMM_A_TAIL_ROWS)
+                                                             = 2R(D + F) + 256(D + F)
                                backward replay               x_g + h1 + h2 + g3[R,D]
                                                              = 2R(2D + 3F)
                              (g3 = gathered output gradients; the SwiGLU backward writes grad_h1

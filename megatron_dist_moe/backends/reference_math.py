@@ -53,11 +53,15 @@ class Bf16Math:
         R, F, dt = x_g.shape[0], self.F, x_g.dtype
         acc = _acc(dt)
         segs = list(segs)
-        h1, h2 = views("h1", (R, 2 * F), dt), views("h2", (R, F), dt)
+        h2 = views("h2", (R, F), dt)
+        # an inference layout has no h1 (nothing reads it after the forward)
+        h1 = views("h1", (R, 2 * F), dt) if training else None
         h3 = torch.empty_like(x_g) if with_w2 else None
         for e, a, b in segs:
-            h1[a:b].copy_(x_g[a:b].to(acc) @ w13_END[e].to(acc).T)
-            h2[a:b].copy_(self.act.forward(h1[a:b].to(acc)))
+            h1_e = (x_g[a:b].to(acc) @ w13_END[e].to(acc).T).to(dt)
+            if h1 is not None:
+                h1[a:b].copy_(h1_e)
+            h2[a:b].copy_(self.act.forward(h1_e.to(acc)))
             if with_w2:
                 h3[a:b].copy_(h2[a:b].to(acc) @ w2_EDF[e].to(acc).T)
         return h3

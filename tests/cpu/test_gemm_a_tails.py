@@ -36,7 +36,7 @@ def test_inference_layouts_keep_tails_at_the_gemm_a_regions():
     for R in (0, 1, 5, 200):
         lay = L.call_layout("inference", R, D, F)
         assert lay["x_g"].nbytes == -(-2 * D * (R + 128) // 128) * 128
-        assert lay["h1"].nbytes == -(-2 * 2 * F * R // 128) * 128
+        assert "h1" not in lay   # nothing reads an inference forward's h1
         assert lay["h2"].nbytes == -(-2 * F * (R + 128) // 128) * 128
 
 
@@ -104,6 +104,27 @@ def test_inference_forwards_pass_the_tails_and_training_forwards_none(monkeypatc
         got = [(name, key, kw[key]) for name, kw in rec.calls
                for key in ("a_tail_rows", "xg_tail_rows", "h2_tail_rows") if key in kw]
         assert got == [(n, k, rows) for n, k, _ in want], (training, got)
+
+
+@pytest.mark.parametrize("pipeline", ["standard", "mega", "staged"])
+def test_bf16_inference_forwards_store_no_h1(monkeypatch, pipeline):
+    # the inference layout has no h1 region (nothing reads h1 after an inference forward): the
+    # W13 launch gets h1=None there, and the region's address in a training forward
+    pipe, rec = _pipeline("bf16", pipeline, monkeypatch)
+    tabs = SimpleNamespace(expert_offsets=torch.tensor([0, 3, 8], dtype=torch.int32),
+                           num_rows=torch.tensor([8], dtype=torch.int32), fwd_gather_ptrs=None)
+    w13, w2 = torch.zeros(2, 2 * F, 128), torch.zeros(2, 128, F)
+    scatter = torch.zeros(8, dtype=torch.int64)
+    h1 = torch.full((1,), 1234, dtype=torch.int64)
+    for training in (False, True):
+        names = ("x_g", "h2") + (("h1",) if training else ())
+        at = {n: h1 if n == "h1" else torch.zeros(1, dtype=torch.int64) for n in names}
+        rec.calls.clear()
+        pipe.forward(tabs, w13, w2, scatter, at, training=training)
+        w13_calls = [kw for name, kw in rec.calls if name == "mega_fwd"
+                     or kw.get("epilogue") == "swiglu"]
+        assert len(w13_calls) == 1, rec.calls
+        assert w13_calls[0]["h1"] is (h1 if training else None), (training, w13_calls[0]["h1"])
 
 
 def test_launchers_check_the_tail_against_a_dense_a(monkeypatch):

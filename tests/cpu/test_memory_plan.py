@@ -40,25 +40,25 @@ def test_bf16_small_shape_by_hand():
     # x_g + h1 + h2 + g3 = 2R(2D+3F)
     assert p.layer.forward_scratch(16) == 2 * 16 * (64 + 3 * 128) == 14336
     assert p.layer.backward_peak(16) == 2 * 16 * (2 * 64 + 3 * 128) == 16384
-    # a training context runs inference forwards too (no_grad): that layout keeps
-    # GEMM_A_TAIL_ROWS = 128 rows past R at x_g and h2, 2 * 128 * (D + F) bytes, which at this
-    # tiny shape outweighs the backward peak
-    inference = 2 * 16 * (64 + 3 * 128) + 2 * 128 * (64 + 128)
-    assert inference == 63488
-    assert p.device_scratch_bytes == max(16384, inference) == 63488  # the largest layout
+    # a training context runs inference forwards too (no_grad): that layout is x_g + h2 (no
+    # h1) with GEMM_A_TAIL_ROWS = 128 rows past R at each, 2 (R + 128) (D + F) bytes, which at
+    # this tiny shape outweighs the backward peak
+    inference = 2 * (16 + 128) * (64 + 128)
+    assert inference == 55296
+    assert p.device_scratch_bytes == max(16384, inference) == 55296  # the largest layout
     assert p.host_scratch_bytes == 0
     # slots: minimum = inputs, balanced = full state (factor 1), max useful = full state at 16
     assert p.slot_min_bytes == 512
     assert p.slot_balanced_bytes == 6144
     assert p.slot_max_useful_bytes == 16 * 64 * 2 + 16 * 256 * 2 + 1024 == 11264
     assert p.slot_bytes == 6144
-    assert p.scratch_offset == 6144 and p.slot_ends() == [0, 6144 + 63488]
-    assert p.activation_buffer_bytes == 6144 + 63488
+    assert p.scratch_offset == 6144 and p.slot_ends() == [0, 6144 + 55296]
+    assert p.activation_buffer_bytes == 6144 + 55296
     # symmetric: 128 B header + int16 IDs [T,K]; dispatch [T,K,D] (training); combine [T,K,D]
     assert p.routing_bytes == 128 + align128(4 * 2 * 2) == 256
     assert p.dispatch_bytes == 4 * 2 * 64 * 2 == 1024
     assert p.combine_bytes == 1024
-    assert p.total_device_bytes == 6144 + 63488 + 256 + 1024 + 1024
+    assert p.total_device_bytes == 6144 + 55296 + 256 + 1024 + 1024
 
 
 def test_bf16_layouts_when_D_exceeds_F():
@@ -95,13 +95,13 @@ def test_host_overflow_scratch():
             device_scratch_capacity_factor=1.0, host_scratch_capacity_factor=4.0)
     p = dm.plan_memory(c, ep_size=2)
     assert (p.device_scratch_rows, p.total_scratch_rows) == (4, 8)
-    # the largest layout: replay 2R(2D + 3F), or inference 2R(D + 3F) + its x_g and h2 tails of
-    # 128 rows, 2 * 128 * (D + F) (a training context runs inference forwards too)
+    # the largest layout: replay 2R(2D + 3F), or inference x_g + h2 with their tails of 128 rows,
+    # 2 (R + 128) (D + F) (a training context runs inference forwards too)
     def largest(R):
-        return max(2 * R * (2 * 64 + 3 * 64), 2 * R * (64 + 3 * 64) + 2 * 128 * (64 + 64))
-    assert p.device_scratch_bytes == largest(4) == 34816
-    assert p.total_scratch_bytes == largest(8) == 36864
-    assert p.host_scratch_bytes == p.total_scratch_bytes - p.device_scratch_bytes == 2048
+        return max(2 * R * (2 * 64 + 3 * 64), 2 * (R + 128) * (64 + 64))
+    assert p.device_scratch_bytes == largest(4) == 33792
+    assert p.total_scratch_bytes == largest(8) == 34816
+    assert p.host_scratch_bytes == p.total_scratch_bytes - p.device_scratch_bytes == 1024
     assert p.activation_buffer_bytes == p.slot_bytes + p.device_scratch_bytes
     low = dm.plan_memory(c.replace(device_scratch_capacity_factor=0.5,
                                    host_scratch_capacity_factor=None), ep_size=2)
@@ -113,8 +113,8 @@ def test_inference_plan():
             inference=True, num_activation_slots=0)
     p = dm.plan_memory(c, ep_size=2)
     assert p.slot_bytes == p.slot_min_bytes == 0
-    # forward scratch only, with x_g's and h2's tails of 128 rows
-    assert p.device_scratch_bytes == 2 * 16 * (64 + 3 * 128) + 2 * 128 * (64 + 128)
+    # forward scratch only: x_g and h2 (no h1), each with a tail of 128 rows
+    assert p.device_scratch_bytes == 2 * (16 + 128) * (64 + 128)
     assert p.dispatch_bytes == 4 * 64 * 2                         # x once, no route gradients
     assert p.activation_buffer_bytes == p.device_scratch_bytes
     assert "inference" in p.explain()

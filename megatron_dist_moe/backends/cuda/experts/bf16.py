@@ -138,8 +138,9 @@ class StandardPipeline:
         (expert offsets, row count) as `rows`: zeros when nothing is replayed."""
         offs, nrows = rows if rows is not None else (tabs.expert_offsets, tabs.num_rows)
         tails = {} if training else self.inference_tails
-        self._w13(tabs, w13_E2FD, offs, nrows, at["x_g"], at["h1"], at["h2"],
-                  tails.get("x_g", 0))
+        # an inference forward stores no h1 (its layout has none): only a backward reads it
+        self._w13(tabs, w13_E2FD, offs, nrows, at["x_g"], at["h1"] if training else None,
+                  at["h2"], tails.get("x_g", 0))
         if scatter_ptrs is not None:
             self.k.w2_scatter(w2_EDF, offs, at["h2"], scatter_ptrs, tails.get("h2", 0))
 
@@ -225,7 +226,8 @@ class MegaPipeline(StandardPipeline):
         offs, nrows = rows if rows is not None else (tabs.expert_offsets, tabs.num_rows)
         self.k.gather(tabs, tabs.fwd_gather_ptrs, at["x_g"], nrows, "dispatch")
         mega_fwd(xg=at["x_g"], w13=w13_E2FD, w2=w2_EDF, expert_offsets=offs,
-                 max_rows=self.max_rows, h2=at["h2"], h1=at["h1"], out_row_ptrs=scatter_ptrs,
+                 max_rows=self.max_rows, h2=at["h2"], h1=at["h1"] if training else None,
+                 out_row_ptrs=scatter_ptrs,
                  flags=self.flags, **self.k.act, **self.timeout,
                  xg_tail_rows=0 if training else self.inference_tails.get("x_g", 0),
                  h2_tail_rows=0 if training else self.inference_tails.get("h2", 0))
@@ -256,7 +258,7 @@ class TorchPipeline:
     def forward(self, tabs, w13_E2FD, w2_EDF, scatter_ptrs, at, rows=None, prepared=None,
                 training=True) -> None:
         D, F, Rm = self.cfg.hidden_dim, self.cfg.intermediate_dim, self.max_rows
-        xg_addr, h1_addr = at["x_g"], at["h1"]
+        xg_addr = at["x_g"]
         offs, nrows = rows if rows is not None else (tabs.expert_offsets, tabs.num_rows)
         xg = torch.empty(Rm, D, dtype=torch.bfloat16, device=self.device)
         self.k.gather(tabs, tabs.fwd_gather_ptrs, K_rows.device_ptr(xg), nrows, "dispatch")
@@ -267,7 +269,8 @@ class TorchPipeline:
             h3 = torch._grouped_mm(h2, w2_EDF.transpose(1, 2), offs=offs[1:])
             K_rows.scatter_rows(K_rows.device_ptr(h3), scatter_ptrs, nrows, D, torch.bfloat16, Rm)
         K_rows.copy_rows(K_rows.device_ptr(xg), xg_addr, nrows, D, Rm)
-        K_rows.copy_rows(K_rows.device_ptr(h1), h1_addr, nrows, 2 * F, Rm)
+        if training:   # an inference layout has no h1 (nothing reads it)
+            K_rows.copy_rows(K_rows.device_ptr(h1), at["h1"], nrows, 2 * F, Rm)
 
     def backward(self, tabs, w13_E2FD, w2_EDF, gather_ptrs, scatter_ptrs, ba, wgrad_dtype,
                  score_ptrs=None, score_grad_delta=0, part_stride=0, wgrad_into=None,
