@@ -3,8 +3,9 @@ scatter) on the same gathered rows, at the guide shape: kernel times alone (CUDA
 alternating rounds), or a few launches of each for a profiler to look at:
 
     python3 scripts/device/mega_once.py --rounds 5
-    ncu --clock-control none -k regex:"mega_fwd|grouped_mm" --launch-skip 6 --launch-count 3 \
-        --section SpeedOfLight --section WarpStateStats python3 scripts/device/mega_once.py --rounds 0
+    ncu --clock-control none -k regex:"mega_fwd|grouped_mm" --launch-skip 6 \
+        --launch-count 3 --section SpeedOfLight --section WarpStateStats \
+        python3 scripts/device/mega_once.py --rounds 0
 
 Rows are split evenly over the experts (the guide load at EP=1: 2,048 per expert); y's rows land
 at a random permutation of an output buffer, as the combine rows do.
@@ -21,7 +22,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from megatron_dist_moe.kernels.grouped_gemm import grouped_mm_fwd  # noqa: E402
-from megatron_dist_moe.kernels.grouped_gemm.mega import MegaFlags, mega_config, mega_fwd  # noqa: E402
+from megatron_dist_moe.kernels.grouped_gemm.mega import (  # noqa: E402
+    MegaFlags, mega_config, mega_fwd)
 
 
 def main() -> None:
@@ -97,8 +99,8 @@ def main() -> None:
         med = statistics.median(ts)
         print(f"{name:9s} median {med:.3f} ms ({flops / med / 1e9:.0f} TFLOP/s); rounds "
               + " ".join(f"{t:.3f}" for t in ts), flush=True)
-    print(f"mega - standard: {statistics.median(times['mega']) - statistics.median(times['standard']):+.3f} ms"
-          f" (h1 {'not ' if args.no_h1 else ''}stored)")
+    diff = statistics.median(times["mega"]) - statistics.median(times["standard"])
+    print(f"mega - standard: {diff:+.3f} ms (h1 {'not ' if args.no_h1 else ''}stored)")
 
 
 if __name__ == "__main__":

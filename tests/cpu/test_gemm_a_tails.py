@@ -115,16 +115,16 @@ def test_bf16_inference_forwards_store_no_h1(monkeypatch, pipeline):
                            num_rows=torch.tensor([8], dtype=torch.int32), fwd_gather_ptrs=None)
     w13, w2 = torch.zeros(2, 2 * F, 128), torch.zeros(2, 128, F)
     scatter = torch.zeros(8, dtype=torch.int64)
-    h1 = torch.full((1,), 1234, dtype=torch.int64)
+    h1_addr = torch.full((1,), 1234, dtype=torch.int64)
     for training in (False, True):
         names = ("x_g", "h2") + (("h1",) if training else ())
-        at = {n: h1 if n == "h1" else torch.zeros(1, dtype=torch.int64) for n in names}
+        at = {n: h1_addr if n == "h1" else torch.zeros(1, dtype=torch.int64) for n in names}
         rec.calls.clear()
         pipe.forward(tabs, w13, w2, scatter, at, training=training)
         w13_calls = [kw for name, kw in rec.calls if name == "mega_fwd"
                      or kw.get("epilogue") == "swiglu"]
         assert len(w13_calls) == 1, rec.calls
-        assert w13_calls[0]["h1"] is (h1 if training else None), (training, w13_calls[0]["h1"])
+        assert w13_calls[0]["h1"] is (h1_addr if training else None), (training, w13_calls[0]["h1"])
 
 
 def test_launchers_check_the_tail_against_a_dense_a(monkeypatch):

@@ -227,8 +227,7 @@ class MegaPipeline(StandardPipeline):
         self.k.gather(tabs, tabs.fwd_gather_ptrs, at["x_g"], nrows, "dispatch")
         mega_fwd(xg=at["x_g"], w13=w13_E2FD, w2=w2_EDF, expert_offsets=offs,
                  max_rows=self.max_rows, h2=at["h2"], h1=at["h1"] if training else None,
-                 out_row_ptrs=scatter_ptrs,
-                 flags=self.flags, **self.k.act, **self.timeout,
+                 out_row_ptrs=scatter_ptrs, flags=self.flags, **self.k.act, **self.timeout,
                  xg_tail_rows=0 if training else self.inference_tails.get("x_g", 0),
                  h2_tail_rows=0 if training else self.inference_tails.get("h2", 0))
 
