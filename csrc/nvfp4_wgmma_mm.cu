@@ -308,23 +308,35 @@ __global__ void __launch_bounds__(kThreads, BPS) nvfp4_wgmma_mm_kernel(Args args
         w_row[m][h] = args.w_packed + ((int64_t)e * N + tile_row + g + 8 * h) * (K / 2);
       s_row[m] = args.w_scales + ((int64_t)e * (N / 16) + tile_row / 16) * (K / 16);
     }
+    // A chunk's 16-byte pieces p = tid + kThreads * j of this thread (a whole number per
+    // thread): kThreads is a multiple of 16 and of 4, so the piece's column (p % 16 of a token
+    // row, p % 4 of a weight row) is the same for every j and its row steps by a constant.
+    // Everything but the chunk's column offset is computed once per tile, not per chunk.
+    static_assert(BN * 16 % kThreads == 0 && Sh::kRows * 4 % kThreads == 0,
+                  "whole pieces per thread");
+    constexpr int kTokPieces = BN * 16 / kThreads, kWPieces = Sh::kRows * 4 / kThreads;
+    const int tok_n = tid / 16, tok_i = tid % 16;
+    const uint32_t tok_dst =
+        tok_i / 8 * Sh::kAtom + tok_n * 128 + ((tok_i % 8) ^ (tok_n % 8)) * 16;
+    const __half* const tok_src = a16 + tok_i * 8;
+    const int sw_row = tid / 4, sw_i = tid % 4;   // SW: the weight rows' pieces
     auto copy_tokens = [&](int c) {   // chunk c of the tile's rows into stage c % S
       const uint32_t st = smem_u32 + (c % S) * Sh::kStage;
 #pragma unroll
-      for (int p = tid; p < BN * 16; p += kThreads) {
-        const int n = p / 16, i = p % 16;
-        const int r = min(tok0 + n, r1 - 1);   // past the expert: its last row, never stored
-        cp_async16(st + i / 8 * Sh::kAtom + n * 128 + ((i % 8) ^ (n % 8)) * 16,
-                   a16 + (int64_t)r * K + c * kChunk + i * 8);
+      for (int j = 0; j < kTokPieces; ++j) {   // token row n = tok_n + 16 j of the tile
+        // past the expert: its last row, never stored
+        const int r = min(tok0 + tok_n + 16 * j, r1 - 1);
+        cp_async16(st + tok_dst + j * 16 * 128, tok_src + (int64_t)r * K + c * kChunk);
       }
       if constexpr (SW) {
 #pragma unroll
-        for (int p = tid; p < Sh::kRows * 4; p += kThreads) {
-          const int row = p / 4, i = p % 4;
+        for (int j = 0; j < kWPieces; ++j) {   // weight row sw_row + kThreads / 4 * j
+          const int row = sw_row + kThreads / 4 * j;
           int wrow = strip * Sh::kRows + row;
           wrow = wrow < N ? wrow : row % 16;     // past N: rows of tile 0, never stored
-          cp_async16(st + Sh::kWeights + row * 64 + i * 16,
-                     args.w_packed + ((int64_t)e * N + wrow) * (K / 2) + c * (kChunk / 2) + i * 16);
+          cp_async16(st + Sh::kWeights + row * 64 + sw_i * 16,
+                     args.w_packed + ((int64_t)e * N + wrow) * (K / 2) + c * (kChunk / 2) +
+                         sw_i * 16);
         }
         if (tid < Sh::kRows / 16) {
           int tile = strip * Sh::kRows / 16 + tid;
@@ -366,6 +378,9 @@ __global__ void __launch_bounds__(kThreads, BPS) nvfp4_wgmma_mm_kernel(Args args
         if (c + Sh::kAhead < c1) copy_tokens(c + Sh::kAhead);
         cp_async_commit();
         const uint32_t st = smem_u32 + (c % S) * Sh::kStage;
+        // the stage's descriptor; a k16 step's is this plus its offset / 16 (smem_desc's address
+        // field holds addr / 16 and shared addresses stay below 2^18, so the sum never carries)
+        const uint64_t st_desc = smem_desc(st);
         if constexpr (SW) {   // this thread's fragment bytes of the staged weight rows
 #pragma unroll
           for (int m = 0; m < MT; ++m) {
@@ -402,7 +417,7 @@ __global__ void __launch_bounds__(kThreads, BPS) nvfp4_wgmma_mm_kernel(Args args
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int s = 2 * v + h;
-            const uint64_t desc = smem_desc(st + s / 4 * Sh::kAtom + s % 4 * 32);
+            const uint64_t desc = st_desc + (s / 4 * Sh::kAtom + s % 4 * 32) / 16;
 #pragma unroll
             for (int m = 0; m < MT; ++m) wgmma<BN>(acc[m], frag[b][m][h], desc);
           }
