@@ -14,6 +14,9 @@
 #   sm90       the CUTLASS units of csrc/ (bf16 FPROP / WGRAD, FP8 FPROP / WGRAD) vs their oracles
 #              (SM90_K: a pytest -k expression, e.g. "fp8")
 #   megakernel the Mega forward kernel against the standard two launches
+#   megatime   the Mega kernel and the two standard launches timed alone at the guide shape
+#              (scripts/device/mega_once.py, alternated rounds, h1 stored and not), then ncu of
+#              one launch of each where ncu exists (cycles at the same clocks)
 #   check      dist_check on 1 GPU (and 2 when present): every gradient vs the fp64 oracle,
 #              graph replay, no host sync, bitwise repeats, inference
 #   packing    ten layers in one slot inside one CUDA graph
@@ -113,6 +116,13 @@ for s in $sections; do case $s in
   sm90) LIMIT=300 run sm90 python3 -m pytest -q tests/gpu/test_grouped_gemm_sm90_gpu.py -m gpu \
             ${SM90_K:+-k "$SM90_K"} ;;
   megakernel) LIMIT=240 run megakernel python3 -m pytest -q tests/gpu/test_kernel_checks_gpu.py -m gpu -k mega ;;
+  megatime) LIMIT=150 run megatime python3 scripts/device/mega_once.py --rounds 8
+            LIMIT=150 run megatime_noh1 python3 scripts/device/mega_once.py --rounds 8 --no-h1
+            NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+            [ -n "$NCU" ] && LIMIT=240 run megatime_ncu "$NCU" --clock-control none \
+                -k regex:"mega_fwd|grouped_mm" --launch-skip 6 --launch-count 3 \
+                --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+                python3 scripts/device/mega_once.py --rounds 0 ;;
   packing) LIMIT=240 run packing torchrun --nproc-per-node="$NGPU" tests/gpu/packing_check.py ${PACKING_ARGS:-} ;;
   inference) LIMIT=480 run inference torchrun --nproc-per-node="$NGPU" tests/gpu/inference_check.py \
                  --json "$OUT/inference.json" ${INFERENCE_ARGS:-} ;;
