@@ -14,6 +14,11 @@
 #   sm90       the CUTLASS units of csrc/ (bf16 FPROP / WGRAD, FP8 FPROP / WGRAD) vs their oracles
 #              (SM90_K: a pytest -k expression, e.g. "fp8")
 #   megakernel the Mega forward kernel against the standard two launches
+#   fenceprobe the nvfp4 wgmma GEMM with its per-chunk proxy fence deleted (a copy of the tree in
+#              /tmp/fenceprobe; its results are undefined, so timing only) against the real one:
+#              ncu durations of W13 and W2 at 32 rows per expert. The fence (MEMBAR.ALL.CTA in
+#              SASS) also waits for the register ring's weight loads; this bounds what removing it
+#              (token copies through TMA) could gain
 #   megatime   the Mega kernel and the two standard launches timed alone at the guide shape
 #              (scripts/device/mega_once.py, alternated rounds, h1 stored and not), then ncu of
 #              one launch of each where ncu exists (cycles at the same clocks)
@@ -116,6 +121,20 @@ for s in $sections; do case $s in
   sm90) LIMIT=300 run sm90 python3 -m pytest -q tests/gpu/test_grouped_gemm_sm90_gpu.py -m gpu \
             ${SM90_K:+-k "$SM90_K"} ;;
   megakernel) LIMIT=240 run megakernel python3 -m pytest -q tests/gpu/test_kernel_checks_gpu.py -m gpu -k mega ;;
+  fenceprobe) probe=/tmp/fenceprobe; rm -rf $probe && mkdir -p $probe \
+                && cp -r megatron_dist_moe csrc scripts $probe/ \
+                && sed -i 's|^\( *\)fence_async_smem();$|\1// fenceprobe: no proxy fence|' \
+                       $probe/csrc/nvfp4_wgmma_mm.cu
+              if [ "$(grep -c 'fenceprobe: no proxy fence' $probe/csrc/nvfp4_wgmma_mm.cu)" != 1 ]; then
+                echo "fenceprobe: the fence line was not found once; nothing run"; continue; fi
+              NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+              for tree in "$PWD" $probe; do for g in w13 w2; do
+                (cd "$tree" && PYTHONPATH=$tree LIMIT=120 run "fenceprobe_$(basename "$tree")_$g" \
+                   "$NCU" --clock-control none -k regex:nvfp4_wgmma --launch-skip 2 --launch-count 1 \
+                   --section SpeedOfLight python3 scripts/device/nvfp4_gemm_once.py --rows 192 \
+                   --gemm $g)
+              done; done
+              grep -H -E 'Duration|DRAM Throughput' "$OUT"/fenceprobe_*.log ;;
   megatime) LIMIT=150 run megatime python3 scripts/device/mega_once.py --rounds 8
             LIMIT=150 run megatime_noh1 python3 scripts/device/mega_once.py --rounds 8 --no-h1
             NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
